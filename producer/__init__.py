@@ -1,0 +1,1 @@
+"""batchq producer: JSONL parsing and validation, submit, status, wait, results, cancel. Imports no torch."""

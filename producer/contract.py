@@ -1,0 +1,207 @@
+"""The wire contract shared by producer and worker: requests, parameters, results, batch status.
+
+Pure pydantic + orjson. Importing this module must never import torch.
+Unknown fields are rejected by name (extra="forbid") everywhere a user writes input.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 16
+
+FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancelled", "error"]
+BatchState = Literal["queued", "running", "completed", "cancelled"]
+TruncateSide = Literal["left", "right"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=False)
+
+
+class SamplingParams(_Strict):
+    """Per-request generation parameters. Every field is optional: None means "use the batch default".
+
+    `resolve()` merges them over batch defaults into a fully specified `SamplingParams`.
+    """
+
+    max_new_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        validation_alias=AliasChoices("max_new_tokens", "max_tokens", "max_completion_tokens"),
+    )
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    timeout_s: float | None = Field(default=None, gt=0.0)
+    truncate_prompt: TruncateSide | None = None
+    n: int | None = None
+
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "timeout_s")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_rules(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}")
+        for s in v:
+            if s == "":
+                raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n_is_one(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    def resolve(self, defaults: SamplingParams | None = None) -> SamplingParams:
+        """Fill every unset field from `defaults`, then from the built-in defaults."""
+        merged: dict[str, Any] = dict(BUILTIN_DEFAULTS)
+        if defaults is not None:
+            merged.update(defaults.model_dump(exclude_none=True))
+        merged.update(self.model_dump(exclude_none=True))
+        merged.pop("n", None)
+        return SamplingParams.model_validate(merged)
+
+    # Accessors for resolved params (after resolve() every one is set).
+    @property
+    def max_new(self) -> int:
+        assert self.max_new_tokens is not None
+        return self.max_new_tokens
+
+
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 256,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "stop": [],
+    "stop_token_ids": [],
+    "include_stop_str_in_output": False,
+    "ignore_eos": False,
+}
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str
+    name: str | None = None
+
+
+class Request(_Strict):
+    """One request as it travels through the queue (the arq job's only argument, as a dict).
+
+    Exactly one of `prompt` / `messages` is set. `params` are already resolved against the batch defaults.
+    """
+
+    batch_id: str
+    id: str
+    index: int = Field(ge=0, description="0-based position in the batch, used for ordering results")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    params: SamplingParams
+    metadata: dict[str, Any] | None = None
+    model: str | None = None
+    enqueued_at: float = 0.0
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Request:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of 'prompt' or 'messages' is required")
+        if self.prompt is not None and self.prompt == "":
+            raise ValueError("prompt must be non-empty")
+        if self.messages is not None and len(self.messages) == 0:
+            raise ValueError("messages must be a non-empty list")
+        return self
+
+
+class Usage(_Strict):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Timing(_Strict):
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+
+
+class ErrorInfo(_Strict):
+    type: str
+    message: str
+
+
+class Result(_Strict):
+    """One result per request; written once, first write wins."""
+
+    id: str
+    index: int = Field(ge=0)
+    text: str = ""
+    finish_reason: FinishReason
+    usage: Usage = Field(default_factory=Usage)
+    timing: Timing = Field(default_factory=Timing)
+    error: ErrorInfo | None = None
+    metadata: dict[str, Any] | None = None
+    worker: str | None = None
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json"))
+
+    def to_user_json(self) -> bytes:
+        """The JSONL output line of DESIGN.md (no internal fields)."""
+        return orjson.dumps(self.model_dump(mode="json", exclude={"index", "worker"}))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Result:
+        return cls.model_validate(orjson.loads(raw))
+
+
+class BatchStatus(_Strict):
+    batch_id: str
+    state: BatchState
+    total: int
+    queued: int
+    running: int
+    completed: int
+    failed: int
+    cancelled: int
+    prompt_tokens: int
+    completion_tokens: int
+    created_at: float
+    finished_at: float | None = None
+    queue: str | None = None
+    model: str | None = None
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed + self.cancelled

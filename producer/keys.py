@@ -1,0 +1,56 @@
+"""Every Redis key name and prefix batchq uses, in one place.
+
+arq's own keys (queue zset, `arq:job:*`, `arq:in-progress:*`, `arq:retry:*`, `arq:result:*`) come from
+`arq.constants`; everything batchq adds lives under `batchq:`.
+"""
+
+from __future__ import annotations
+
+PREFIX = "batchq:"
+DEFAULT_QUEUE = "batchq:queue:default"
+JOB_FUNCTION = "run_request"
+
+BATCHES = PREFIX + "batches"  # zset: batch_id -> created_at
+WORKERS = PREFIX + "workers"  # zset: worker_id -> last heartbeat (unix s)
+
+
+def queue_name(name: str | None) -> str:
+    """User-facing queue names are short ("default", "smollm2"); Redis keys carry the prefix."""
+    if not name:
+        return DEFAULT_QUEUE
+    return name if name.startswith(PREFIX) else f"{PREFIX}queue:{name}"
+
+
+def batch_meta(batch_id: str) -> str:
+    """hash: total, created_at, finished_at, queue, model, counters, token totals, cancelled flag."""
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def batch_results(batch_id: str) -> str:
+    """hash: request index -> Result JSON (HSETNX: the first write wins)."""
+    return f"{PREFIX}batch:{batch_id}:results"
+
+
+def batch_running(batch_id: str) -> str:
+    """set: request indices a worker is running right now."""
+    return f"{PREFIX}batch:{batch_id}:running"
+
+
+def job_id(batch_id: str, index: int) -> str:
+    """Deterministic arq job id: resubmitting the same batch enqueues nothing twice."""
+    return f"{batch_id}:{index}"
+
+
+def split_job_id(jid: str) -> tuple[str, int]:
+    batch_id, _, idx = jid.rpartition(":")
+    return batch_id, int(idx)
+
+
+def worker_heartbeat(worker_id: str) -> str:
+    """string with TTL: the worker's last health snapshot (JSON)."""
+    return f"{PREFIX}worker:{worker_id}"
+
+
+def queue_model(queue: str) -> str:
+    """string: the model a queue is bound to (set by the first worker; a mismatch is an error)."""
+    return f"{PREFIX}queue-model:{queue}"

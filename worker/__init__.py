@@ -1,0 +1,1 @@
+"""batchq worker: arq worker, inference engine (scheduler, block manager, model runner, sampler, stop rules)."""
