@@ -1,0 +1,104 @@
+"""Heartbeat key, periodic stats line, stall watchdog and `worker --check`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from producer import keys
+from worker.config import WorkerConfig
+from worker.engine.async_engine import AsyncEngine
+
+log = logging.getLogger("batchq.worker")
+
+
+def snapshot(cfg: WorkerConfig, engine: AsyncEngine) -> dict[str, Any]:
+    s = engine.engine.stats()
+    return {
+        "worker_id": cfg.worker_id,
+        "host": socket.gethostname(),
+        "queue": keys.queue_name(cfg.queue),
+        "model": cfg.model,
+        "ts": time.time(),
+        "running": s.running,
+        "waiting": s.waiting,
+        "kv_blocks_used": s.kv_blocks_used,
+        "kv_blocks_total": s.kv_blocks_total,
+        "tokens_generated": s.tokens_generated,
+        "progress_age_s": round(time.monotonic() - engine.last_progress, 3),
+        "stall_s": cfg.stall_s,
+    }
+
+
+async def beat(redis: Redis, cfg: WorkerConfig, engine: AsyncEngine) -> None:
+    snap = snapshot(cfg, engine)
+    ttl = max(1, int(cfg.heartbeat_s * 3))
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.set(keys.worker_heartbeat(cfg.worker_id), orjson.dumps(snap), ex=ttl)
+        pipe.zadd(keys.WORKERS, {cfg.worker_id: snap["ts"]})
+        await pipe.execute()
+
+
+class StatsLogger:
+    """One line per interval: throughput, running and waiting counts, KV pool use. Never prompts."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._t = time.monotonic()
+        self._tokens = engine.engine.stats().tokens_generated
+
+    def line(self, completed: int, failed: int) -> str:
+        s = self.engine.engine.stats()
+        now = time.monotonic()
+        rate = (s.tokens_generated - self._tokens) / max(now - self._t, 1e-9)
+        self._t, self._tokens = now, s.tokens_generated
+        kv_pct = 100.0 * s.kv_blocks_used / max(s.kv_blocks_total, 1)
+        return (
+            f"throughput={rate:.1f} tok/s running={s.running} waiting={s.waiting} "
+            f"kv={s.kv_blocks_used}/{s.kv_blocks_total} ({kv_pct:.0f}%) done={completed} failed={failed}"
+        )
+
+
+def start_watchdog(engine: AsyncEngine, stall_s: float) -> threading.Thread:
+    """End the process (status 70) when the engine has work but makes no progress for stall_s.
+
+    A thread, not a task: it must fire even if the event loop itself is stuck.
+    """
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(1.0, stall_s / 4))
+            idle = time.monotonic() - engine.last_progress
+            if engine.engine.has_work() and idle > stall_s:
+                log.error("engine made no progress for %.0fs (stall_s=%.0f): exiting", idle, stall_s)
+                logging.shutdown()
+                os._exit(70)
+
+    t = threading.Thread(target=watch, name="batchq-watchdog", daemon=True)
+    t.start()
+    return t
+
+
+async def check(redis: Redis, queue: str, worker_id: str | None) -> tuple[bool, str]:
+    """Healthy when a live heartbeat exists (this host's workers on `queue`, or `worker_id`) and is not stalled."""
+    host = socket.gethostname()
+    candidates = [worker_id] if worker_id else [m.decode() for m in await redis.zrange(keys.WORKERS, 0, -1)]
+    qname = keys.queue_name(queue)
+    for wid in candidates:
+        raw = await redis.get(keys.worker_heartbeat(wid))
+        if raw is None:
+            continue
+        snap = orjson.loads(raw)
+        if worker_id is None and (snap.get("host") != host or snap.get("queue") != qname):
+            continue
+        if snap["progress_age_s"] > snap["stall_s"] and snap["running"] + snap["waiting"] > 0:
+            return False, f"worker {wid} is stalled ({snap['progress_age_s']:.0f}s without progress)"
+        return True, f"worker {wid} healthy: running={snap['running']} waiting={snap['waiting']}"
+    return False, f"no live worker heartbeat for queue {qname!r}" + (f" and id {worker_id!r}" if worker_id else "")

@@ -1,0 +1,167 @@
+"""The arq job: a thin shell that hands one request to the engine and stores its result.
+
+The model is loaded once at worker start-up (see service.py); a job only validates, submits, awaits and
+writes. Every accepted request ends in exactly one stored result: store.write_result's first write wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from arq.constants import in_progress_key_prefix, retry_key_prefix
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer import keys, store
+from producer.contract import ErrorInfo, Request, Result, Timing, Usage
+from worker.config import WorkerConfig
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.request import EngineRequest, EngineResult
+
+log = logging.getLogger("batchq.worker")
+
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+@dataclass
+class JobRunner:
+    """State shared by every job of one worker process."""
+
+    cfg: WorkerConfig
+    engine: AsyncEngine
+    redis: Redis
+    model_names: frozenset[str]
+    handing_back: bool = False  # set on SIGTERM once the grace period is over
+    inflight: dict[str, str] = field(default_factory=dict)  # job id -> batch id
+    completed: int = 0
+    failed: int = 0
+
+    async def run(self, payload: Any, job_id: str, job_try: int) -> str:
+        try:
+            req = Request.model_validate(payload)
+        except ValidationError as e:
+            batch_id, index = keys.split_job_id(job_id)
+            msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
+            await self._store(batch_id, _error_result(str(index + 1), index, "invalid_request", msg))
+            return "invalid"
+        if await self._retrying(store.has_result, self.redis, req.batch_id, req.index):
+            return "duplicate"  # ran before (a lease expired while it finished elsewhere): first write won
+        if job_try > self.cfg.max_tries:
+            msg = (
+                f"request failed {self.cfg.max_tries} times: a worker died or was killed while running it "
+                f"(max_tries={self.cfg.max_tries})"
+            )
+            await self._store(req.batch_id, _error_result(req.id, req.index, "max_tries_exceeded", msg, req))
+            return "max_tries"
+        if req.model is not None and req.model not in self.model_names:
+            msg = f"request is for model {req.model!r} but this worker serves {sorted(self.model_names)[0]!r}"
+            await self._store(req.batch_id, _error_result(req.id, req.index, "model_mismatch", msg, req))
+            return "model_mismatch"
+        if await self._retrying(store.is_cancelled, self.redis, req.batch_id):
+            await self._store(req.batch_id, _cancelled_result(req))
+            return "cancelled"
+        return await self._generate(req, job_id)
+
+    async def _generate(self, req: Request, job_id: str) -> str:
+        picked_at = time.time()
+        await self._retrying(store.mark_running, self.redis, req.batch_id, req.index)
+        ereq = EngineRequest(
+            request_id=job_id,
+            params=req.params,
+            prompt=req.prompt,
+            messages=[m.model_dump(exclude_none=True) for m in req.messages] if req.messages else None,
+            started_at=time.monotonic(),
+        )
+        self.inflight[job_id] = req.batch_id
+        try:
+            res = await self.engine.submit(ereq)
+        except asyncio.CancelledError:
+            # Shutdown or abort: stop computing it, and on a SIGTERM hand-back give the try back.
+            self.engine.cancel(job_id)
+            await asyncio.shield(self._hand_back(req, job_id))
+            raise
+        finally:
+            self.inflight.pop(job_id, None)
+        result = _to_result(req, res, queued_s=max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None)
+        result.worker = self.cfg.worker_id
+        await self._store(req.batch_id, result)
+        return result.finish_reason
+
+    async def _hand_back(self, req: Request, job_id: str) -> None:
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                if self.handing_back:
+                    pipe.decr(retry_key_prefix + job_id)
+                    pipe.delete(in_progress_key_prefix + job_id)  # another worker may take it at once
+                pipe.srem(keys.batch_running(req.batch_id), str(req.index))
+                await pipe.execute()
+        except REDIS_ERRORS as e:
+            log.warning("could not hand back %s (%s); its lease will expire", job_id, type(e).__name__)
+
+    async def _store(self, batch_id: str, result: Result) -> None:
+        written = await self._retrying(store.write_result, self.redis, batch_id, result)
+        if written:
+            if result.finish_reason == "error":
+                self.failed += 1
+            else:
+                self.completed += 1
+
+    async def _retrying(self, fn: Any, *args: Any) -> Any:
+        """Call a Redis operation until it succeeds: a Redis blip must not lose an accepted result."""
+        delay = 0.1
+        while True:
+            try:
+                return await fn(*args)
+            except REDIS_ERRORS as e:
+                log.warning("redis unavailable (%s); retrying in %.1fs", type(e).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def poll_cancellations(self) -> None:
+        """Running requests of a cancelled batch stop at their next engine step."""
+        batches = set(self.inflight.values())
+        for batch_id in batches:
+            if await store.is_cancelled(self.redis, batch_id):
+                for job_id, b in list(self.inflight.items()):
+                    if b == batch_id:
+                        self.engine.cancel(job_id)
+
+
+def _to_result(req: Request, res: EngineResult, queued_s: float | None) -> Result:
+    error = None
+    if res.error_type is not None:
+        error = ErrorInfo(type=res.error_type, message=res.error_message or res.error_type)
+    return Result(
+        id=req.id,
+        index=req.index,
+        text=res.text,
+        finish_reason=res.finish_reason,  # type: ignore[arg-type]
+        usage=Usage(
+            prompt_tokens=res.prompt_tokens,
+            completion_tokens=res.completion_tokens,
+            total_tokens=res.prompt_tokens + res.completion_tokens,
+        ),
+        timing=Timing(queued_s=queued_s, ttft_s=res.ttft_s, total_s=res.total_s),
+        error=error,
+        metadata=req.metadata,
+    )
+
+
+def _error_result(rid: str, index: int, etype: str, message: str, req: Request | None = None) -> Result:
+    return Result(
+        id=rid,
+        index=index,
+        finish_reason="error",
+        error=ErrorInfo(type=etype, message=message),
+        metadata=req.metadata if req else None,
+    )
+
+
+def _cancelled_result(req: Request) -> Result:
+    return Result(id=req.id, index=req.index, finish_reason="cancelled", metadata=req.metadata)

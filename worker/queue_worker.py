@@ -1,0 +1,102 @@
+"""arq's Worker, adapted to batch inference: short renewable leases, Redis outages survived, graceful hand-back.
+
+What changes from plain arq, and why:
+- The in-progress key is a lease of `lease_s` (not job timeout + 10 s) that live workers renew, so a
+  SIGKILLed worker's requests are re-run within seconds.
+- Redis errors in the poll loop are logged and retried with backoff instead of ending the worker.
+- Before starting jobs, ids already leased elsewhere are filtered with one pipelined round trip.
+- Tries are counted by the job itself (arq's own limit is set out of reach) so that a request which
+  keeps killing workers ends in a recorded error result rather than vanishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from arq.constants import in_progress_key_prefix
+from arq.worker import Worker, func
+
+from producer import keys
+from worker.jobs import REDIS_ERRORS, JobRunner
+
+log = logging.getLogger("batchq.worker")
+
+ARQ_MAX_TRIES = 1_000_000  # batchq counts tries itself (JobRunner.run)
+JOB_TIMEOUT_S = 30 * 24 * 3600  # per-request timeout_s is enforced by the engine, not by arq
+
+
+async def run_request(ctx: dict[str, Any], payload: Any) -> str:
+    runner: JobRunner = ctx["runner"]
+    return await runner.run(payload, job_id=ctx["job_id"], job_try=ctx["job_try"])
+
+
+class QueueWorker(Worker):
+    def __init__(self, runner: JobRunner, **kwargs: Any) -> None:
+        cfg = runner.cfg
+        super().__init__(
+            functions=[func(run_request, name=keys.JOB_FUNCTION, max_tries=ARQ_MAX_TRIES)],
+            queue_name=keys.queue_name(cfg.queue),
+            max_jobs=cfg.max_jobs,
+            job_timeout=JOB_TIMEOUT_S,
+            keep_result=0,
+            poll_delay=cfg.poll_delay_s,
+            max_tries=ARQ_MAX_TRIES,
+            handle_signals=False,
+            ctx={"runner": runner},
+            burst=cfg.burst,
+            log_results=False,
+            **kwargs,
+        )
+        self.runner = runner
+        self.in_progress_timeout_s = cfg.lease_s
+        self._backoff = 0.0
+
+    async def _poll_iteration(self) -> None:
+        try:
+            await super()._poll_iteration()
+        except REDIS_ERRORS as e:
+            self._backoff = min(max(self._backoff * 2, 0.2), 5.0)
+            log.warning("redis unavailable (%s); polling again in %.1fs", type(e).__name__, self._backoff)
+            await asyncio.sleep(self._backoff)
+            return
+        if self._backoff:
+            log.info("redis reachable again")
+            self._backoff = 0.0
+
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        if not job_ids:
+            return
+        async with self.pool.pipeline(transaction=False) as pipe:
+            for jid in job_ids:
+                pipe.exists(in_progress_key_prefix + jid.decode())
+            leased = await pipe.execute()
+        free = [jid for jid, busy in zip(job_ids, leased, strict=True) if not busy]
+        await super().start_jobs(free)
+
+    async def renew_leases(self) -> None:
+        """Extend the lease of every job this worker runs; called every lease_s / 3."""
+        job_ids = list(self.tasks)
+        if not job_ids:
+            return
+        ms = int(self.runner.cfg.lease_s * 1000)
+        async with self.pool.pipeline(transaction=False) as pipe:
+            for jid in job_ids:
+                pipe.pexpire(in_progress_key_prefix + jid, ms)
+            await pipe.execute()
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: stop pulling, let in-flight work finish within grace_s, hand the rest back."""
+        self.allow_pick_jobs = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while any(not t.done() for t in self.tasks.values()) and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        pending = [t for t in self.tasks.values() if not t.done()]
+        if pending:
+            log.info("grace period over: handing %d request(s) back to the queue", len(pending))
+            self.runner.handing_back = True
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,180 @@
+"""One worker process: load the model once, bind to a queue, run the arq loop and its housekeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from redis.asyncio import ConnectionPool
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from producer import keys, serde
+from worker import health
+from worker.config import WorkerConfig
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.jobs import REDIS_ERRORS, JobRunner
+from worker.queue_worker import QueueWorker
+
+log = logging.getLogger("batchq.worker")
+
+
+class QueueBindingError(RuntimeError):
+    pass
+
+
+def engine_config(cfg: WorkerConfig) -> EngineConfig:
+    return EngineConfig(
+        model=cfg.model,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        block_size=cfg.block_size,
+        kv_cache_gb=cfg.kv_cache_gb,
+        kv_watermark=cfg.kv_watermark,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        attention_backend=cfg.attention_backend,
+        repetition_window=cfg.repetition_window,
+        repetition_repeats=cfg.repetition_repeats,
+    )
+
+
+def connect(cfg: WorkerConfig):  # -> ArqRedis
+    from arq.connections import ArqRedis
+
+    pool = ConnectionPool.from_url(
+        cfg.redis_url,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
+        retry_on_error=[ConnectionError, OSError],
+        health_check_interval=10,
+        socket_connect_timeout=5,
+        socket_keepalive=True,
+    )
+    return ArqRedis(
+        pool,
+        job_serializer=serde.job_serializer,
+        job_deserializer=serde.job_deserializer,
+        default_queue_name=keys.queue_name(cfg.queue),
+    )
+
+
+async def bind_queue(redis, cfg: WorkerConfig) -> None:  # type: ignore[no-untyped-def]
+    """A queue serves one model: the first live worker binds it; a worker for another model refuses to start."""
+    key = keys.queue_model(keys.queue_name(cfg.queue))
+    ttl = max(60, int(cfg.heartbeat_s * 6))
+    await redis.set(key, cfg.model, nx=True, ex=ttl)
+    bound = await redis.get(key)
+    if bound is not None and bound.decode() != cfg.model:
+        raise QueueBindingError(
+            f"queue {cfg.queue!r} is served by workers of model {bound.decode()!r}; this worker serves "
+            f"{cfg.model!r}. Use another --queue (one queue per model)."
+        )
+    await redis.expire(key, ttl)
+
+
+async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) -> None:
+    while True:
+        await asyncio.sleep(period)
+        try:
+            await fn()
+        except REDIS_ERRORS as e:
+            log.debug("%s skipped: redis unavailable (%s)", what, type(e).__name__)
+        except QueueBindingError:
+            raise
+        except Exception:
+            log.exception("%s failed", what)
+
+
+async def _wait_for_redis(redis, cfg: WorkerConfig) -> None:  # type: ignore[no-untyped-def]
+    delay = 0.2
+    while True:
+        try:
+            await bind_queue(redis, cfg)
+            return
+        except REDIS_ERRORS as e:
+            log.warning("redis unavailable at start-up (%s); retrying in %.1fs", type(e).__name__, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def serve(cfg: WorkerConfig, engine: Engine | None = None) -> int:
+    t0 = time.monotonic()
+    if engine is None:
+        engine = await asyncio.to_thread(Engine.load, engine_config(cfg))
+    stats = engine.stats()
+    log.info(
+        "model %s loaded in %.1fs; KV pool %d blocks of %d tokens; max_num_seqs=%d max_jobs=%d",
+        cfg.model,
+        time.monotonic() - t0,
+        stats.kv_blocks_total,
+        cfg.block_size,
+        cfg.max_num_seqs,
+        cfg.max_jobs,
+    )
+    aengine = AsyncEngine(engine)
+    await aengine.start()
+    redis = connect(cfg)
+    await _wait_for_redis(redis, cfg)
+    runner = JobRunner(cfg, aengine, redis, frozenset({cfg.model, engine.model_name}))
+    worker = QueueWorker(runner, redis_pool=redis)
+    health.start_watchdog(aengine, cfg.stall_s)
+    stats_log = health.StatsLogger(aengine)
+
+    async def log_stats() -> None:
+        log.info(stats_log.line(runner.completed, runner.failed))
+
+    async def heartbeat() -> None:
+        await health.beat(redis, cfg, aengine)
+        await bind_queue(redis, cfg)
+
+    housekeeping = [
+        asyncio.create_task(_every(0.5, runner.poll_cancellations, "cancel poll")),
+        asyncio.create_task(_every(cfg.lease_s / 3, worker.renew_leases, "lease renewal")),
+        asyncio.create_task(_every(cfg.heartbeat_s, heartbeat, "heartbeat")),
+        asyncio.create_task(_every(cfg.log_interval_s, log_stats, "stats log")),
+    ]
+    main = asyncio.create_task(worker.main())
+    worker.main_task = main
+    stopping: list[asyncio.Task[None]] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stopping:
+            return
+        log.info("%s: no new requests; finishing in-flight work (grace %.0fs)", sig.name, cfg.shutdown_grace_s)
+
+        async def stop() -> None:
+            await worker.drain(cfg.shutdown_grace_s)
+            main.cancel()
+
+        stopping.append(asyncio.create_task(stop()))
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    log.info("worker %s serving queue %s", cfg.worker_id, keys.queue_name(cfg.queue))
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await main
+    finally:
+        if stopping:
+            await stopping[0]
+        for t in worker.tasks.values():
+            t.cancel()
+        await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
+        for t in housekeeping:
+            t.cancel()
+        await asyncio.gather(*housekeeping, return_exceptions=True)
+        log.info(stats_log.line(runner.completed, runner.failed))
+        with contextlib.suppress(*REDIS_ERRORS):
+            await redis.delete(keys.worker_heartbeat(cfg.worker_id))
+            await redis.zrem(keys.WORKERS, cfg.worker_id)
+        await aengine.stop()
+        await redis.aclose(close_connection_pool=True)
+    log.info("worker %s stopped", cfg.worker_id)
+    return 0
