@@ -27,7 +27,10 @@ class SamplingParams(_Strict):
     """Per-request generation parameters. Every field is optional: None means "use the batch default".
 
     `resolve()` merges them over batch defaults into a fully specified `SamplingParams`.
+    Strict types: JSON `true` is not a token count and `"0.5"` is not a temperature.
     """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
     max_new_tokens: int | None = Field(
         default=None,
@@ -112,6 +115,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
 
 
 class ChatMessage(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str
     name: str | None = None
@@ -205,3 +210,60 @@ class BatchStatus(_Strict):
     @property
     def done(self) -> int:
         return self.completed + self.failed + self.cancelled
+
+
+# ---- Input lines (DESIGN.md "Input"): what a user may write on one JSONL line. ----
+
+MAX_ID_CHARS = 512
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+UserId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+class PromptLine(SamplingParams):
+    """Shapes 1 and 2: `{"id", "prompt" | "messages", <params>, "metadata"}`; params sit at the top level."""
+
+    id: UserId | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class OpenAIBody(SamplingParams):
+    """The `body` of an OpenAI Batch line. `model` is recorded for compatibility, never used for routing."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class OpenAIBatchLine(_Strict):
+    """Shape 3: an OpenAI Batch API input line."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    custom_id: UserId | None = None
+    method: Literal["POST"] = "POST"
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: OpenAIBody
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _body_matches_url(self) -> OpenAIBatchLine:
+        if self.url == CHAT_URL and self.body.messages is None:
+            raise ValueError(f"{CHAT_URL} needs body.messages")
+        if self.url == COMPLETIONS_URL and self.body.prompt is None:
+            raise ValueError(f"{COMPLETIONS_URL} needs body.prompt")
+        if self.metadata is not None and self.body.metadata is not None:
+            raise ValueError("metadata given both on the line and in body; give it once")
+        return self
+
+
+PARAM_FIELDS = frozenset(SamplingParams.model_fields)
+
+
+def params_of(line: SamplingParams) -> SamplingParams:
+    """The SamplingParams part of an input line (which subclasses SamplingParams), without re-validation."""
+    values = {k: v for k, v in line.__dict__.items() if k in PARAM_FIELDS}
+    return SamplingParams.model_construct(**values)

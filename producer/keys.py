@@ -54,3 +54,8 @@ def worker_heartbeat(worker_id: str) -> str:
 def queue_model(queue: str) -> str:
     """string: the model a queue is bound to (set by the first worker; a mismatch is an error)."""
     return f"{PREFIX}queue-model:{queue}"
+
+
+def batch_chat(batch_id: str) -> str:
+    """bitmap: bit `index` is 1 when the request was a chat request (OpenAI output needs the object type)."""
+    return f"{PREFIX}batch:{batch_id}:chat"

@@ -1,0 +1,140 @@
+"""Reading and validating JSONL input, one line at a time, in bounded memory.
+
+Each non-blank line becomes either a `Request` (with params resolved against the batch defaults) or a
+`LineError` naming line, field and reason. Nothing here touches Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+import orjson
+from pydantic import ValidationError
+
+from producer.contract import (
+    CHAT_URL,
+    OpenAIBatchLine,
+    PromptLine,
+    Request,
+    SamplingParams,
+    params_of,
+)
+
+# A line longer than this is refused without being held in memory: generous for long-context prompts
+# (a 10 MB prompt is accepted), small enough that a file with no newlines cannot exhaust memory.
+MAX_LINE_BYTES = 32 * 1024 * 1024
+_CHUNK = 1024 * 1024
+_BOM = b"\xef\xbb\xbf"
+_OPENAI_KEYS = frozenset({"custom_id", "method", "url", "body"})
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    line_no: int
+    field: str  # "" when the error is about the whole line
+    reason: str
+    id: str | None = None
+
+    def __str__(self) -> str:
+        where = f"line {self.line_no}" + (f": {self.field}" if self.field else "")
+        return f"{where}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedLine:
+    line_no: int
+    index: int  # 0-based among non-blank lines
+    request: Request
+    chat: bool  # OpenAI output needs to know chat.completion vs text_completion
+
+
+def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
+    """Yield (1-based line number, raw bytes) per line; None for a line longer than MAX_LINE_BYTES.
+
+    A UTF-8 byte-order mark at the start of the file is dropped silently (editors on Windows add one).
+    """
+    line_no = 0
+    while True:
+        raw = stream.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        line_no += 1
+        if line_no == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := stream.readline(_CHUNK)) and not rest.endswith(b"\n"):
+                pass  # skip to the end of the over-long line without keeping it
+            yield line_no, None
+            continue
+        yield line_no, raw
+
+
+def _field_errors(e: ValidationError, line_no: int, prefix: str = "") -> list[LineError]:
+    out = []
+    for err in e.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"])
+        reason = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "missing":
+            reason = "required field is missing"
+        out.append(LineError(line_no, prefix + loc, reason.removeprefix("Value error, ")))
+    return out
+
+
+def _user_id(obj: dict[str, Any], key: str) -> str | None:
+    v = obj.get(key)
+    return v if isinstance(v, str) and v else None
+
+
+def parse_line(
+    raw: bytes | None,
+    line_no: int,
+    index: int,
+    *,
+    batch_id: str,
+    defaults: SamplingParams | None,
+    model: str | None,
+) -> ParsedLine | list[LineError]:
+    """Validate one non-blank line. Returns the parsed line, or every error found on it."""
+    if raw is None:
+        return [LineError(line_no, "", f"line is longer than {MAX_LINE_BYTES} bytes")]
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as u:
+            return [LineError(line_no, "", f"not valid UTF-8 (byte {u.start} of the line)")]
+        return [LineError(line_no, "", f"invalid JSON: {e.msg}")]
+    if not isinstance(obj, dict):
+        return [LineError(line_no, "", f"expected a JSON object, got {type(obj).__name__}")]
+    openai = not _OPENAI_KEYS.isdisjoint(obj)
+    uid = _user_id(obj, "custom_id" if openai else "id")
+    try:
+        line: PromptLine | OpenAIBatchLine
+        if openai:
+            line = OpenAIBatchLine.model_validate(obj)
+            body = line.body
+            chat = line.url == CHAT_URL
+            prompt, messages, params = body.prompt, body.messages, params_of(body)
+            metadata = line.metadata if line.metadata is not None else body.metadata
+            req_model = model or body.model
+        else:
+            line = PromptLine.model_validate(obj)
+            chat = line.messages is not None
+            prompt, messages, params = line.prompt, line.messages, params_of(line)
+            metadata, req_model = line.metadata, model
+        request = Request(
+            batch_id=batch_id,
+            id=uid or str(line_no),
+            index=index,
+            prompt=prompt,
+            messages=messages,
+            params=params.resolve(defaults),
+            metadata=metadata,
+            model=req_model,
+        )
+    except ValidationError as e:
+        return [LineError(le.line_no, le.field, le.reason, uid) for le in _field_errors(e, line_no)]
+    return ParsedLine(line_no, index, request, chat)
