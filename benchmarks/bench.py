@@ -1,0 +1,194 @@
+"""batchq vs HF transformers `generate`, and the full queue path, on one standard workload.
+
+    make bench                       # = python benchmarks/bench.py
+    python benchmarks/bench.py -n 256 --dtype bfloat16
+
+Prints a table (first lines: the machine) and writes benchmarks/results/bench-<dtype>.json.
+Every contender runs in its own process on the same prompts, model, dtype, max_new_tokens and greedy
+decoding, EOS honoured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SMOLLM2_PARAMS = 134_515_008  # counted from the checkpoint; tied embeddings counted once
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx": "amx_bf16" in flags,
+        "python": platform.python_version(),
+    }
+
+
+def gemm_ceiling(dtype: str, n: int = 2048, reps: int = 10) -> float:
+    """FLOP/s of a large square matmul in `dtype`: the machine's practical GEMM ceiling."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    a = torch.randn(n, n, dtype=dt)
+    b = torch.randn(n, n, dtype=dt)
+    for _ in range(2):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def enqueue_rate(n: int = 100_000) -> dict[str, Any]:
+    """`producer submit` (the real CLI, validation included) on n lines into a local Redis."""
+    from producer.testing_redis import RedisServer
+
+    with tempfile.TemporaryDirectory() as d, RedisServer() as server:
+        path = Path(d) / "big.jsonl"
+        with path.open("wb") as f:
+            for i in range(n):
+                f.write(orjson.dumps({"id": f"r{i}", "prompt": f"Label this text number {i}.", "max_tokens": 8}))
+                f.write(b"\n")
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "producer.cli", "submit", str(path), "--redis-url", server.url, "--queue", "enq"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
+        wall = time.perf_counter() - t0
+    return {"lines": n, "wall_s": wall, "lines_per_s": n / wall}
+
+
+def run_contender(mode: str, workload: Path, dtype: str, extra: list[str]) -> dict[str, Any]:
+    out = workload.with_name(f"{mode}.json")
+    print(f"  running {mode} ...", file=sys.stderr, flush=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "contenders.py"), mode, str(workload), str(out), "--dtype", dtype, *extra],
+        check=True,
+        cwd=ROOT,
+    )
+    return orjson.loads(out.read_bytes())
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(info: dict[str, Any], rows: list[dict[str, Any]], hf_tps: float | None) -> str:
+    lines = [
+        f"machine: {info['machine']['cpu']}, {info['machine']['cores']} cores, torch {info['machine']['torch']}, "
+        f"dtype {info['dtype']}",
+        f"workload: {info['requests']} requests (seed {info['seed']}), model smollm2-135m, greedy, EOS honoured",
+        "",
+        "| contender | output tok/s | req/s | TTFT p50 s | TTFT p95 s | peak RSS MB | vs HF |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = r["tokens_per_s"] / hf_tps if hf_tps else None
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | {fmt(r['ttft_p50_s'], '.2f')} | "
+            f"{fmt(r['ttft_p95_s'], '.2f')} | {fmt(r.get('peak_rss_mb'), '.0f')} | {fmt(ratio, '.2f')}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", type=int, default=256, help="requests in the workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--skip", action="append", default=[], choices=["hf", "queue", "enqueue"])
+    p.add_argument("--out", default=None)
+    ns = p.parse_args()
+
+    from transformers import AutoTokenizer  # noqa: F401  (fail early if the venv is incomplete)
+
+    import workload as wl
+    from worker.models.loader import load_tokenizer
+
+    info: dict[str, Any] = {"machine": machine(), "dtype": ns.dtype, "requests": ns.n, "seed": ns.seed}
+    with tempfile.TemporaryDirectory() as d:
+        wpath = Path(d) / "workload.jsonl"
+        lines = wl.generate(ns.n, ns.seed, load_tokenizer("smollm2-135m"))
+        wpath.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+        extra = ["--max-num-seqs", str(ns.max_num_seqs)]
+        engine = run_contender("engine", wpath, ns.dtype, extra)
+        rows = [engine]
+        hf = None if "hf" in ns.skip else run_contender("hf", wpath, ns.dtype, [])
+        queue = None if "queue" in ns.skip else run_contender("queue", wpath, ns.dtype, extra)
+        rows += [r for r in (queue, hf) if r is not None]
+    ceiling = gemm_ceiling(ns.dtype)
+    params = engine.get("params") or SMOLLM2_PARAMS
+    info["gemm_ceiling_gflops"] = ceiling / 1e9
+    info["full_batch"] = {
+        "batch_size": engine["full_batch_size"],
+        "tokens_per_s": engine["full_batch_tokens_per_s"],
+        "flops_fraction": engine["full_batch_tokens_per_s"] * 2 * params / ceiling,
+    }
+    if hf is not None:
+        same = sum(engine["texts"][k] == hf["texts"].get(k) for k in engine["texts"])
+        info["greedy_text_equal_to_hf"] = f"{same}/{len(engine['texts'])}"
+        info["hf_sweep_tokens_per_s"] = hf["sweep_tokens_per_s"]
+    if queue is not None:
+        info["queue_vs_engine"] = queue["tokens_per_s"] / engine["tokens_per_s"]
+    if "enqueue" not in ns.skip:
+        info["enqueue"] = enqueue_rate()
+    for r in rows:
+        r.pop("texts", None)
+    info["rows"] = rows
+
+    print()
+    print(table(info, rows, hf["tokens_per_s"] if hf else None))
+    fb = info["full_batch"]
+    print()
+    print(
+        f"full batch ({fb['batch_size']} seqs) decode: {fb['tokens_per_s']:.1f} tok/s = "
+        f"{100 * fb['flops_fraction']:.1f}% of GEMM ceiling {info['gemm_ceiling_gflops']:.0f} GFLOP/s ({ns.dtype})"
+    )
+    if "queue_vs_engine" in info:
+        print(f"queue path / engine: {100 * info['queue_vs_engine']:.0f}%")
+    if "greedy_text_equal_to_hf" in info:
+        print(f"greedy texts identical to HF: {info['greedy_text_equal_to_hf']}")
+        print("HF batch-size sweep (tok/s): " + ", ".join(f"bs={k}: {v:.1f}" for k, v in info["hf_sweep_tokens_per_s"].items()))
+    if "enqueue" in info:
+        e = info["enqueue"]
+        print(f"producer submit: {e['lines']} lines in {e['wall_s']:.2f}s = {e['lines_per_s']:.0f} lines/s")
+    out = Path(ns.out) if ns.out else ROOT / "benchmarks" / "results" / f"bench-{ns.dtype}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""The three contenders of bench.py, each run in its own process so peak RSS and threads are its own.
+
+    python benchmarks/contenders.py engine WORKLOAD.jsonl OUT.json --dtype float32
+    python benchmarks/contenders.py hf WORKLOAD.jsonl OUT.json --dtype float32
+    python benchmarks/contenders.py queue WORKLOAD.jsonl OUT.json --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL = "smollm2-135m"
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _summary(name: str, wall: float, tokens: int, n: int, ttfts: list[float], **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "requests": n,
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "requests_per_s": n / wall,
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p95_s": _pct(ttfts, 0.95),
+        **extra,
+    }
+
+
+def load_lines(path: str) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in Path(path).read_bytes().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------- engine
+def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int) -> dict[str, Any]:
+    from producer.contract import SamplingParams
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.request import EngineRequest
+
+    t0 = time.perf_counter()
+    engine = Engine.load(EngineConfig(model=MODEL, device="cpu", dtype=dtype, max_num_seqs=max_num_seqs))
+    load_s = time.perf_counter() - t0
+
+    def reqs(ls: list[dict[str, Any]], **over: Any) -> list[EngineRequest]:
+        out = []
+        for ln in ls:
+            params = SamplingParams(max_new_tokens=ln["max_new_tokens"], temperature=0, **over).resolve()
+            out.append(EngineRequest(request_id=ln["id"], params=params, messages=ln["messages"]))
+        return out
+
+    engine.generate(reqs(lines[:4]))  # warm-up (allocator, kernels)
+    batch = reqs(lines)
+    now = time.monotonic()
+    for r in batch:
+        r.started_at = now
+    t0 = time.perf_counter()
+    results = engine.generate(batch)
+    wall = time.perf_counter() - t0
+    tokens = sum(r.completion_tokens for r in results)
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+
+    # Full-batch decode rate: max_num_seqs short prompts decoding a fixed length (ignore_eos).
+    dec = reqs([{**ln, "max_new_tokens": 64} for ln in lines[:max_num_seqs]], ignore_eos=True)
+    for r in dec:
+        r.messages = [{"role": "user", "content": "Count slowly from one to one hundred."}]
+    t1 = time.perf_counter()
+    dres = engine.generate(dec)
+    dwall = time.perf_counter() - t1
+    return _summary(
+        "batchq engine",
+        wall,
+        tokens,
+        len(results),
+        ttfts,
+        load_s=load_s,
+        peak_rss_mb=_peak_rss_mb(),
+        texts={r.request_id: r.text for r in results},
+        full_batch_tokens_per_s=sum(r.completion_tokens for r in dres) / dwall,
+        full_batch_size=len(dec),
+        params=sum(p.numel() for p in engine.runner.model.parameters()) if hasattr(engine, "runner") else None,
+    )
+
+
+# --------------------------------------------------------------------------- HF generate
+def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str, Any]:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from worker.models.loader import load_hf_model
+
+    model, tok = load_hf_model(MODEL, dtype=getattr(torch, dtype))
+    model.eval()
+    tok.padding_side = "left"
+    eos = model.generation_config.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
+    texts = [tok.apply_chat_template(ln["messages"], add_generation_prompt=True, tokenize=False) for ln in lines]
+
+    class FirstToken(LogitsProcessor):
+        def __init__(self) -> None:
+            self.t: float | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.t is None:
+                self.t = time.perf_counter()
+            return scores
+
+    def run(idx: list[int], bs: int, budget: float | None) -> tuple[int, float, list[float], dict[str, str]]:
+        tokens, ttfts, outs = 0, [], {}
+        t0 = time.perf_counter()
+        for s in range(0, len(idx), bs):
+            chunk = idx[s : s + bs]
+            enc = tok([texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            ft = FirstToken()
+            with torch.inference_mode():
+                gen = model.generate(
+                    **enc,
+                    max_new_tokens=max(lines[i]["max_new_tokens"] for i in chunk),
+                    do_sample=False,
+                    pad_token_id=pad,
+                    logits_processor=LogitsProcessorList([ft]),
+                )
+            new = gen[:, enc["input_ids"].shape[1] :]
+            for row, i in enumerate(chunk):
+                ids = new[row].tolist()[: lines[i]["max_new_tokens"]]
+                cut = next((k + 1 for k, t in enumerate(ids) if t in (eos if isinstance(eos, list) else [eos])), None)
+                ids = ids[:cut] if cut else ids
+                tokens += len(ids)
+                outs[lines[i]["id"]] = tok.decode(ids, skip_special_tokens=True)
+                ttfts.append((ft.t or time.perf_counter()) - t0)
+            if budget is not None and time.perf_counter() - t0 > budget:
+                break
+        return tokens, time.perf_counter() - t0, ttfts, outs
+
+    order = list(range(len(lines)))
+    sweep: dict[int, float] = {}
+    for bs in (1, 8, 16, 32, 64):
+        tok_n, wall, _, _ = run(order, bs, sweep_s)
+        sweep[bs] = tok_n / wall
+    best = max(sweep, key=lambda b: sweep[b])
+    tokens, wall, ttfts, outs = run(order, best, None)
+    return _summary(
+        f"HF generate (bs={best})",
+        wall,
+        tokens,
+        len(lines),
+        ttfts,
+        peak_rss_mb=_peak_rss_mb(),
+        texts=outs,
+        sweep_tokens_per_s=sweep,
+        batch_size=best,
+    )
+
+
+# --------------------------------------------------------------------------- full queue path
+def run_queue(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, workload: str) -> dict[str, Any]:
+    import asyncio
+
+    from producer.client import BatchqClient
+    from producer.testing_redis import RedisServer
+
+    with RedisServer() as server:
+        env = {**os.environ, "REDIS_URL": server.url}
+        log = open(Path(workload).with_suffix(".worker.log"), "w")  # noqa: SIM115
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "--model", MODEL, "--device", "cpu", "--dtype", dtype,
+             "--queue", "bench", "--max-num-seqs", str(max_num_seqs), "--log-interval-s", "5"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+        try:
+            return asyncio.run(_queue_client(server.url, lines, workload, worker))
+        finally:
+            worker.terminate()
+            worker.wait(60)
+            log.close()
+
+
+async def _queue_client(url: str, lines: list[dict[str, Any]], workload: str, worker: Any) -> dict[str, Any]:
+    from producer.client import BatchqClient
+
+    client = await BatchqClient.from_url(url)
+    try:
+        deadline = time.monotonic() + 600
+        while not await client.redis.keys("batchq:worker:*"):
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("worker did not start")
+            await asyncio.sleep(0.5)
+        t0 = time.perf_counter()
+        report = await client.submit_file(workload, queue="bench")
+        await client.wait(report.batch_id, timeout=3600)
+        wall = time.perf_counter() - t0
+        results = [r async for r in client.results(report.batch_id)]
+        rss = _proc_peak_rss_mb(worker.pid)
+    finally:
+        await client.close()
+    tokens = sum(r.usage.completion_tokens for r in results)
+    ttfts = [(r.timing.queued_s or 0) + r.timing.ttft_s for r in results if r.timing.ttft_s is not None]
+    return _summary(
+        "queue: submit+worker+results", wall, tokens, len(results), ttfts, peak_rss_mb=rss,
+        texts={r.id: r.text for r in results},
+    )  # fmt: skip
+
+
+def _proc_peak_rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["engine", "hf", "queue"])
+    p.add_argument("workload")
+    p.add_argument("out")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--hf-sweep-s", type=float, default=20.0)
+    ns = p.parse_args()
+    lines = load_lines(ns.workload)
+    if ns.mode == "engine":
+        res = run_engine(lines, ns.dtype, ns.max_num_seqs)
+    elif ns.mode == "hf":
+        res = run_hf(lines, ns.dtype, ns.hf_sweep_s)
+    else:
+        res = run_queue(lines, ns.dtype, ns.max_num_seqs, ns.workload)
+    Path(ns.out).write_bytes(orjson.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
