@@ -1,0 +1,281 @@
+"""Triton paged attention: launchers with the exact signatures of worker.kernels.reference.
+
+The launchers validate their inputs (ValueError on bad shapes, strides, dtypes or devices), pick the
+launch parameters and start the kernels in triton_cache, triton_decode and triton_prefill. They never
+read device values on the host (no .item(), no max over context_lens), so they do not sync the GPU:
+grids are sized from shapes, e.g. the longest context is bounded by max_blocks * block_size.
+Values are trusted: slots, block ids and lengths must be in range, as for the reference.
+
+On a machine without a GPU the kernels run on CPU tensors under the Triton interpreter, which must be
+switched on (TRITON_INTERPRET=1) before this module is imported, since triton.jit reads it then.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from worker.kernels import triton_cache, triton_decode, triton_prefill
+
+_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for the Triton interpreter (they then take CPU tensors)."""
+    return isinstance(triton_decode.decode_kernel, InterpretedFunction)
+
+
+def available() -> bool:
+    """True when the kernels can run here: a CUDA device, or the interpreter (TRITON_INTERPRET=1)."""
+    return torch.cuda.is_available() or interpreted()
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter new keys/values into their slots (slot = block_id * block_size + offset).
+
+    k, v: [tokens, kv_heads, head_dim] (any token/head strides); slot_mapping: [tokens] int32/int64;
+    k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] contiguous.
+    """
+    _, _, kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    for name, x in (("k", k), ("v", v)):
+        _check_rows(name, x, 3, kv_heads, head_dim)
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {x.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    _check_index("slot_mapping", slot_mapping, (k.shape[0],))
+    _check_device(k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0] == 0:
+        return
+    triton_cache.write_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        KV_HEADS=kv_heads, KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
+    )  # fmt: skip
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    *,
+    block_n: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Tensor:
+    """One new query token per sequence over its whole cached context (itself included).
+
+    q: [batch, heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch], each >= 1
+    -> [batch, heads, head_dim] contiguous, dtype of q. num_splits=None picks split-K from the SM count.
+    """
+    _, block_size, kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    _check_rows("q", q, 3, None, head_dim)
+    batch, heads = q.shape[0], q.shape[1]
+    group = _check_group(heads, kv_heads)
+    _check_dtype("q", q, k_cache.dtype)
+    _check_index("block_tables", block_tables, (batch, None))
+    _check_index("context_lens", context_lens, (batch,))
+    _check_device(q, k_cache, v_cache, block_tables, context_lens)
+    _check_pow2("block_n", block_n, 16)
+    out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    max_ctx = block_tables.shape[1] * block_size  # host-side bound: no sync on context_lens
+    if num_splits is None:
+        num_splits = _auto_splits(batch * kv_heads, max_ctx, block_n, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    # Whole tiles per split; recompute the count so that no split starts past max_ctx.
+    tokens_per_split = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max_ctx, tokens_per_split))
+    if num_splits > 1:
+        part_o = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((batch, heads, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out  # unused by the kernel when NUM_SPLITS == 1
+    triton_decode.decode_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_ml,
+        scale * _LOG2E, tokens_per_split,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        triton_decode.decode_merge_kernel[(batch, heads)](
+            part_o, part_ml, out,
+            HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+    return out
+
+
+def paged_prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    cu_seqlens_q: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Tensor:
+    """Causal attention for packed new tokens over their cached prefix and themselves.
+
+    q: [new_tokens, heads, head_dim]; cu_seqlens_q: [batch + 1]; context_lens: [batch] (cached prefix +
+    new tokens, new K/V already written); block_tables: [batch, max_blocks]
+    -> [new_tokens, heads, head_dim] contiguous. The i-th new token of sequence b sits at position
+    context_lens[b] - q_len_b + i. block_m counts rows = query tokens x GQA group.
+    """
+    _, block_size, kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    _check_rows("q", q, 3, None, head_dim)
+    tokens, heads = q.shape[0], q.shape[1]
+    group = _check_group(heads, kv_heads)
+    _check_dtype("q", q, k_cache.dtype)
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q must be [batch + 1], got {tuple(cu_seqlens_q.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_index("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    _check_index("block_tables", block_tables, (batch, None))
+    _check_index("context_lens", context_lens, (batch,))
+    _check_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    _check_pow2("block_m", block_m, 16)
+    _check_pow2("block_n", block_n, 16)
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0 or batch == 0:
+        return out
+    block_m = max(block_m, triton.next_power_of_2(group))  # a tile holds at least one token's group
+    block_q = block_m // group
+    triton_prefill.prefill_kernel[(tokens // block_q + batch, kv_heads)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        scale * _LOG2E, batch,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        DOT_PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+# --- input checks -------------------------------------------------------------------------------------
+
+
+def _check_cache(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int]:
+    # k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] -> that shape
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, kv_heads, head_dim], got {k_cache.dim()}-D"
+        )
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match "
+            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    if k_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"cache dtype must be one of {_CACHE_DTYPES}, got {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    nb, bs, kvh, d = k_cache.shape
+    _check_pow2("head_dim", d, 16, 256)
+    if bs < 1 or kvh < 1:
+        raise ValueError(f"block_size and kv_heads must be >= 1, got {bs} and {kvh}")
+    return nb, bs, kvh, d
+
+
+def _check_rows(name: str, x: Tensor, dims: int, heads: int | None, head_dim: int) -> None:
+    # x: [tokens, heads, head_dim] with unit stride along head_dim (rows are loaded as vectors).
+    if x.dim() != dims or x.shape[-1] != head_dim or (heads is not None and x.shape[1] != heads):
+        want = f"[*, {heads if heads is not None else 'heads'}, {head_dim}]"
+        raise ValueError(f"{name} must be {want}, got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along head_dim, got strides {x.stride()}")
+
+
+def _check_group(heads: int, kv_heads: int) -> int:
+    if heads < 1 or heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+    return heads // kv_heads
+
+
+def _check_dtype(name: str, x: Tensor, dtype: torch.dtype) -> None:
+    if x.dtype != dtype:
+        raise ValueError(f"{name} dtype {x.dtype} must match the cache dtype {dtype}")
+
+
+def _check_index(name: str, x: Tensor, shape: tuple[int | None, ...]) -> None:
+    # Index tensors: integer, the given shape (None = any size), unit stride along the last dim.
+    ok = x.dim() == len(shape) and all(s is None or x.shape[i] == s for i, s in enumerate(shape))
+    if not ok:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    if x.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {x.dtype}")
+    if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dim, got strides {x.stride()}")
+
+
+def _check_pow2(name: str, value: int, low: int, high: int | None = None) -> None:
+    if value < low or value & (value - 1) or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be a power of two {bound}, got {value}")
+
+
+def _check_device(*tensors: Tensor) -> None:
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if device.type == "cpu" and not interpreted():
+        raise ValueError(
+            "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing "
+            "worker.kernels.triton_attention, or pass CUDA tensors"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device}; the Triton kernels take CUDA tensors")
+
+
+# --- launch parameters --------------------------------------------------------------------------------
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 dots (Triton defaults to TF32, ~1e-3 off the reference). 16-bit: ignored.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    # The interpreter's tl.dot misreads bfloat16 operands (numpy has no bfloat16): feed it fp32 there.
+    return dtype == torch.bfloat16 and interpreted()
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _auto_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
+    """Split-K only when (sequence, kv head) programs cannot fill the GPU: aim at ~2 waves of programs,
+    keep each split at least 4 tiles long so the merge stays cheap, cap at 64 splits."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    by_len = max(1, max_ctx // (4 * block_n))
+    return max(1, min(math.ceil(2 * sms / programs), by_len, 64))
