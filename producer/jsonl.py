@@ -48,6 +48,7 @@ class ParsedLine:
     index: int  # 0-based among non-blank lines
     request: Request
     chat: bool  # OpenAI output needs to know chat.completion vs text_completion
+    body_model: str | None = None  # OpenAI body.model: recorded in the batch, never used for routing
 
 
 def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
@@ -119,12 +120,12 @@ def parse_line(
             chat = line.url == CHAT_URL
             prompt, messages, params = body.prompt, body.messages, params_of(body)
             metadata = line.metadata if line.metadata is not None else body.metadata
-            req_model = model or body.model
+            body_model = body.model
         else:
             line = PromptLine.model_validate(obj)
             chat = line.messages is not None
             prompt, messages, params = line.prompt, line.messages, params_of(line)
-            metadata, req_model = line.metadata, model
+            metadata, body_model = line.metadata, None
         request = Request(
             batch_id=batch_id,
             id=uid or str(line_no),
@@ -133,8 +134,8 @@ def parse_line(
             messages=messages,
             params=params.resolve(defaults),
             metadata=metadata,
-            model=req_model,
+            model=model,
         )
     except ValidationError as e:
         return [LineError(le.line_no, le.field, le.reason, uid) for le in _field_errors(e, line_no)]
-    return ParsedLine(line_no, index, request, chat)
+    return ParsedLine(line_no, index, request, chat, body_model)

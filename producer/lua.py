@@ -1,12 +1,20 @@
-"""A Lua script run by SHA, loaded on first use (and again after a Redis restart flushed the cache)."""
+"""Redis call helpers: Lua scripts run by SHA (reloaded after a restart flushed the script cache)."""
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
+
+T = TypeVar("T")
+
+
+async def done(value: Awaitable[T] | T) -> T:
+    """redis-py types each command as sync-or-async; on a redis.asyncio client it is always awaitable."""
+    return await value  # type: ignore[misc]
 
 
 class LuaScript:
@@ -16,10 +24,10 @@ class LuaScript:
 
     async def __call__(self, redis: Redis, keys: list[str], args: list[Any]) -> Any:
         try:
-            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+            return await done(redis.evalsha(self.sha, len(keys), *keys, *args))
         except NoScriptError:
             await redis.script_load(self.source)
-            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+            return await done(redis.evalsha(self.sha, len(keys), *keys, *args))
 
     async def load(self, redis: Redis) -> None:
         """Load before pipelining EVALSHA calls, where a NoScriptError cannot be retried per call."""

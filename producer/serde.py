@@ -7,6 +7,7 @@ run commands on every worker. These functions speak JSON only and refuse anythin
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
@@ -43,3 +44,20 @@ def job_deserializer(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PayloadRefused("job payload is not a JSON object")
     return data
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password (and a lone username-as-password) replaced by ***, for messages and logs."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and parts.username is None:
+            return url
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        user = parts.username or ""
+        cred = f"{user}:***" if parts.password is not None else "***"
+        return urlunsplit(parts._replace(netloc=f"{cred}@{host}"))
+    except ValueError:
+        return "<unparseable redis url>"

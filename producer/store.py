@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from producer import keys
 from producer.contract import BatchStatus, ErrorInfo, Result
-from producer.lua import LuaScript
+from producer.lua import LuaScript, done
 
 DEFAULT_RESULT_TTL_S = 7 * 24 * 3600
 CHUNK = 500
@@ -120,16 +120,20 @@ async def write_result(
     return bool(await _WRITE_RESULT(redis, keys_, args))
 
 
+async def has_result(redis: Redis, batch_id: str, index: int) -> bool:
+    return bool(await done(redis.hexists(keys.batch_results(batch_id), str(index))))
+
+
 async def mark_running(redis: Redis, batch_id: str, index: int) -> None:
-    await redis.sadd(keys.batch_running(batch_id), str(index))
+    await done(redis.sadd(keys.batch_running(batch_id), str(index)))
 
 
 async def unmark_running(redis: Redis, batch_id: str, index: int) -> None:
-    await redis.srem(keys.batch_running(batch_id), str(index))
+    await done(redis.srem(keys.batch_running(batch_id), str(index)))
 
 
 async def is_cancelled(redis: Redis, batch_id: str) -> bool:
-    return _str(await redis.hget(keys.batch_meta(batch_id), CANCEL_FLAG) or b"0") == "1"
+    return _str(await done(redis.hget(keys.batch_meta(batch_id), CANCEL_FLAG) or b"0")) == "1"
 
 
 def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
@@ -164,7 +168,7 @@ async def get_status(redis: Redis, batch_id: str) -> BatchStatus:
         pipe.hgetall(keys.batch_meta(batch_id))
         pipe.scard(keys.batch_running(batch_id))
         meta, running = await pipe.execute()
-    if not meta or b"total" not in meta and "total" not in meta:
+    if not meta or (b"total" not in meta and "total" not in meta):
         raise BatchNotFound(batch_id)
     return _status(batch_id, meta, int(running))
 
@@ -174,10 +178,10 @@ async def iter_results(
 ) -> AsyncIterator[tuple[Result, bool]]:
     """Yield (result, was_chat) in input order; requests without a result yet are skipped."""
     total = (await get_status(redis, batch_id)).total
-    chat_bits = await redis.get(keys.batch_chat(batch_id)) or b""
+    chat_bits = await done(redis.get(keys.batch_chat(batch_id))) or b""
     for start in range(0, total, chunk):
         idx = list(range(start, min(start + chunk, total)))
-        raws = await redis.hmget(keys.batch_results(batch_id), [str(i) for i in idx])
+        raws = await done(redis.hmget(keys.batch_results(batch_id), [str(i) for i in idx]))
         for i, raw in zip(idx, raws, strict=True):
             if raw is not None:
                 byte = i // 8
@@ -195,7 +199,7 @@ async def cancel_batch(redis: Redis, batch_id: str, *, chunk: int = CHUNK) -> in
     if status.finished_at is not None:
         return 0
     meta = keys.batch_meta(batch_id)
-    await redis.hset(meta, CANCEL_FLAG, "1")
+    await done(redis.hset(meta, CANCEL_FLAG, "1"))
     queue = status.queue or keys.DEFAULT_QUEUE
     cancelled = 0
     for start in range(0, status.total, chunk):
@@ -218,11 +222,18 @@ async def cancel_batch(redis: Redis, batch_id: str, *, chunk: int = CHUNK) -> in
 
 async def list_batches(redis: Redis, *, limit: int = 50) -> list[BatchStatus]:
     """The newest `limit` batches; batches whose keys expired are dropped from the index on the way."""
-    ids = [_str(b) for b in await redis.zrevrange(keys.BATCHES, 0, limit - 1)]
+    ids = [_str(b) for b in await done(redis.zrevrange(keys.BATCHES, 0, limit - 1))]
     out = []
     for batch_id in ids:
         try:
             out.append(await get_status(redis, batch_id))
         except BatchNotFound:
-            await redis.zrem(keys.BATCHES, batch_id)
+            await done(redis.zrem(keys.BATCHES, batch_id))
     return out
+
+
+async def get_meta(redis: Redis, batch_id: str) -> dict[str, str]:
+    meta = await done(redis.hgetall(keys.batch_meta(batch_id)))
+    if not meta:
+        raise BatchNotFound(batch_id)
+    return {_str(k): _str(v) for k, v in meta.items()}

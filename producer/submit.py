@@ -46,6 +46,7 @@ class SubmitReport:
     total: int = 0
     enqueued: int = 0
     invalid: int = 0
+    body_model: str | None = None  # the first OpenAI body.model seen, recorded in the batch meta
     errors: list[LineError] = field(default_factory=list)  # the first MAX_REPORTED bad lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,6 +90,7 @@ def validate_to_spool(
                     LineError(line_no, "id", f"duplicate id {parsed.request.id!r} (first on line {first})")
                 ]
         if isinstance(parsed, ParsedLine):
+            report.body_model = report.body_model or parsed.body_model
             body = orjson.dumps(parsed.request.model_dump(mode="json", exclude={"enqueued_at"}))
             spool.write(b"R" + (b"c" if parsed.chat else b"p") + body + b"\n")
         else:
@@ -152,6 +154,7 @@ async def create_batch(
     fields: dict[str, Any] = {
         "queue": queue,
         "model": model or "",
+        "body_model": report.body_model or "",
         "defaults": orjson.dumps(defaults.model_dump(mode="json", exclude_none=True) if defaults else {}),
         "result_ttl_s": result_ttl_s,
         "completed": 0,

@@ -1,0 +1,171 @@
+"""`producer`: submit JSONL batches to batchq and follow them. A thin argparse layer over BatchqClient."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from producer import commands
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+EXIT_CODES = """exit status:
+  0  success (wait: every request completed)
+  1  operational error: Redis unreachable, unknown batch id, ...
+  2  invalid input or usage: bad JSONL lines (nothing was enqueued), missing or empty file, bad option
+  3  wait: the --timeout passed before the batch finished
+  4  wait: the batch finished but some requests failed or were cancelled
+"""
+
+Handler = Callable[..., Coroutine[Any, Any, int]]
+
+
+def _cmd(sub: Any, name: str, handler: Handler, help_: str, example: str) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=help_,
+        description=help_,
+        epilog=f"example:\n  {example}\n\n{EXIT_CODES}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", DEFAULT_URL),
+        help="Redis URL; redis://user:pass@host:port/db and rediss:// (TLS) work "
+        f"(env REDIS_URL, default {DEFAULT_URL})",
+    )
+    p.set_defaults(handler=handler)
+    return p
+
+
+def _results_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", metavar="FILE", help="write results to FILE instead of stdout")
+    p.add_argument(
+        "--format",
+        choices=("jsonl", "openai"),
+        default="jsonl",
+        help="jsonl: batchq result lines; openai: OpenAI Batch output lines (default jsonl)",
+    )
+
+
+def _submit_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="JSONL file, or - for stdin")
+    p.add_argument("--queue", help="queue name (default: default)")
+    p.add_argument("--model", help="model this batch is for; recorded in every request")
+    p.add_argument(
+        "--batch-id", help="batch id (default: generated); resubmitting with the same id is a no-op"
+    )
+    g = p.add_argument_group("batch defaults (a request's own fields override them)")
+    g.add_argument("--max-new-tokens", type=int, metavar="N")
+    g.add_argument("--temperature", type=float, metavar="T", help="0 means greedy")
+    g.add_argument("--top-p", type=float, metavar="P")
+    g.add_argument("--top-k", type=int, metavar="K")
+    g.add_argument("--min-p", type=float, metavar="P")
+    g.add_argument("--repetition-penalty", type=float, metavar="R")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    g.add_argument(
+        "--timeout", type=float, metavar="S", dest="timeout_s", help="per-request wall-clock budget"
+    )
+    p.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="enqueue the valid lines; record invalid ones as failed results (error type invalid_request)",
+    )
+    p.add_argument(
+        "--result-ttl",
+        type=int,
+        default=7 * 24 * 3600,
+        metavar="S",
+        help="keep results S s after finishing (7 days)",
+    )
+    p.add_argument("--json", action="store_true", help='print {"batch_id","total","enqueued","invalid"}')
+    p.add_argument("--wait", action="store_true", help="then wait and write the results (stdout, or -o)")
+    p.add_argument(
+        "--wait-timeout", type=float, metavar="S", help="with --wait: give up after S seconds (exit 3)"
+    )
+    _results_opts(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="producer",
+        description="Submit JSONL prompt batches to batchq workers through Redis, and follow them.",
+        epilog="example:\n  producer submit prompts.jsonl --max-new-tokens 64 --temperature 0\n"
+        "  producer wait BATCH && producer results BATCH -o results.jsonl\n\n" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = _cmd(
+        sub,
+        "submit",
+        commands.submit,
+        "validate a JSONL file (every line, before enqueuing anything) and enqueue it as one batch",
+        "producer submit prompts.jsonl --queue default --max-new-tokens 128 --temperature 0 --stop '###'\n"
+        "  cat prompts.jsonl | producer submit - --wait -o results.jsonl",
+    )
+    _submit_opts(p)
+
+    p = _cmd(
+        sub,
+        "status",
+        commands.status,
+        "show a batch's progress and token counts",
+        "producer status BATCH --json",
+    )
+    p.add_argument("batch_id", metavar="BATCH")
+    p.add_argument("--json", action="store_true", help="print the status as one JSON object")
+
+    p = _cmd(
+        sub,
+        "wait",
+        commands.wait,
+        "wait for a batch to finish, showing progress on stderr",
+        "producer wait BATCH --timeout 3600",
+    )
+    p.add_argument("batch_id", metavar="BATCH")
+    p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 3)")
+
+    p = _cmd(
+        sub,
+        "results",
+        commands.results,
+        "write a batch's results in input order",
+        "producer results BATCH -o results.jsonl --format openai",
+    )
+    p.add_argument("batch_id", metavar="BATCH")
+    _results_opts(p)
+
+    p = _cmd(
+        sub,
+        "cancel",
+        commands.cancel,
+        "cancel a batch: queued requests end as cancelled",
+        "producer cancel BATCH",
+    )
+    p.add_argument("batch_id", metavar="BATCH")
+
+    p = _cmd(
+        sub, "list", commands.list_batches, "list recent batches, newest first", "producer list --limit 10"
+    )
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true", help="one JSON status object per line")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code = asyncio.run(commands.run(args.handler, args))
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        code = 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The async Python API of the producer (the CLI is a thin layer over it), for nightly jobs in Python.
+
+async with BatchqClient.from_url("redis://localhost:6379/0") as client:
+    report = await client.submit_file("prompts.jsonl", defaults=SamplingParams(temperature=0))
+    status = await client.wait(report.batch_id, timeout=3600)
+    async for result in client.results(report.batch_id):
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+from redis.asyncio import Redis
+
+from producer import store
+from producer.contract import BatchStatus, Result, SamplingParams
+from producer.submit import InputError, SubmitReport, submit_stream
+
+ProgressFn = Callable[[BatchStatus], Awaitable[None] | None]
+
+
+class WaitTimeout(TimeoutError):
+    def __init__(self, status: BatchStatus, timeout: float) -> None:
+        super().__init__(
+            f"batch {status.batch_id!r} not finished after {timeout:g}s ({status.done}/{status.total} done)"
+        )
+        self.status = status
+
+
+class _LineReader(io.RawIOBase):
+    """Presents an iterable of str/bytes lines as a binary stream for the JSONL reader."""
+
+    def __init__(self, lines: Iterable[str | bytes]) -> None:
+        self._it = iter(lines)
+        self._buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._buf:
+            try:
+                line = next(self._it)
+            except StopIteration:
+                return 0
+            raw = line.encode() if isinstance(line, str) else line
+            self._buf = raw if raw.endswith(b"\n") else raw + b"\n"
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+class BatchqClient:
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    @classmethod
+    def from_url(cls, url: str) -> BatchqClient:
+        """redis://, rediss:// (TLS) and user:password@ URLs all work."""
+        return cls(Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30))
+
+    async def __aenter__(self) -> BatchqClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def submit_file(
+        self,
+        path_or_stdin: str | Path | IO[bytes],
+        *,
+        defaults: SamplingParams | None = None,
+        batch_id: str | None = None,
+        queue: str | None = None,
+        model: str | None = None,
+        skip_invalid: bool = False,
+        result_ttl_s: int = store.DEFAULT_RESULT_TTL_S,
+    ) -> SubmitReport:
+        """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input."""
+        opts: dict[str, Any] = dict(
+            batch_id=batch_id,
+            queue=queue,
+            model=model,
+            defaults=defaults,
+            skip_invalid=skip_invalid,
+            result_ttl_s=result_ttl_s,
+        )
+        if not isinstance(path_or_stdin, str | Path):
+            return await submit_stream(self.redis, path_or_stdin, **opts)
+        if str(path_or_stdin) == "-":
+            return await submit_stream(self.redis, sys.stdin.buffer, **opts)
+        path = Path(path_or_stdin)
+        if not path.is_file():
+            raise InputError(f"no such file: {path}")
+        with path.open("rb") as f:
+            try:
+                return await submit_stream(self.redis, f, **opts)
+            except InputError as e:
+                e.args = (f"{path}: {e}",)  # name the file in the one-line message
+                raise
+
+    async def submit_lines(self, lines: Iterable[str | bytes], **kwargs: Any) -> SubmitReport:
+        """Like submit_file, for JSONL lines (or dicts already dumped to str) produced in Python."""
+        with io.BufferedReader(_LineReader(lines)) as stream:
+            return await submit_stream(self.redis, stream, **kwargs)
+
+    async def status(self, batch_id: str) -> BatchStatus:
+        return await store.get_status(self.redis, batch_id)
+
+    async def wait(
+        self,
+        batch_id: str,
+        timeout: float | None = None,
+        on_progress: ProgressFn | None = None,
+        *,
+        poll_s: float = 0.5,
+    ) -> BatchStatus:
+        """Poll until every request has a result. Raises WaitTimeout after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = await self.status(batch_id)
+            if on_progress is not None:
+                maybe = on_progress(status)
+                if maybe is not None:
+                    await maybe
+            if status.done >= status.total:
+                return status
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(status, timeout or 0.0)
+            left = poll_s if deadline is None else min(poll_s, max(0.0, deadline - time.monotonic()))
+            await asyncio.sleep(left)
+
+    async def results(self, batch_id: str) -> AsyncIterator[Result]:
+        """Results in input order (requests still running are skipped)."""
+        async for result, _chat in store.iter_results(self.redis, batch_id):
+            yield result
+
+    async def results_with_kind(self, batch_id: str) -> AsyncIterator[tuple[Result, bool]]:
+        """(result, was_chat) in input order: what the OpenAI output format needs."""
+        async for pair in store.iter_results(self.redis, batch_id):
+            yield pair
+
+    async def cancel(self, batch_id: str) -> int:
+        return await store.cancel_batch(self.redis, batch_id)
+
+    async def list_batches(self, limit: int = 50) -> list[BatchStatus]:
+        return await store.list_batches(self.redis, limit=limit)
+
+    async def batch_meta(self, batch_id: str) -> dict[str, str]:
+        return await store.get_meta(self.redis, batch_id)

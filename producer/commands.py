@@ -1,0 +1,225 @@
+"""The CLI's commands: each takes parsed arguments, talks to BatchqClient and returns an exit status.
+
+User-facing failures become one line on stderr (no traceback); Redis URLs are shown without passwords.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from contextlib import nullcontext
+from typing import IO, Any
+from urllib.parse import unquote, urlsplit
+
+import orjson
+from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer.client import BatchqClient, WaitTimeout
+from producer.contract import BatchStatus, SamplingParams
+from producer.openai_format import openai_line
+from producer.progress import Progress
+from producer.serde import mask_url
+from producer.store import BatchNotFound
+from producer.submit import InputError
+
+OK, FAILED, INVALID, TIMED_OUT, SOME_FAILED = 0, 1, 2, 3, 4
+_DEFAULT_FIELDS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+)
+
+
+def _err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+
+
+def _redact(text: str, url: str) -> str:
+    try:
+        secret = urlsplit(url).password
+    except ValueError:
+        secret = None
+    for s in {secret, unquote(secret)} if secret else ():
+        text = text.replace(s, "***")
+    return text
+
+
+async def run(handler: Callable[..., Coroutine[Any, Any, int]], args: argparse.Namespace) -> int:
+    """Open the client, run one command and map the errors a user will meet to one line each."""
+    url = args.redis_url
+    try:
+        client = BatchqClient.from_url(url)
+    except ValueError as e:
+        _err(f"bad Redis URL {mask_url(url)}: {_redact(str(e), url)}")
+        return INVALID
+    try:
+        return await handler(client, args)
+    except InputError as e:
+        _err(str(e))
+        for le in e.errors:
+            print(f"  {le}", file=sys.stderr)
+        if e.bad_lines > len(e.errors):
+            print(f"  ... and {e.bad_lines - len(e.errors)} more", file=sys.stderr)
+        return INVALID
+    except BatchNotFound as e:
+        _err(str(e))
+        return FAILED
+    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+        _err(f"cannot reach Redis at {mask_url(url)}: {_redact(str(e), url) or type(e).__name__}")
+        return FAILED
+    except RedisError as e:
+        _err(f"Redis at {mask_url(url)} refused: {_redact(str(e), url) or type(e).__name__}")
+        return FAILED
+    finally:
+        await client.close()
+
+
+def _defaults(args: argparse.Namespace) -> SamplingParams:
+    values = {f: getattr(args, f) for f in (*_DEFAULT_FIELDS, "timeout_s") if getattr(args, f) is not None}
+    try:
+        return SamplingParams.model_validate(values)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        flag = (
+            "--timeout" if first["loc"][0] == "timeout_s" else "--" + str(first["loc"][0]).replace("_", "-")
+        )
+        raise InputError(f"{flag}: {first['msg']}") from None
+
+
+def _open_out(path: str | None) -> Any:
+    return open(path, "wb") if path else nullcontext(sys.stdout.buffer)
+
+
+async def _write_results(client: BatchqClient, batch_id: str, path: str | None, fmt: str) -> int:
+    n = 0
+    meta = await client.batch_meta(batch_id) if fmt == "openai" else {}
+    model = meta.get("model") or meta.get("body_model") or "batchq"
+    created = int(float(meta.get("finished_at") or meta.get("created_at") or time.time()))
+    with _open_out(path) as out:
+        async for result, chat in client.results_with_kind(batch_id):
+            if fmt == "openai":
+                line = openai_line(result, chat=chat, batch_id=batch_id, model=model, created=created)
+            else:
+                line = result.to_user_json()
+            out.write(line + b"\n")
+            n += 1
+        out.flush()
+    return n
+
+
+async def _wait(client: BatchqClient, batch_id: str, timeout: float | None) -> tuple[int, BatchStatus]:
+    progress = Progress(sys.stderr)
+    try:
+        status = await client.wait(
+            batch_id, timeout, on_progress=progress, poll_s=0.5 if progress.tty else 1.0
+        )
+    except WaitTimeout as e:
+        progress.finish()
+        _err(str(e))
+        return TIMED_OUT, e.status
+    progress.finish()
+    return (OK if status.completed == status.total else SOME_FAILED), status
+
+
+def _summary(s: BatchStatus) -> str:
+    return (
+        f"batch {s.batch_id} {s.state}: {s.completed} completed, {s.failed} failed, {s.cancelled} cancelled "
+        f"of {s.total}"
+    )
+
+
+async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
+    defaults = _defaults(args)
+    report = await client.submit_file(
+        args.file,
+        defaults=defaults,
+        batch_id=args.batch_id,
+        queue=args.queue,
+        model=args.model,
+        skip_invalid=args.skip_invalid,
+        result_ttl_s=args.result_ttl,
+    )
+    for le in report.errors:
+        print(f"skipped invalid line: {le}", file=sys.stderr)
+    if report.invalid > len(report.errors):
+        print(f"skipped ... and {report.invalid - len(report.errors)} more invalid lines", file=sys.stderr)
+    waiting = args.wait or args.output
+    report_out: IO[str] = sys.stderr if waiting and not args.output else sys.stdout
+    print(
+        orjson.dumps(report.to_dict()).decode() if args.json else report.batch_id, file=report_out, flush=True
+    )
+    print(
+        f"batch {report.batch_id}: {report.total} requests, {report.enqueued} enqueued now, "
+        f"{report.invalid} invalid",
+        file=sys.stderr,
+    )
+    if not waiting:
+        return OK
+    code, _status = await _wait(client, report.batch_id, args.wait_timeout)
+    if code != TIMED_OUT:
+        await _write_results(client, report.batch_id, args.output, args.format)
+    return code
+
+
+async def status(client: BatchqClient, args: argparse.Namespace) -> int:
+    s = await client.status(args.batch_id)
+    if args.json:
+        print(s.model_dump_json())
+        return OK
+
+    def when(t: float | None) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+    print(f"batch      {s.batch_id}  ({s.state})")
+    print(f"requests   total {s.total}  queued {s.queued}  running {s.running}")
+    print(f"finished   completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}")
+    print(f"tokens     prompt {s.prompt_tokens}  completion {s.completion_tokens}")
+    print(f"created    {when(s.created_at)}   finished {when(s.finished_at)}")
+    return OK
+
+
+async def wait(client: BatchqClient, args: argparse.Namespace) -> int:
+    code, s = await _wait(client, args.batch_id, args.timeout)
+    if code != TIMED_OUT:
+        print(_summary(s), file=sys.stderr)
+    return code
+
+
+async def results(client: BatchqClient, args: argparse.Namespace) -> int:
+    s = await client.status(args.batch_id)
+    n = await _write_results(client, args.batch_id, args.output, args.format)
+    if n < s.total:
+        print(f"note: {s.total - n} of {s.total} requests have no result yet", file=sys.stderr)
+    return OK
+
+
+async def cancel(client: BatchqClient, args: argparse.Namespace) -> int:
+    n = await client.cancel(args.batch_id)
+    s = await client.status(args.batch_id)
+    print(
+        f"batch {s.batch_id}: {n} queued requests cancelled; {s.running} running will stop at their next step"
+    )
+    return OK
+
+
+async def list_batches(client: BatchqClient, args: argparse.Namespace) -> int:
+    batches = await client.list_batches(args.limit)
+    if args.json:
+        for s in batches:
+            print(s.model_dump_json())
+        return OK
+    print(f"{'BATCH':<36} {'STATE':<10} {'DONE':>15} {'FAILED':>7}  CREATED")
+    for s in batches:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.created_at))
+        print(f"{s.batch_id:<36} {s.state:<10} {f'{s.done}/{s.total}':>15} {s.failed:>7}  {created}")
+    return OK

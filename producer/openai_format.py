@@ -1,0 +1,52 @@
+"""Results as OpenAI Batch API output lines, for pipelines written against that format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from producer import keys
+from producer.contract import Result
+
+# OpenAI knows only "stop" and "length": a timeout or a repetition cut truncates output like a length limit.
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "repetition": "length"}
+
+
+def openai_line(result: Result, *, chat: bool, batch_id: str, model: str, created: int) -> bytes:
+    request_id = keys.job_id(batch_id, result.index)
+    line: dict[str, Any] = {"id": f"batch_req_{request_id}", "custom_id": result.id}
+    if result.finish_reason in ("error", "cancelled"):
+        err = result.error
+        line["response"] = None
+        line["error"] = {
+            "code": err.type if err else result.finish_reason,
+            "message": err.message if err else result.finish_reason,
+        }
+        return orjson.dumps(line)
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+        choice["logprobs"] = None
+    choice["finish_reason"] = _FINISH[result.finish_reason]
+    usage = result.usage
+    line["response"] = {
+        "status_code": 200,
+        "request_id": request_id,
+        "body": {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens or usage.prompt_tokens + usage.completion_tokens,
+            },
+        },
+    }
+    line["error"] = None
+    return orjson.dumps(line)
