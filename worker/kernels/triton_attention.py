@@ -21,9 +21,8 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from worker.kernels import triton_cache, triton_decode, triton_prefill
+from worker.kernels import triton_checks as checks
 
-_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 
 
@@ -43,15 +42,15 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     k, v: [tokens, kv_heads, head_dim] (any token/head strides); slot_mapping: [tokens] int32/int64;
     k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] contiguous.
     """
-    _, _, kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    _, _, kv_heads, head_dim = checks.check_cache(k_cache, v_cache)
     for name, x in (("k", k), ("v", v)):
-        _check_rows(name, x, 3, kv_heads, head_dim)
+        checks.check_rows(name, x, 3, kv_heads, head_dim)
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor, got {x.dtype}")
     if v.shape != k.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    _check_index("slot_mapping", slot_mapping, (k.shape[0],))
-    _check_device(k, v, k_cache, v_cache, slot_mapping)
+    checks.check_index("slot_mapping", slot_mapping, (k.shape[0],))
+    checks.check_device(k, v, k_cache, v_cache, slot_mapping, cpu_ok=interpreted())
     if k.shape[0] == 0:
         return
     triton_cache.write_kv_kernel[(k.shape[0],)](
@@ -73,22 +72,24 @@ def paged_decode_attention(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    out: Tensor | None = None,
 ) -> Tensor:
     """One new query token per sequence over its whole cached context (itself included).
 
     q: [batch, heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch], each >= 1
-    -> [batch, heads, head_dim] contiguous, dtype of q. num_splits=None picks split-K from the SM count.
+    -> [batch, heads, head_dim] contiguous, dtype of q, written into `out` when given (a preallocated
+    buffer, e.g. for CUDA graphs). num_splits=None picks split-K from the SM count.
     """
-    _, block_size, kv_heads, head_dim = _check_cache(k_cache, v_cache)
-    _check_rows("q", q, 3, None, head_dim)
+    _, block_size, kv_heads, head_dim = checks.check_cache(k_cache, v_cache)
+    checks.check_rows("q", q, 3, None, head_dim)
     batch, heads = q.shape[0], q.shape[1]
-    group = _check_group(heads, kv_heads)
-    _check_dtype("q", q, k_cache.dtype)
-    _check_index("block_tables", block_tables, (batch, None))
-    _check_index("context_lens", context_lens, (batch,))
-    _check_device(q, k_cache, v_cache, block_tables, context_lens)
-    _check_pow2("block_n", block_n, 16)
-    out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
+    group = checks.check_group(heads, kv_heads)
+    checks.check_dtype("q", q, k_cache.dtype)
+    checks.check_index("block_tables", block_tables, (batch, None))
+    checks.check_index("context_lens", context_lens, (batch,))
+    checks.check_device(q, k_cache, v_cache, block_tables, context_lens, cpu_ok=interpreted())
+    checks.check_pow2("block_n", block_n, 16)
+    out = checks.output(out, q)
     if batch == 0:
         return out
     max_ctx = block_tables.shape[1] * block_size  # host-side bound: no sync on context_lens
@@ -136,29 +137,30 @@ def paged_prefill_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Causal attention for packed new tokens over their cached prefix and themselves.
 
     q: [new_tokens, heads, head_dim]; cu_seqlens_q: [batch + 1]; context_lens: [batch] (cached prefix +
     new tokens, new K/V already written); block_tables: [batch, max_blocks]
-    -> [new_tokens, heads, head_dim] contiguous. The i-th new token of sequence b sits at position
-    context_lens[b] - q_len_b + i. block_m counts rows = query tokens x GQA group.
+    -> [new_tokens, heads, head_dim] contiguous (into `out` when given). The i-th new token of
+    sequence b sits at position context_lens[b] - q_len_b + i. block_m counts rows = tokens x GQA group.
     """
-    _, block_size, kv_heads, head_dim = _check_cache(k_cache, v_cache)
-    _check_rows("q", q, 3, None, head_dim)
+    _, block_size, kv_heads, head_dim = checks.check_cache(k_cache, v_cache)
+    checks.check_rows("q", q, 3, None, head_dim)
     tokens, heads = q.shape[0], q.shape[1]
-    group = _check_group(heads, kv_heads)
-    _check_dtype("q", q, k_cache.dtype)
+    group = checks.check_group(heads, kv_heads)
+    checks.check_dtype("q", q, k_cache.dtype)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"cu_seqlens_q must be [batch + 1], got {tuple(cu_seqlens_q.shape)}")
     batch = cu_seqlens_q.shape[0] - 1
-    _check_index("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
-    _check_index("block_tables", block_tables, (batch, None))
-    _check_index("context_lens", context_lens, (batch,))
-    _check_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
-    _check_pow2("block_m", block_m, 16)
-    _check_pow2("block_n", block_n, 16)
-    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    checks.check_index("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    checks.check_index("block_tables", block_tables, (batch, None))
+    checks.check_index("context_lens", context_lens, (batch,))
+    checks.check_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, cpu_ok=interpreted())
+    checks.check_pow2("block_m", block_m, 16)
+    checks.check_pow2("block_n", block_n, 16)
+    out = checks.output(out, q)
     if tokens == 0 or batch == 0:
         return out
     block_m = max(block_m, triton.next_power_of_2(group))  # a tile holds at least one token's group
@@ -174,81 +176,6 @@ def paged_prefill_attention(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
-
-
-# --- input checks -------------------------------------------------------------------------------------
-
-
-def _check_cache(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int]:
-    # k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim] -> that shape
-    if k_cache.dim() != 4:
-        raise ValueError(
-            f"k_cache must be [num_blocks, block_size, kv_heads, head_dim], got {k_cache.dim()}-D"
-        )
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match "
-            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype}"
-        )
-    if k_cache.dtype not in _CACHE_DTYPES:
-        raise ValueError(f"cache dtype must be one of {_CACHE_DTYPES}, got {k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    nb, bs, kvh, d = k_cache.shape
-    _check_pow2("head_dim", d, 16, 256)
-    if bs < 1 or kvh < 1:
-        raise ValueError(f"block_size and kv_heads must be >= 1, got {bs} and {kvh}")
-    return nb, bs, kvh, d
-
-
-def _check_rows(name: str, x: Tensor, dims: int, heads: int | None, head_dim: int) -> None:
-    # x: [tokens, heads, head_dim] with unit stride along head_dim (rows are loaded as vectors).
-    if x.dim() != dims or x.shape[-1] != head_dim or (heads is not None and x.shape[1] != heads):
-        want = f"[*, {heads if heads is not None else 'heads'}, {head_dim}]"
-        raise ValueError(f"{name} must be {want}, got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride along head_dim, got strides {x.stride()}")
-
-
-def _check_group(heads: int, kv_heads: int) -> int:
-    if heads < 1 or heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
-    return heads // kv_heads
-
-
-def _check_dtype(name: str, x: Tensor, dtype: torch.dtype) -> None:
-    if x.dtype != dtype:
-        raise ValueError(f"{name} dtype {x.dtype} must match the cache dtype {dtype}")
-
-
-def _check_index(name: str, x: Tensor, shape: tuple[int | None, ...]) -> None:
-    # Index tensors: integer, the given shape (None = any size), unit stride along the last dim.
-    ok = x.dim() == len(shape) and all(s is None or x.shape[i] == s for i, s in enumerate(shape))
-    if not ok:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    if x.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"{name} must be int32 or int64, got {x.dtype}")
-    if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride along its last dim, got strides {x.stride()}")
-
-
-def _check_pow2(name: str, value: int, low: int, high: int | None = None) -> None:
-    if value < low or value & (value - 1) or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be a power of two {bound}, got {value}")
-
-
-def _check_device(*tensors: Tensor) -> None:
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
-    if device.type == "cpu" and not interpreted():
-        raise ValueError(
-            "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing "
-            "worker.kernels.triton_attention, or pass CUDA tensors"
-        )
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {device}; the Triton kernels take CUDA tensors")
 
 
 # --- launch parameters --------------------------------------------------------------------------------
