@@ -131,15 +131,15 @@ def main() -> int:
     p.add_argument("--out", default=None)
     ns = p.parse_args()
 
-    from transformers import AutoTokenizer  # noqa: F401  (fail early if the venv is incomplete)
+    from transformers import AutoTokenizer
 
     import workload as wl
-    from worker.models.loader import load_tokenizer
+    from worker.models.loader import resolve_checkpoint
 
     info: dict[str, Any] = {"machine": machine(), "dtype": ns.dtype, "requests": ns.n, "seed": ns.seed}
     with tempfile.TemporaryDirectory() as d:
         wpath = Path(d) / "workload.jsonl"
-        lines = wl.generate(ns.n, ns.seed, load_tokenizer("smollm2-135m"))
+        lines = wl.generate(ns.n, ns.seed, AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m")))
         wpath.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
         extra = ["--max-num-seqs", str(ns.max_num_seqs)]
         engine = run_contender("engine", wpath, ns.dtype, extra)

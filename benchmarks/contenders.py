@@ -110,9 +110,13 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from worker.models.loader import load_hf_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, tok = load_hf_model(MODEL, dtype=getattr(torch, dtype))
+    from worker.models.loader import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype))
+    tok = AutoTokenizer.from_pretrained(ckpt)
     model.eval()
     tok.padding_side = "left"
     eos = model.generation_config.eos_token_id
@@ -201,7 +205,7 @@ def run_queue(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, worklo
 async def _queue_client(url: str, lines: list[dict[str, Any]], workload: str, worker: Any) -> dict[str, Any]:
     from producer.client import BatchqClient
 
-    client = await BatchqClient.from_url(url)
+    client = BatchqClient.from_url(url)
     try:
         deadline = time.monotonic() + 600
         while not await client.redis.keys("batchq:worker:*"):

@@ -105,12 +105,15 @@ class JobRunner:
             log.warning("could not hand back %s (%s); its lease will expire", job_id, type(e).__name__)
 
     async def _store(self, batch_id: str, result: Result) -> None:
-        written = await self._retrying(store.write_result, self.redis, batch_id, result)
+        written = await self._retrying(self._write, batch_id, result)
         if written:
             if result.finish_reason == "error":
                 self.failed += 1
             else:
                 self.completed += 1
+
+    async def _write(self, batch_id: str, result: Result) -> bool:
+        return await store.write_result(self.redis, batch_id, result, ttl_s=int(self.cfg.result_ttl_s))
 
     async def _retrying(self, fn: Any, *args: Any) -> Any:
         """Call a Redis operation until it succeeds: a Redis blip must not lose an accepted result."""

@@ -1,0 +1,150 @@
+"""End to end: producer submit -> real worker processes -> producer results, on the real model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from producer import keys
+from tests.worker.conftest import ROOT, assert_consistent, results_count, submit, wait_until, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = ROOT / "configs" / "examples" / "prompts.jsonl"
+
+
+def test_two_workers_complete_a_batch_with_exact_usage_and_engine_identical_text(server, workers, tmp_path):
+    from producer.contract import SamplingParams
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.request import EngineRequest
+
+    lines = [orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines() if x.strip()]
+    chosen = lines[:6] + lines[25:29] + lines[-7:-3]  # sentiment, topics, generation with stops
+    for x in chosen:
+        x.pop("seed", None)
+        x["temperature"] = 0
+    path = write_jsonl(tmp_path / "in.jsonl", chosen)
+    args = ["--dtype", "float32", "--max-num-seqs", "4", "--prefetch", "2"]
+    a = workers(server.url, "smollm2-135m", *args, name="a")
+    b = workers(server.url, "smollm2-135m", *args, name="b")
+    a.wait_ready(300)
+    b.wait_ready(300)
+    bid = submit(server.url, path)
+    wait_until(lambda: results_count(server.url, bid) == len(chosen), 300, "all results")
+
+    out = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "results", bid, "--redis-url", server.url],
+        capture_output=True, cwd=ROOT, check=True,
+    )  # fmt: skip
+    got = [orjson.loads(x) for x in out.stdout.splitlines()]
+    assert [g["id"] for g in got] == [x.get("id") or x.get("custom_id") for x in chosen]
+    stored = assert_consistent(server.url, bid, len(chosen))
+    assert {r["worker"] for r in stored.values()} == {a.id, b.id}, "both workers should share the load"
+
+    # The same requests straight through the engine, in one batch: identical greedy text and usage.
+    engine = Engine.load(EngineConfig(model="smollm2-135m", device="cpu", dtype="float32"))
+    reqs = []
+    for i, x in enumerate(chosen):
+        body = x.get("body", x)
+        params = SamplingParams.model_validate(
+            {k: v for k, v in body.items() if k not in ("id", "messages", "prompt", "metadata", "model")}
+        ).resolve()
+        reqs.append(EngineRequest(request_id=str(i), params=params, prompt=body.get("prompt"),
+                                  messages=body.get("messages")))  # fmt: skip
+    direct = engine.generate(reqs)
+    tok = engine.tokenizer
+    for g, d, x in zip(got, direct, chosen, strict=True):
+        assert g["text"] == d.text, g["id"]
+        assert g["finish_reason"] == d.finish_reason, g["id"]
+        body = x.get("body", x)
+        if "messages" in body:
+            templated = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            n_prompt = len(tok(templated, add_special_tokens=False)["input_ids"])
+        else:
+            n_prompt = len(tok(body["prompt"])["input_ids"])
+        assert g["usage"]["prompt_tokens"] == n_prompt, g["id"]
+        assert g["usage"]["completion_tokens"] == len(d.token_ids), g["id"]
+        assert g["usage"]["total_tokens"] == n_prompt + len(d.token_ids)
+        assert g["error"] is None
+
+
+def test_over_long_prompt_fails_alone_and_cancel_stops_the_rest(server, workers, tiny_model_dir, tmp_path):
+    lines = [{"id": "huge", "prompt": "word " * 3000, "max_new_tokens": 5}]
+    lines += [{"id": f"r{i}", "prompt": f"item {i}", "max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+              for i in range(15)]  # fmt: skip
+    w = workers(server.url, str(tiny_model_dir), "--max-num-seqs", "2", "--prefetch", "1", name="a")
+    w.wait_ready()
+    bid = submit(server.url, write_jsonl(tmp_path / "in.jsonl", lines))
+    wait_until(lambda: results_count(server.url, bid) >= 4, 120, "some results")
+    out = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "cancel", bid, "--redis-url", server.url],
+        capture_output=True, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr.decode()
+    wait_until(lambda: results_count(server.url, bid) == len(lines), 60, "every request to end")
+    results = assert_consistent(server.url, bid, len(lines))
+    assert results[0]["finish_reason"] == "error"
+    assert results[0]["error"]["type"] == "prompt_too_long"
+    reasons = [results[i]["finish_reason"] for i in range(1, len(lines))]
+    assert "length" in reasons and "cancelled" in reasons
+    assert set(reasons) <= {"length", "cancelled"}
+    # Requests running when the cancel came stop at their next step, keeping their partial text.
+    partial = [r for r in results.values() if r["finish_reason"] == "cancelled" and r["usage"]["completion_tokens"]]
+    assert all(0 < r["usage"]["completion_tokens"] < 300 for r in partial)
+    st = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "status", bid, "--json", "--redis-url", server.url],
+        capture_output=True, cwd=ROOT, check=True,
+    )  # fmt: skip
+    status = orjson.loads(st.stdout)
+    assert status["state"] == "cancelled"
+    assert status["failed"] == 1 and status["cancelled"] == reasons.count("cancelled")
+    assert w.proc.poll() is None
+    check = [sys.executable, "-m", "worker.cli", "--check", "--redis-url", server.url]
+    assert subprocess.run(check, capture_output=True, cwd=ROOT, check=False).returncode == 0
+    w.signal(signal.SIGTERM)
+    assert w.wait(30) == 0
+    assert subprocess.run(check, capture_output=True, cwd=ROOT, check=False).returncode == 1
+
+
+def test_make_run_labels_a_prompt_file_end_to_end(tmp_path: Path):
+    prompts = write_jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            {"id": "a", "messages": [{"role": "user", "content": "Is 'I love it' positive or negative?"}],
+             "temperature": 0, "max_new_tokens": 5},
+            {"id": "b", "prompt": "The capital of France is", "temperature": 0, "max_new_tokens": 8, "stop": ["."]},
+            {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}},
+        ],
+    )  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.run(
+        ["make", "run", f"PROMPTS={prompts}", f"OUT={out}"],
+        capture_output=True, cwd=ROOT, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    text = proc.stdout.decode() + proc.stderr.decode()
+    assert proc.returncode == 0, text
+    results = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    assert [r["id"] for r in results] == ["a", "b", "c"]
+    assert all(r["error"] is None and r["usage"]["completion_tokens"] > 0 for r in results)
+    assert "Paris" in results[1]["text"]
+    assert "summary: 3 requests" in text and "finish reasons:" in text
+    assert "stopped the worker and the embedded Redis" in text
+
+
+def test_worker_refuses_a_queue_bound_to_another_model(server, workers, tiny_model_dir):
+    r = redis.Redis.from_url(server.url)
+    r.set(keys.queue_model(keys.queue_name("default")), "some-other-model", ex=60)
+    r.close()
+    w = workers(server.url, str(tiny_model_dir), name="a")
+    assert w.wait(120) == 1
+    assert "is served by workers of model 'some-other-model'" in w.log()
