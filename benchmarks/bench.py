@@ -75,11 +75,23 @@ def enqueue_rate(n: int = 100_000) -> dict[str, Any]:
         path = Path(d) / "big.jsonl"
         with path.open("wb") as f:
             for i in range(n):
-                f.write(orjson.dumps({"id": f"r{i}", "prompt": f"Label this text number {i}.", "max_tokens": 8}))
+                f.write(
+                    orjson.dumps({"id": f"r{i}", "prompt": f"Label this text number {i}.", "max_tokens": 8})
+                )
                 f.write(b"\n")
         t0 = time.perf_counter()
         subprocess.run(
-            [sys.executable, "-m", "producer.cli", "submit", str(path), "--redis-url", server.url, "--queue", "enq"],
+            [
+                sys.executable,
+                "-m",
+                "producer.cli",
+                "submit",
+                str(path),
+                "--redis-url",
+                server.url,
+                "--queue",
+                "enq",
+            ],
             check=True,
             stdout=subprocess.DEVNULL,
             cwd=ROOT,
@@ -92,7 +104,16 @@ def run_contender(mode: str, workload: Path, dtype: str, extra: list[str]) -> di
     out = workload.with_name(f"{mode}.json")
     print(f"  running {mode} ...", file=sys.stderr, flush=True)
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "contenders.py"), mode, str(workload), str(out), "--dtype", dtype, *extra],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "contenders.py"),
+            mode,
+            str(workload),
+            str(out),
+            "--dtype",
+            dtype,
+            *extra,
+        ],
         check=True,
         cwd=ROOT,
     )
@@ -131,9 +152,9 @@ def main() -> int:
     p.add_argument("--out", default=None)
     ns = p.parse_args()
 
+    import workload as wl
     from transformers import AutoTokenizer
 
-    import workload as wl
     from worker.models.loader import resolve_checkpoint
 
     info: dict[str, Any] = {"machine": machine(), "dtype": ns.dtype, "requests": ns.n, "seed": ns.seed}
@@ -179,7 +200,10 @@ def main() -> int:
         print(f"queue path / engine: {100 * info['queue_vs_engine']:.0f}%")
     if "greedy_text_equal_to_hf" in info:
         print(f"greedy texts identical to HF: {info['greedy_text_equal_to_hf']}")
-        print("HF batch-size sweep (tok/s): " + ", ".join(f"bs={k}: {v:.1f}" for k, v in info["hf_sweep_tokens_per_s"].items()))
+        print(
+            "HF batch-size sweep (tok/s): "
+            + ", ".join(f"bs={k}: {v:.1f}" for k, v in info["hf_sweep_tokens_per_s"].items())
+        )
     if "enqueue" in info:
         e = info["enqueue"]
         print(f"producer submit: {e['lines']} lines in {e['wall_s']:.2f}s = {e['lines_per_s']:.0f} lines/s")

@@ -1,16 +1,16 @@
 """The three contenders of bench.py, each run in its own process so peak RSS and threads are its own.
 
-    python benchmarks/contenders.py engine WORKLOAD.jsonl OUT.json --dtype float32
-    python benchmarks/contenders.py hf WORKLOAD.jsonl OUT.json --dtype float32
-    python benchmarks/contenders.py queue WORKLOAD.jsonl OUT.json --dtype float32
+python benchmarks/contenders.py engine WORKLOAD.jsonl OUT.json --dtype float32
+python benchmarks/contenders.py hf WORKLOAD.jsonl OUT.json --dtype float32
+python benchmarks/contenders.py queue WORKLOAD.jsonl OUT.json --dtype float32
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -101,16 +101,16 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int) -> di
         texts={r.request_id: r.text for r in results},
         full_batch_tokens_per_s=sum(r.completion_tokens for r in dres) / dwall,
         full_batch_size=len(dec),
-        params=sum(p.numel() for p in engine.runner.model.parameters()) if hasattr(engine, "runner") else None,
+        params=sum(p.numel() for p in engine.runner.model.parameters())
+        if hasattr(engine, "runner")
+        else None,
     )
 
 
 # --------------------------------------------------------------------------- HF generate
 def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str, Any]:
     import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
     from worker.models.loader import resolve_checkpoint
 
@@ -121,7 +121,9 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
     tok.padding_side = "left"
     eos = model.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos)
-    texts = [tok.apply_chat_template(ln["messages"], add_generation_prompt=True, tokenize=False) for ln in lines]
+    texts = [
+        tok.apply_chat_template(ln["messages"], add_generation_prompt=True, tokenize=False) for ln in lines
+    ]
 
     class FirstToken(LogitsProcessor):
         def __init__(self) -> None:
@@ -150,7 +152,9 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
             new = gen[:, enc["input_ids"].shape[1] :]
             for row, i in enumerate(chunk):
                 ids = new[row].tolist()[: lines[i]["max_new_tokens"]]
-                cut = next((k + 1 for k, t in enumerate(ids) if t in (eos if isinstance(eos, list) else [eos])), None)
+                cut = next(
+                    (k + 1 for k, t in enumerate(ids) if t in (eos if isinstance(eos, list) else [eos])), None
+                )
                 ids = ids[:cut] if cut else ids
                 tokens += len(ids)
                 outs[lines[i]["id"]] = tok.decode(ids, skip_special_tokens=True)
@@ -183,7 +187,6 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
 def run_queue(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, workload: str) -> dict[str, Any]:
     import asyncio
 
-    from producer.client import BatchqClient
     from producer.testing_redis import RedisServer
 
     with RedisServer() as server:

@@ -14,16 +14,130 @@ from typing import Any
 
 import orjson
 
-WORDS = (
-    "the customer said that delivery was late but the product quality was excellent and support "
-    "answered quickly after a second email about the refund policy for damaged items in transit "
-    "our team reviewed quarterly revenue growth across regions with strong demand in retail and "
-    "weaker results in manufacturing while costs for energy and shipping rose sharply this year "
-    "scientists observed a distant galaxy whose light left it billions of years ago revealing how "
-    "early stars formed from clouds of hydrogen gas under gravity and magnetic fields over time "
-    "the match ended in a draw after extra time when the goalkeeper saved a penalty in the final "
-    "minute and fans celebrated in the streets of the old city until late into the night"
-).split()
+WORDS = [
+    "the",
+    "customer",
+    "said",
+    "that",
+    "delivery",
+    "was",
+    "late",
+    "but",
+    "the",
+    "product",
+    "quality",
+    "was",
+    "excellent",
+    "and",
+    "support",
+    "answered",
+    "quickly",
+    "after",
+    "a",
+    "second",
+    "email",
+    "about",
+    "the",
+    "refund",
+    "policy",
+    "for",
+    "damaged",
+    "items",
+    "in",
+    "transit",
+    "our",
+    "team",
+    "reviewed",
+    "quarterly",
+    "revenue",
+    "growth",
+    "across",
+    "regions",
+    "with",
+    "strong",
+    "demand",
+    "in",
+    "retail",
+    "and",
+    "weaker",
+    "results",
+    "in",
+    "manufacturing",
+    "while",
+    "costs",
+    "for",
+    "energy",
+    "and",
+    "shipping",
+    "rose",
+    "sharply",
+    "this",
+    "year",
+    "scientists",
+    "observed",
+    "a",
+    "distant",
+    "galaxy",
+    "whose",
+    "light",
+    "left",
+    "it",
+    "billions",
+    "of",
+    "years",
+    "ago",
+    "revealing",
+    "how",
+    "early",
+    "stars",
+    "formed",
+    "from",
+    "clouds",
+    "of",
+    "hydrogen",
+    "gas",
+    "under",
+    "gravity",
+    "and",
+    "magnetic",
+    "fields",
+    "over",
+    "time",
+    "the",
+    "match",
+    "ended",
+    "in",
+    "a",
+    "draw",
+    "after",
+    "extra",
+    "time",
+    "when",
+    "the",
+    "goalkeeper",
+    "saved",
+    "a",
+    "penalty",
+    "in",
+    "the",
+    "final",
+    "minute",
+    "and",
+    "fans",
+    "celebrated",
+    "in",
+    "the",
+    "streets",
+    "of",
+    "the",
+    "old",
+    "city",
+    "until",
+    "late",
+    "into",
+    "the",
+    "night",
+]
 
 LABEL_TASKS = [
     ("Classify the sentiment of this review as positive, negative or neutral.", "Review"),
@@ -41,7 +155,9 @@ GEN_TASKS = [
 
 def _text(rng: random.Random, n_words: int) -> str:
     start = rng.randrange(len(WORDS))
-    return " ".join(WORDS[(start + i) % len(WORDS)] if rng.random() > 0.1 else rng.choice(WORDS) for i in range(n_words))
+    return " ".join(
+        WORDS[(start + i) % len(WORDS)] if rng.random() > 0.1 else rng.choice(WORDS) for i in range(n_words)
+    )
 
 
 def generate(n: int = 256, seed: int = 0, tokenizer: Any | None = None) -> list[dict[str, Any]]:
@@ -50,7 +166,9 @@ def generate(n: int = 256, seed: int = 0, tokenizer: Any | None = None) -> list[
     out: list[dict[str, Any]] = []
     for i in range(n):
         labeling = rng.random() < 0.7
-        target = int(rng.uniform(30, 600)) if not labeling or rng.random() < 0.5 else int(rng.uniform(30, 250))
+        target = (
+            int(rng.uniform(30, 600)) if not labeling or rng.random() < 0.5 else int(rng.uniform(30, 250))
+        )
         n_words = max(4, int(target * 0.75) - 30)
         body = _text(rng, n_words)
         if labeling:

@@ -59,7 +59,9 @@ class WorkerConfig:
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
-            raise ValueError(f"invalid worker setting(s): {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
+            raise ValueError(
+                f"invalid worker setting(s): {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
+            )
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> WorkerConfig:

@@ -101,4 +101,6 @@ async def check(redis: Redis, queue: str, worker_id: str | None) -> tuple[bool, 
         if snap["progress_age_s"] > snap["stall_s"] and snap["running"] + snap["waiting"] > 0:
             return False, f"worker {wid} is stalled ({snap['progress_age_s']:.0f}s without progress)"
         return True, f"worker {wid} healthy: running={snap['running']} waiting={snap['waiting']}"
-    return False, f"no live worker heartbeat for queue {qname!r}" + (f" and id {worker_id!r}" if worker_id else "")
+    return False, f"no live worker heartbeat for queue {qname!r}" + (
+        f" and id {worker_id!r}" if worker_id else ""
+    )

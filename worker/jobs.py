@@ -88,7 +88,9 @@ class JobRunner:
             raise
         finally:
             self.inflight.pop(job_id, None)
-        result = _to_result(req, res, queued_s=max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None)
+        result = _to_result(
+            req, res, queued_s=max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None
+        )
         result.worker = self.cfg.worker_id
         await self._store(req.batch_id, result)
         return result.finish_reason

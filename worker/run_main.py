@@ -87,7 +87,16 @@ def main(argv: list[str] | None = None) -> int:
 
     log_path = STATE_DIR / "worker.log"
     env = {**os.environ, "REDIS_URL": url}
-    cmd = [sys.executable, "-m", "worker.cli", "--model", ns.model, "--queue", ns.queue, *ns.worker_args.split()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.cli",
+        "--model",
+        ns.model,
+        "--queue",
+        ns.queue,
+        *ns.worker_args.split(),
+    ]
     worker: subprocess.Popen[bytes] | None = None
     try:
         with log_path.open("wb") as log:

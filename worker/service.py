@@ -146,7 +146,9 @@ async def serve(cfg: WorkerConfig, engine: Engine | None = None) -> int:
     def on_signal(sig: signal.Signals) -> None:
         if stopping:
             return
-        log.info("%s: no new requests; finishing in-flight work (grace %.0fs)", sig.name, cfg.shutdown_grace_s)
+        log.info(
+            "%s: no new requests; finishing in-flight work (grace %.0fs)", sig.name, cfg.shutdown_grace_s
+        )
 
         async def stop() -> None:
             await worker.drain(cfg.shutdown_grace_s)

@@ -33,9 +33,7 @@ def server() -> Iterator[RedisServer]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random Llama with SmolLM2's tokenizer: real loading code, fast workers, long contexts."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from worker.models.loader import resolve_checkpoint
 
@@ -176,7 +174,9 @@ def assert_consistent(url: str, batch_id: str, total: int) -> dict[int, dict[str
     assert int(meta.get("failed", 0)) == sum(r["finish_reason"] == "error" for r in results.values())
     assert int(meta.get("cancelled", 0)) == sum(r["finish_reason"] == "cancelled" for r in results.values())
     assert int(meta.get("prompt_tokens", 0)) == sum(r["usage"]["prompt_tokens"] for r in results.values())
-    assert int(meta.get("completion_tokens", 0)) == sum(r["usage"]["completion_tokens"] for r in results.values())
+    assert int(meta.get("completion_tokens", 0)) == sum(
+        r["usage"]["completion_tokens"] for r in results.values()
+    )
     return results
 
 

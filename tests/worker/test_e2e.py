@@ -97,7 +97,9 @@ def test_over_long_prompt_fails_alone_and_cancel_stops_the_rest(server, workers,
     assert "length" in reasons and "cancelled" in reasons
     assert set(reasons) <= {"length", "cancelled"}
     # Requests running when the cancel came stop at their next step, keeping their partial text.
-    partial = [r for r in results.values() if r["finish_reason"] == "cancelled" and r["usage"]["completion_tokens"]]
+    partial = [
+        r for r in results.values() if r["finish_reason"] == "cancelled" and r["usage"]["completion_tokens"]
+    ]
     assert all(0 < r["usage"]["completion_tokens"] < 300 for r in partial)
     st = subprocess.run(
         [sys.executable, "-m", "producer.cli", "status", bid, "--json", "--redis-url", server.url],

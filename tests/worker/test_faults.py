@@ -39,7 +39,9 @@ def running_on(url: str, batch_id: str) -> int:
         r.close()
 
 
-def test_sigkilled_worker_requests_are_rerun_by_another_within_the_lease(server, workers, tiny_model_dir, tmp_path):
+def test_sigkilled_worker_requests_are_rerun_by_another_within_the_lease(
+    server, workers, tiny_model_dir, tmp_path
+):
     a = workers(server.url, str(tiny_model_dir), *FAST, name="a").wait_ready()
     b = workers(server.url, str(tiny_model_dir), *FAST, name="b").wait_ready()
     bid = submit(server.url, write_jsonl(tmp_path / "in.jsonl", long_requests(24)))
@@ -119,7 +121,9 @@ def test_request_that_keeps_killing_workers_fails_after_max_tries(server, worker
     assert [results[i]["finish_reason"] for i in (1, 2, 3)] == ["length"] * 3
 
 
-def test_pickled_payload_in_the_queue_is_refused_not_executed(server, workers, tiny_model_dir, tmp_path: Path):
+def test_pickled_payload_in_the_queue_is_refused_not_executed(
+    server, workers, tiny_model_dir, tmp_path: Path
+):
     marker = tmp_path / "pwned"
     # A classic protocol-0 pickle that would run `touch marker` if anything unpickled it.
     payload = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."
