@@ -1,0 +1,103 @@
+"""Vectorised sampling over the batch: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+
+Randomness is counter-based: each row's uniform is splitmix64(seed, step), so a seeded request samples
+the same tokens whatever else is in the batch. One uniform per row, inverse-CDF over the filtered,
+sorted distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64_uniform(seed: int, step: int) -> float:
+    """A uniform in [0, 1) determined by (seed, step) alone."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step, built by the runner from the sequences."""
+
+    temperatures: list[float]
+    top_ks: list[int]  # 0 = off
+    top_ps: list[float]  # 1.0 = off
+    min_ps: list[float]  # 0.0 = off
+    repetition_penalties: list[float]  # 1.0 = off
+    seen_token_ids: list[list[int]]  # prompt + generated ids, used only for rows with a penalty
+    seeds: list[int]
+    steps: list[int]  # tokens generated so far per row: the counter of the RNG
+
+
+class Sampler:
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        # logits: [B, vocab] float32 -> token ids: [B] int64
+        logits = self._apply_repetition_penalty(logits, batch)
+        greedy_rows = [t == 0.0 for t in batch.temperatures]
+        greedy = logits.argmax(dim=-1)
+        if all(greedy_rows):
+            return greedy
+        dev = logits.device
+        temps = torch.tensor([t if t > 0.0 else 1.0 for t in batch.temperatures], device=dev)
+        scaled = logits / temps.unsqueeze(1)
+        sampled = self._sample(scaled, batch)
+        return torch.where(torch.tensor(greedy_rows, device=dev), greedy, sampled)
+
+    @staticmethod
+    def _apply_repetition_penalty(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        rows = [i for i, p in enumerate(batch.repetition_penalties) if p != 1.0]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        width = max(len(batch.seen_token_ids[i]) for i in rows)
+        # Pad with each row's own first id: a duplicate index writes the same value twice.
+        ids = torch.tensor(
+            [
+                batch.seen_token_ids[i]
+                + [batch.seen_token_ids[i][0]] * (width - len(batch.seen_token_ids[i]))
+                for i in rows
+            ],
+            device=logits.device,
+        )  # [R, width]
+        pen = torch.tensor([batch.repetition_penalties[i] for i in rows], device=logits.device).unsqueeze(1)
+        row_idx = torch.tensor(rows, device=logits.device)
+        sub = logits[row_idx]  # [R, vocab]
+        score = sub.gather(1, ids)
+        score = torch.where(score < 0, score * pen, score / pen)  # HF semantics
+        logits[row_idx] = sub.scatter(1, ids, score)
+        return logits
+
+    @staticmethod
+    def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        # logits: [B, vocab] (temperature applied) -> [B]
+        dev = logits.device
+        vocab = logits.shape[1]
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+        top_k = torch.tensor([k if k > 0 else vocab for k in batch.top_ks], device=dev).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        top_p = torch.tensor(batch.top_ps, device=dev, dtype=probs.dtype).unsqueeze(1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        min_p = torch.tensor(batch.min_ps, device=dev, dtype=probs.dtype).unsqueeze(1)
+        drop |= probs < min_p * probs[:, :1]
+        drop[:, 0] = False
+        probs = probs.masked_fill(drop, 0.0)
+        cdf = probs.cumsum(dim=-1)  # [B, vocab]
+        u = torch.tensor(
+            [splitmix64_uniform(s, n) for s, n in zip(batch.seeds, batch.steps, strict=True)],
+            device=dev,
+            dtype=cdf.dtype,
+        ).unsqueeze(1)
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)  # [B, 1]
+        return sorted_idx.gather(1, pick).squeeze(1)

@@ -1,0 +1,102 @@
+"""Admission and batching. Pure Python: owns the block manager, hands the runner typed batches.
+
+Admission rule: a waiting request (FIFO, the head blocks the rest) is admitted when
+    sum over running of ceil((prompt + max_new_tokens) / block_size) + its own need <= pool blocks,
+the running count stays <= max_num_seqs, and the prompts admitted this step fit the token budget
+(a single prompt larger than the budget is admitted alone so it cannot starve). Reserving the worst
+case means no sequence is ever preempted and the pool never runs out.
+
+Step policy: prefill first. If any waiting request can be admitted, the step prefills every request
+admitted now, packed into one forward pass; otherwise every running sequence decodes one token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence
+
+Phase = Literal["prefill", "decode"]
+
+
+@dataclass
+class ScheduledBatch:
+    phase: Phase
+    seqs: list[Sequence]
+    block_tables: list[list[int]]  # one per seq, physical block ids
+
+    @property
+    def num_tokens(self) -> int:
+        if self.phase == "decode":
+            return len(self.seqs)
+        return sum(s.prompt_len for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        return self.block_manager.blocks_for(seq.max_total_tokens)
+
+    def fits_pool_at_all(self, seq: Sequence) -> bool:
+        return self.blocks_needed(seq) <= self.block_manager.num_blocks
+
+    def add(self, seq: Sequence) -> None:
+        assert self.fits_pool_at_all(seq), "the engine rejects requests that can never fit"
+        seq.status = "waiting"
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        admitted = self._admit()
+        if admitted:
+            return self._batch("prefill", admitted)
+        if self.running:
+            for seq in self.running:
+                # The last sampled token is not cached yet: this step writes it at position num_tokens - 1.
+                self.block_manager.ensure_capacity(seq.request_id, seq.num_tokens)
+            return self._batch("decode", list(self.running))
+        return None
+
+    def _admit(self) -> list[Sequence]:
+        bm = self.block_manager
+        admitted: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = self.blocks_needed(seq)
+            if not bm.can_reserve(need):
+                break
+            if admitted and tokens + seq.prompt_len > self.max_num_batched_tokens:
+                break
+            self.waiting.popleft()
+            bm.reserve(seq.request_id, need)
+            bm.ensure_capacity(seq.request_id, seq.prompt_len)
+            seq.status = "running"
+            self.running.append(seq)
+            admitted.append(seq)
+            tokens += seq.prompt_len
+        return admitted
+
+    def _batch(self, phase: Phase, seqs: list[Sequence]) -> ScheduledBatch:
+        tables = [self.block_manager.block_table(s.request_id) for s in seqs]
+        return ScheduledBatch(phase=phase, seqs=seqs, block_tables=tables)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and free its blocks."""
+        if seq.status == "running":
+            self.running.remove(seq)
+        elif seq.status == "waiting":
+            self.waiting.remove(seq)
+        seq.status = "finished"
+        self.block_manager.release(seq.request_id)

@@ -1,0 +1,59 @@
+"""One request's life inside the engine: its tokens, its text, its timings. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from producer.contract import FinishReason, SamplingParams
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.request import EngineResult
+
+SequenceStatus = Literal["waiting", "running", "finished"]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    params: SamplingParams  # resolved
+    prompt_ids: list[int]
+    max_new_tokens: int  # params.max_new_tokens capped at max_model_len - prompt length
+    started_at: float  # monotonic; timeout_s counts from here
+    seed: int  # per-request RNG seed (a random one when params.seed is None)
+    detokenizer: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    status: SequenceStatus = "waiting"
+    first_token_at: float | None = None
+    finish_reason: FinishReason | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Worst-case tokens this sequence can ever hold: what admission reserves blocks for."""
+        return self.prompt_len + self.max_new_tokens
+
+    def to_result(self, now: float) -> EngineResult:
+        assert self.finish_reason is not None
+        ttft = None if self.first_token_at is None else self.first_token_at - self.started_at
+        return EngineResult(
+            request_id=self.request_id,
+            text=self.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_len,
+            completion_tokens=len(self.output_ids),
+            ttft_s=ttft,
+            total_s=now - self.started_at,
+        )

@@ -1,0 +1,1 @@
+"""Model code: a lean Llama-family decoder over packed tokens with paged KV, and its loader."""

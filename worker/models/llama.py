@@ -1,0 +1,187 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) over packed tokens with paged KV.
+
+Fused QKV and gate/up projections; optional QKV bias (Qwen2) and per-head QK RMSNorm (Qwen3).
+Weights are copied from a loaded Hugging Face model, so configs, rope variants and checkpoints
+all come from transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worker.kernels.backend import AttentionBackend
+from worker.models.layers import AttentionMetadata, RMSNorm, RotaryTable, apply_rotary
+
+KVCache = tuple[Tensor, Tensor]  # k, v: [num_blocks, block_size, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, qk_norm: bool, qkv_bias: bool, o_bias: bool) -> DecoderSpec:
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=qk_norm,
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale = spec.head_dim**-0.5
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.phase == "decode":
+            o = backend.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        else:
+            assert meta.cu_seqlens_q is not None
+            o = backend.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale
+            )
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.inter = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+
+class LlamaFamilyModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary: RotaryTable) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = rotary
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        backend: AttentionBackend,
+    ) -> Tensor:
+        # input_ids, positions: [T] -> hidden: [T, hidden]
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, backend)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        # hidden: [B, hidden] -> logits: [B, vocab] float32
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_hf_state(self, sd: dict[str, Tensor]) -> None:
+        """Copy a Hugging Face Llama-family state dict, fusing q/k/v and gate/up."""
+        self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
+        self.norm.weight.copy_(sd["model.norm.weight"])
+        if not self.spec.tie_embeddings:
+            self.lm_head.weight.copy_(sd["lm_head.weight"])
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+            qkv = [sd[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
+            attn.qkv_proj.weight.copy_(torch.cat(qkv, dim=0))
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.bias.copy_(torch.cat([sd[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]))
+            attn.o_proj.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+            if attn.o_proj.bias is not None:
+                attn.o_proj.bias.copy_(sd[p + "self_attn.o_proj.bias"])
+            if attn.q_norm is not None and attn.k_norm is not None:
+                attn.q_norm.weight.copy_(sd[p + "self_attn.q_norm.weight"])
+                attn.k_norm.weight.copy_(sd[p + "self_attn.k_norm.weight"])
+            gate_up = [sd[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")]
+            mlp.gate_up_proj.weight.copy_(torch.cat(gate_up, dim=0))
+            mlp.down_proj.weight.copy_(sd[p + "mlp.down_proj.weight"])
+            if mlp.gate_up_proj.bias is not None and mlp.down_proj.bias is not None:
+                mlp.gate_up_proj.bias.copy_(torch.cat([sd[f"{p}mlp.{n}_proj.bias"] for n in ("gate", "up")]))
+                mlp.down_proj.bias.copy_(sd[p + "mlp.down_proj.bias"])
