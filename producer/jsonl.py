@@ -107,7 +107,7 @@ def parse_line(
             raw.decode("utf-8")
         except UnicodeDecodeError as u:
             return [LineError(line_no, "", f"not valid UTF-8 (byte {u.start} of the line)")]
-        return [LineError(line_no, "", f"invalid JSON: {e.msg}")]
+        return [LineError(line_no, "", f"invalid JSON at column {e.colno}: {e.msg}")]
     if not isinstance(obj, dict):
         return [LineError(line_no, "", f"expected a JSON object, got {type(obj).__name__}")]
     openai = not _OPENAI_KEYS.isdisjoint(obj)

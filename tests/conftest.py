@@ -1,0 +1,65 @@
+"""Shared fixtures: a real redis-server (no mocks), and every async test on the one session event loop.
+
+`redis_server` is one server for the session (AOF on, so kill/restart keeps acknowledged writes);
+`redis_url` hands a test that server flushed clean; `redis` is an async client on it. Tests that kill
+Redis on purpose should use `redis_server_factory` (their own server) so they cannot disturb others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+import pytest_asyncio
+import redis as sync_redis
+from redis.asyncio import Redis
+
+from producer.testing_redis import RedisServer
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # pyproject puts async fixtures on the session loop; tests must share it, or a client made by a
+    # fixture would be used from another loop. This is pytest-asyncio's documented recipe.
+    session_loop = pytest.mark.asyncio(loop_scope="session")
+    for item in items:
+        if pytest_asyncio.is_async_test(item):
+            item.add_marker(session_loop, append=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer(appendonly=True, appendfsync="everysec") as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    redis_server.start()  # a no-op unless an earlier test left it stopped
+    client = sync_redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest_asyncio.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
+    """Start servers of the test's own (kill/restart freely); all are stopped at the end of the test."""
+    started: list[RedisServer] = []
+
+    def start(**kwargs: object) -> RedisServer:
+        server = RedisServer(**kwargs).start()  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()

@@ -1,0 +1,124 @@
+"""Submitting batches into a real Redis: arq's job format, all-or-nothing, idempotence, --skip-invalid."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import orjson
+import pytest
+from arq.constants import job_key_prefix
+from arq.jobs import deserialize_job
+from redis.asyncio import Redis
+
+from producer import keys, serde, store
+from producer.client import BatchqClient
+from producer.contract import Request, Result, SamplingParams
+from producer.submit import InputError, submit_stream
+
+GOOD = b'{"id": "a", "prompt": "one"}\n{"id": "b", "messages": [{"role": "user", "content": "two"}]}\n'
+
+
+async def submit(redis: Redis, data: bytes, **kw: object) -> store.BatchStatus:
+    report = await submit_stream(redis, io.BytesIO(data), **kw)  # type: ignore[arg-type]
+    return await store.get_status(redis, report.batch_id)
+
+
+async def test_jobs_are_in_arqs_own_format_and_parse_back_to_requests(redis: Redis) -> None:
+    await submit(redis, GOOD, batch_id="b1", queue="q", model="smollm2-135m")
+    queue = keys.queue_name("q")
+    assert await redis.zrange(queue, 0, -1) == [b"b1:0", b"b1:1"]
+    raw = await redis.get(job_key_prefix + keys.job_id("b1", 1))
+    assert raw is not None
+    assert await redis.ttl(job_key_prefix + "b1:1") == -1  # a queued job never expires
+    job = deserialize_job(raw, deserializer=serde.job_deserializer)
+    assert job.function == keys.JOB_FUNCTION and job.kwargs == {}
+    req = Request.model_validate(job.args[0])
+    assert (req.batch_id, req.id, req.index, req.model) == ("b1", "b", 1, "smollm2-135m")
+    assert req.enqueued_at > 0 and req.params.max_new_tokens == 256
+
+
+async def test_batch_meta_records_total_queue_model_and_defaults(redis: Redis) -> None:
+    defaults = SamplingParams(max_new_tokens=12, temperature=0)
+    status = await submit(redis, GOOD, batch_id="b1", model="m", defaults=defaults)
+    assert (status.state, status.total, status.queued, status.queue, status.model) == (
+        "queued", 2, 2, "batchq:queue:default", "m"
+    )  # fmt: skip
+    meta = await store.get_meta(redis, "b1")
+    assert orjson.loads(meta["defaults"]) == {"max_new_tokens": 12, "temperature": 0.0}
+    assert await redis.zscore(keys.BATCHES, "b1") == pytest.approx(status.created_at)
+
+
+async def test_an_invalid_file_enqueues_nothing_and_creates_no_batch(redis: Redis) -> None:
+    with pytest.raises(InputError) as e:
+        await submit(redis, GOOD + b'{"prompt": "x", "temperature": -2}\n', batch_id="b1")
+    assert [str(x) for x in e.value.errors] == [
+        "line 3: temperature: Input should be greater than or equal to 0"
+    ]
+    assert await redis.keys("*") == []
+
+
+async def test_an_empty_or_blank_file_is_refused(redis: Redis) -> None:
+    for data in (b"", b"\n  \n\n"):
+        with pytest.raises(InputError, match="input is empty"):
+            await submit(redis, data)
+    assert await redis.keys("*") == []
+
+
+async def test_resubmitting_the_same_batch_enqueues_nothing_twice(redis: Redis) -> None:
+    first = await submit_stream(redis, io.BytesIO(GOOD), batch_id="b1")
+    assert first.enqueued == 2
+    again = await submit_stream(redis, io.BytesIO(GOOD), batch_id="b1")
+    assert (again.total, again.enqueued) == (2, 0)
+    assert await redis.zcard(keys.DEFAULT_QUEUE) == 2
+
+
+async def test_resubmitting_skips_requests_whose_result_exists(redis: Redis) -> None:
+    await submit_stream(redis, io.BytesIO(GOOD), batch_id="b1")
+    # What a worker does: take job 0 off the queue, run it, store its result.
+    await redis.zrem(keys.DEFAULT_QUEUE, "b1:0")
+    await redis.delete(job_key_prefix + "b1:0")
+    await store.write_result(redis, "b1", Result(id="a", index=0, text="t", finish_reason="eos"))
+    again = await submit_stream(redis, io.BytesIO(GOOD), batch_id="b1")
+    assert again.enqueued == 0
+    assert await redis.zrange(keys.DEFAULT_QUEUE, 0, -1) == [b"b1:1"]
+
+
+async def test_a_different_file_under_an_existing_batch_id_is_refused(redis: Redis) -> None:
+    await submit_stream(redis, io.BytesIO(GOOD), batch_id="b1")
+    with pytest.raises(InputError, match="already exists with 2 requests"):
+        await submit_stream(redis, io.BytesIO(GOOD + b'{"prompt": "3"}\n'), batch_id="b1")
+
+
+async def test_skip_invalid_enqueues_valid_lines_and_records_failed_results(redis: Redis) -> None:
+    data = b'{"id": "a", "prompt": "one"}\n{"id": "bad", "prompt": "x", "top_k": -1}\nnot json\n'
+    report = await submit_stream(redis, io.BytesIO(data), batch_id="b1", skip_invalid=True)
+    assert (report.total, report.enqueued, report.invalid) == (3, 1, 2)
+    status = await store.get_status(redis, "b1")
+    assert (status.failed, status.queued, status.state) == (2, 1, "running")
+    results = [r async for r, _ in store.iter_results(redis, "b1")]
+    assert [(r.id, r.index, r.finish_reason) for r in results] == [("bad", 1, "error"), ("3", 2, "error")]
+    assert all(r.error is not None and r.error.type == "invalid_request" for r in results)
+    assert results[0].error is not None and "top_k" in results[0].error.message
+
+
+async def test_a_10mb_prompt_is_enqueued_whole(redis: Redis) -> None:
+    prompt = "z" * (10 * 1024 * 1024)
+    await submit(redis, orjson.dumps({"prompt": prompt}) + b"\n" + GOOD.split(b"\n")[0], batch_id="big")
+    raw = await redis.get(job_key_prefix + "big:0")
+    assert raw is not None and orjson.loads(raw)["a"][0]["prompt"] == prompt
+
+
+async def test_client_submits_files_and_python_lines(redis_url: str, tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(GOOD)
+    async with BatchqClient.from_url(redis_url) as client:
+        report = await client.submit_file(path, batch_id="f1", defaults=SamplingParams(seed=1))
+        assert (report.batch_id, report.total, report.enqueued) == ("f1", 2, 2)
+        lines = (orjson.dumps({"prompt": f"p{i}"}).decode() for i in range(5))
+        report = await client.submit_lines(lines, batch_id="l1")
+        assert (await client.status("l1")).total == 5
+        with pytest.raises(InputError, match="no such file"):
+            await client.submit_file(tmp_path / "missing.jsonl")
+        with pytest.raises(InputError, match="invalid batch id"):
+            await client.submit_lines(['{"prompt": "x"}'], batch_id="no spaces")
