@@ -66,8 +66,14 @@ class StopRules:
         return True
 
     def _is_looping(self, ids: list[int]) -> bool:
+        """The last window × repeats tokens repeat one pattern of period <= window.
+
+        Period == window is the literal rule (the same 10-token window three times in a row); shorter
+        periods catch tight loops (a 3-token emoji repeated) whose period does not divide the window.
+        """
         w, n = self.window, self.repeats
-        if w == 0 or n < 2 or len(ids) < w * n:
+        span = w * n
+        if w == 0 or n < 2 or len(ids) < span:
             return False
-        last = ids[-w:]
-        return all(ids[-(k + 1) * w : -k * w] == last for k in range(1, n))
+        tail = ids[-span:]
+        return any(tail[p:] == tail[:-p] for p in range(1, w + 1))

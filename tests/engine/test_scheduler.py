@@ -1,0 +1,73 @@
+"""Scheduler: worst-case admission, token budget, max_num_seqs, prefill-first policy, invariants."""
+
+from __future__ import annotations
+
+import random
+
+from fakes import make_seq
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.scheduler import Scheduler
+
+
+def test_admission_reserves_the_worst_case_and_waits_for_room() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b, c = make_seq("a", 8, 12), make_seq("b", 4, 12), make_seq("c", 4, 4)  # need 5, 4, 2 blocks
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch is not None and batch.phase == "prefill" and [s.request_id for s in batch.seqs] == ["a", "b"]
+    assert bm.num_reserved == 9 and bm.num_used == 3  # only the prompts are allocated
+    # c (2 blocks) does not fit next to a + b's 9 reserved blocks: FIFO head blocks, decode runs.
+    batch = sched.schedule()
+    assert batch is not None and batch.phase == "decode"
+    sched.finish(a)
+    batch = sched.schedule()
+    assert batch is not None and batch.phase == "prefill" and batch.seqs == [c]
+    bm.check_invariants()
+
+
+def test_token_budget_and_max_num_seqs_bound_a_prefill() -> None:
+    bm = BlockManager(num_blocks=1000, block_size=16)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=100)
+    seqs = [make_seq(str(i), 40, 4) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()
+    assert first is not None and len(first.seqs) == 2 and first.num_tokens == 80  # 3 x 40 > 100
+    second = sched.schedule()
+    assert second is not None and second.phase == "prefill" and len(second.seqs) == 1  # max_num_seqs
+    third = sched.schedule()
+    assert third is not None and third.phase == "decode" and len(third.seqs) == 3
+
+
+def test_a_prompt_larger_than_the_budget_is_admitted_alone() -> None:
+    sched = Scheduler(BlockManager(100, 16), max_num_seqs=4, max_num_batched_tokens=32)
+    sched.add(make_seq("big", 200, 4))
+    sched.add(make_seq("small", 4, 4))
+    batch = sched.schedule()
+    assert batch is not None and [s.request_id for s in batch.seqs] == ["big"]
+
+
+def test_random_workload_keeps_pool_invariants_after_every_step() -> None:
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=40, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=64)
+    pending = [make_seq(str(i), rng.randint(1, 30), rng.randint(1, 20)) for i in range(60)]
+    for s in pending:
+        sched.add(s)
+    finished = 0
+    while sched.has_work():
+        batch = sched.schedule()
+        assert batch is not None
+        for seq in batch.seqs:
+            seq.output_ids.append(70)  # what the engine does with a sampled token
+            if len(seq.output_ids) >= seq.max_new_tokens:
+                sched.finish(seq)
+                finished += 1
+        bm.check_invariants()
+        assert bm.num_reserved <= bm.num_blocks
+        for seq in sched.running:  # every cached token has a slot
+            assert len(bm.block_table(seq.request_id)) * bm.block_size >= seq.num_tokens - 1
+    assert finished == 60 and bm.num_free == bm.num_blocks

@@ -1,0 +1,87 @@
+"""Tiny random Llama-family checkpoints and a byte-level tokenizer, for tests and benchmarks only.
+
+Checkpoints are real HF directories (save_pretrained), so they go through the production loader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BYTE_OFFSET = 3  # ids 0..2 are <unk>, <s>, </s>; byte b is id b + 3
+VOCAB_SIZE = 256 + BYTE_OFFSET
+EOS_ID = 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer(chat_template: bool = True) -> Any:
+    """A byte-level BPE tokenizer with no merges: every UTF-8 byte is one token (so CJK spans tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_chars = _bytes_to_unicode()
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update({byte_chars[b]: b + BYTE_OFFSET for b in range(256)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.add_special_tokens({"additional_special_tokens": specials})
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenisation emits)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tiny_config(arch: str, **overrides: Any) -> Any:
+    """A small config of `arch` (llama | qwen2 | qwen3 | mistral) with peaky random logits."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # peaky distributions: random greedy paths without near-ties
+    )
+    common.update(overrides)
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    return classes[arch](**common)
+
+
+def build_tiny_checkpoint(
+    path: Path, arch: str, seed: int = 0, chat_template: bool = True, **overrides: Any
+) -> Path:
+    """Save a random tiny `arch` model plus the byte tokenizer to `path`; returns `path`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    model.save_pretrained(path)
+    byte_tokenizer(chat_template).save_pretrained(path)
+    return path
