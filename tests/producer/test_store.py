@@ -22,7 +22,7 @@ def lines(n: int) -> bytes:
 def result(i: int, reason: str = "eos", p: int = 3, c: int = 2) -> Result:
     error = ErrorInfo(type="engine", message="boom") if reason == "error" else None
     return Result(
-        id=f"r{i}", index=i, text=f"out{i}", finish_reason=reason,  # type: ignore[arg-type]
+        id=f"r{i}", index=i, text=f"out{i}", finish_reason=reason,
         usage=Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c), error=error,
     )  # fmt: skip
 
