@@ -1,0 +1,202 @@
+"""Engine behaviour on a tiny random Llama: pools, seeds, errors, cancel, timeout, the async front end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from producer.contract import SamplingParams
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.request import EngineRequest, EngineResult
+from worker.models.testing import build_tiny_checkpoint
+
+BLOCK = 4
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK  # 2 x layers x kv_heads x head_dim x float32 bytes x tokens
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+def engine_with(ckpt: Path, blocks: int = 2000, **kw: object) -> Engine:
+    cfg = EngineConfig(model=str(ckpt), block_size=BLOCK, kv_cache_gb=blocks * BLOCK_BYTES / 1024**3, **kw)  # type: ignore[arg-type]
+    engine = Engine.load(cfg)
+    assert engine.block_manager.num_blocks == blocks
+    return engine
+
+
+def params(**kw: object) -> SamplingParams:
+    return SamplingParams(**kw).resolve()  # type: ignore[arg-type]
+
+
+def workload(n: int) -> list[EngineRequest]:
+    return [
+        EngineRequest(
+            f"r{i}",
+            params(temperature=0, max_new_tokens=5 + 3 * (i % 7)),
+            prompt_token_ids=[3 + i] * (4 + 5 * (i % 5)),
+        )
+        for i in range(n)
+    ]
+
+
+def run_checked(engine: Engine, reqs: list[EngineRequest]) -> list[EngineResult]:
+    """generate(), asserting the pool invariants after every step."""
+    for r in reqs:
+        engine.add_request(r)
+    done: dict[str, EngineResult] = {}
+    while engine.has_work():
+        for res in engine.step():
+            done[res.request_id] = res
+        engine.block_manager.check_invariants()
+        stats = engine.stats()
+        assert stats.kv_blocks_used <= stats.kv_blocks_total
+        assert engine.block_manager.num_reserved <= engine.block_manager.num_blocks
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    return [done[r.request_id] for r in reqs]
+
+
+def test_constrained_pool_completes_everything_with_identical_results(ckpt: Path) -> None:
+    reqs = workload(24)
+    big = run_checked(engine_with(ckpt), reqs)
+    small_engine = engine_with(ckpt, blocks=12, max_num_seqs=5)
+    small = run_checked(small_engine, workload(24))
+    assert [r.token_ids for r in small] == [r.token_ids for r in big]
+    assert all(r.finish_reason in ("length", "eos", "repetition") for r in small)
+    assert small_engine.stats().steps > engine_with(ckpt).stats().steps
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(ckpt: Path) -> None:
+    p = params(
+        temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, seed=1234, max_new_tokens=24, ignore_eos=True
+    )
+    target = EngineRequest("target", p, prompt_token_ids=[10, 11, 12])
+    alone = engine_with(ckpt).generate([target])[0]
+    others = [
+        EngineRequest(
+            f"o{i}", params(temperature=1.0, max_new_tokens=30), prompt_token_ids=[50 + i] * (i + 1)
+        )
+        for i in range(6)
+    ]
+    mixed = engine_with(ckpt).generate(
+        [*others[:3], EngineRequest("target", p, prompt_token_ids=[10, 11, 12]), *others[3:]]
+    )
+    assert mixed[3].token_ids == alone.token_ids
+    other_seed = engine_with(ckpt).generate(
+        [EngineRequest("t", p.model_copy(update={"seed": 99}), prompt_token_ids=[10, 11, 12])]
+    )
+    assert other_seed[0].token_ids != alone.token_ids
+
+
+def test_repetition_penalty_and_greedy_rows_mix(ckpt: Path) -> None:
+    plain = EngineRequest(
+        "plain", params(temperature=0, max_new_tokens=30, ignore_eos=True), prompt_token_ids=[7, 8]
+    )
+    pen = EngineRequest(
+        "pen",
+        params(temperature=0, max_new_tokens=30, repetition_penalty=5.0, ignore_eos=True),
+        prompt_token_ids=[7, 8],
+    )
+    a, b = engine_with(ckpt, repetition_window=0).generate([plain, pen])
+    assert len(set(b.token_ids)) >= len(set(a.token_ids))
+    assert a.token_ids != b.token_ids
+
+
+def test_request_errors_are_results_not_exceptions(ckpt: Path) -> None:
+    engine = engine_with(ckpt, max_model_len=64)
+    reqs = [
+        EngineRequest("long", params(max_new_tokens=4), prompt_token_ids=[5] * 64),
+        EngineRequest(
+            "left",
+            params(max_new_tokens=4, truncate_prompt="left", temperature=0),
+            prompt_token_ids=[5] * 50 + [6] * 30,
+        ),
+        EngineRequest("none", params(max_new_tokens=4)),
+        EngineRequest(
+            "near-end", params(max_new_tokens=50, temperature=0, ignore_eos=True), prompt_token_ids=[5] * 60
+        ),
+    ]
+    long, left, none, near = engine.generate(reqs)
+    huge_req = EngineRequest("huge", params(max_new_tokens=60), prompt_token_ids=[5] * 40)  # 25 blocks
+    huge = engine_with(ckpt, blocks=20).generate([huge_req])[0]
+    assert (
+        long.finish_reason == "error"
+        and long.error_type == "prompt_too_long"
+        and "64" in (long.error_message or "")
+    )
+    assert left.finish_reason == "length" and left.prompt_tokens == 60 and left.completion_tokens == 4
+    assert (
+        huge.error_type == "kv_capacity"
+        and "25" in (huge.error_message or "")
+        and "20" in (huge.error_message or "")
+    )
+    assert none.error_type == "invalid_request"
+    assert near.finish_reason == "length" and near.completion_tokens == 4  # capped at the context end
+
+
+def test_chat_request_without_chat_template_is_invalid(tmp_path: Path) -> None:
+    path = build_tiny_checkpoint(tmp_path / "m", "llama", chat_template=False)
+    engine = Engine.load(EngineConfig(model=str(path), kv_cache_gb=0.001))
+    res = engine.generate([EngineRequest("c", params(), messages=[{"role": "user", "content": "hi"}])])[0]
+    assert (
+        res.finish_reason == "error"
+        and res.error_type == "invalid_request"
+        and "chat template" in (res.error_message or "")
+    )
+
+
+def test_timeout_and_cancel_keep_partial_output(ckpt: Path) -> None:
+    engine = engine_with(ckpt)
+    long = params(temperature=0, max_new_tokens=200, ignore_eos=True)
+    engine.add_request(
+        EngineRequest("late", params(timeout_s=1.0), prompt_token_ids=[5], started_at=time.monotonic() - 5)
+    )
+    engine.add_request(EngineRequest("cancel-me", long, prompt_token_ids=[5, 6]))
+    engine.add_request(
+        EngineRequest("keep", long.model_copy(update={"max_new_tokens": 12}), prompt_token_ids=[5, 6])
+    )
+    results = {r.request_id: r for r in engine.step()}
+    assert results["late"].finish_reason == "timeout" and results["late"].completion_tokens == 0
+    for _ in range(5):
+        engine.step()
+    engine.cancel("cancel-me")
+    results = {r.request_id: r for r in engine.step()}
+    cancelled = results["cancel-me"]
+    assert cancelled.finish_reason == "cancelled" and cancelled.completion_tokens == 6
+    done = engine.generate([])
+    assert done == [] and not engine.has_work()
+
+
+async def test_async_engine_keeps_the_event_loop_responsive(ckpt: Path) -> None:
+    engine = engine_with(ckpt)
+    real_step = engine.step
+
+    def slow_step() -> list[EngineResult]:
+        time.sleep(0.2)  # stands in for a long forward pass
+        return real_step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    aeng = AsyncEngine(engine)
+    await aeng.start()
+    fut = aeng.submit(
+        EngineRequest("a", params(temperature=0, max_new_tokens=4, ignore_eos=True), prompt_token_ids=[5, 6])
+    )
+    victim = aeng.submit(
+        EngineRequest("b", params(max_new_tokens=200, ignore_eos=True), prompt_token_ids=[5])
+    )
+    ticks, t0 = 0, time.monotonic()
+    while not fut.done():
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert ticks >= 0.5 * (time.monotonic() - t0) / 0.01 * 0.5  # the loop kept ticking during compute
+    assert (await fut).finish_reason == "length"
+    aeng.cancel("b")
+    res = await asyncio.wait_for(victim, 5)
+    assert res.finish_reason == "cancelled" and aeng.last_progress > t0
+    await aeng.stop()
