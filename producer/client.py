@@ -86,6 +86,7 @@ class BatchqClient:
         model: str | None = None,
         skip_invalid: bool = False,
         result_ttl_s: int = store.DEFAULT_RESULT_TTL_S,
+        on_created: Callable[[str], None] | None = None,
     ) -> SubmitReport:
         """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input."""
         opts: dict[str, Any] = dict(
@@ -95,13 +96,14 @@ class BatchqClient:
             defaults=defaults,
             skip_invalid=skip_invalid,
             result_ttl_s=result_ttl_s,
+            on_created=on_created,
         )
         if not isinstance(path_or_stdin, str | Path):
             return await submit_stream(self.redis, path_or_stdin, **opts)
         if str(path_or_stdin) == "-":
             return await submit_stream(self.redis, sys.stdin.buffer, **opts)
         path = Path(path_or_stdin)
-        if not path.is_file():
+        if not path.exists() or path.is_dir():  # pipes such as <(zcat x.gz) are fine, folders are not
             raise InputError(f"no such file: {path}")
         with path.open("rb") as f:
             try:

@@ -6,6 +6,7 @@ User-facing failures become one line on stderr (no traceback); Redis URLs are sh
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -25,7 +26,7 @@ from producer.openai_format import openai_line
 from producer.progress import Progress
 from producer.serde import mask_url
 from producer.store import BatchNotFound
-from producer.submit import InputError
+from producer.submit import InputError, new_batch_id
 
 OK, FAILED, INVALID, TIMED_OUT, SOME_FAILED = 0, 1, 2, 3, 4
 _DEFAULT_FIELDS = (
@@ -74,12 +75,15 @@ async def run(handler: Callable[..., Coroutine[Any, Any, int]], args: argparse.N
     except BatchNotFound as e:
         _err(str(e))
         return FAILED
-    except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+    except (RedisConnectionError, RedisTimeoutError) as e:
         _err(f"cannot reach Redis at {mask_url(url)}: {_redact(str(e), url) or type(e).__name__}")
         return FAILED
     except RedisError as e:
         _err(f"Redis at {mask_url(url)} refused: {_redact(str(e), url) or type(e).__name__}")
         return FAILED
+    except OSError as e:  # reading the input or writing -o FILE
+        _err(f"{e.filename or ''}: {e.strerror or e}" if e.filename else str(e))
+        return INVALID
     finally:
         await client.close()
 
@@ -140,15 +144,26 @@ def _summary(s: BatchStatus) -> str:
 
 async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
     defaults = _defaults(args)
-    report = await client.submit_file(
-        args.file,
-        defaults=defaults,
-        batch_id=args.batch_id,
-        queue=args.queue,
-        model=args.model,
-        skip_invalid=args.skip_invalid,
-        result_ttl_s=args.result_ttl,
-    )
+    batch_id = args.batch_id or new_batch_id()
+    created: list[str] = []
+    try:
+        report = await client.submit_file(
+            args.file,
+            defaults=defaults,
+            batch_id=batch_id,
+            queue=args.queue,
+            model=args.model,
+            skip_invalid=args.skip_invalid,
+            result_ttl_s=args.result_ttl,
+            on_created=created.append,
+        )
+    except (asyncio.CancelledError, RedisError):
+        if created:  # interrupted mid-enqueue: the same command with this id finishes it, nothing twice
+            print(
+                f"note: batch {batch_id} is partly enqueued; rerun with --batch-id {batch_id}",
+                file=sys.stderr,
+            )
+        raise
     for le in report.errors:
         print(f"skipped invalid line: {le}", file=sys.stderr)
     if report.invalid > len(report.errors):

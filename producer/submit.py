@@ -11,7 +11,7 @@ import re
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -225,8 +225,13 @@ async def submit_stream(
     defaults: SamplingParams | None = None,
     skip_invalid: bool = False,
     result_ttl_s: int = DEFAULT_RESULT_TTL_S,
+    on_created: Callable[[str], None] | None = None,
 ) -> SubmitReport:
-    """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything."""
+    """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything.
+
+    `on_created(batch_id)` is called once the batch exists, before its jobs are enqueued: from then on an
+    interrupted submit is finished by submitting again with the same batch id.
+    """
     report = SubmitReport(batch_id=check_batch_id(batch_id) if batch_id else new_batch_id())
     qname = keys.queue_name(queue)
     with tempfile.TemporaryFile(prefix="batchq-spool-") as spool:
