@@ -1,0 +1,39 @@
+"""Kernel tests run on a GPU when there is one, else on the CPU under the Triton interpreter.
+
+triton.jit picks interpreter or compiler when a kernel module is imported, so TRITON_INTERPRET must be
+set before worker.kernels.triton_attention is first imported: this conftest sets it at its own import.
+If another test imported the kernels earlier (pytest collects other folders first), the session fixture
+below rebuilds them for the interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+_KERNEL_MODULES = ("triton_cache", "triton_decode", "triton_prefill", "triton_attention")
+
+
+@pytest.fixture(scope="session")
+def kernels() -> ModuleType:
+    """worker.kernels.triton_attention, built for the interpreter when there is no GPU."""
+    mod = importlib.import_module("worker.kernels.triton_attention")
+    if not ON_GPU and not mod.interpreted():
+        for name in _KERNEL_MODULES:  # kernel modules first: triton_attention reads them at call time
+            importlib.reload(sys.modules[f"worker.kernels.{name}"])
+    assert mod.available(), "Triton kernels cannot run here"
+    return mod
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    return torch.device("cuda" if ON_GPU else "cpu")
