@@ -7,8 +7,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from paged_cases import GRID, Case, assert_close, build_cache, poisoned_like, random_queries
 
+from tests.kernels.paged_cases import GRID, Case, assert_close, build_cache, poisoned_like, random_queries
 from worker.kernels import reference
 
 

@@ -6,8 +6,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from paged_cases import GRID, Case, garbage_cache
 
+from tests.kernels.paged_cases import GRID, Case, garbage_cache
 from worker.kernels import reference
 
 
