@@ -7,7 +7,9 @@ Redis on purpose should use `redis_server_factory` (their own server) so they ca
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -15,6 +17,12 @@ import redis as sync_redis
 from redis.asyncio import Redis
 
 from producer.testing_redis import RedisServer
+
+# Test modules share helpers as `tests.<area>.conftest`; the `pytest` script does not put the repo root on
+# sys.path by itself (only `python -m pytest` does), so do it here, once, for every area.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
