@@ -18,7 +18,7 @@ from typing import Any
 from arq.constants import in_progress_key_prefix
 from arq.worker import Worker, func
 
-from producer import keys
+from producer import keys, serde
 from worker.jobs import REDIS_ERRORS, JobRunner
 
 log = logging.getLogger("batchq.worker")
@@ -47,6 +47,9 @@ class QueueWorker(Worker):
             ctx={"runner": runner},
             burst=cfg.burst,
             log_results=False,
+            # Without these arq falls back to pickle: orjson only, and a pickle is refused.
+            job_serializer=serde.job_serializer,
+            job_deserializer=serde.job_deserializer,
             **kwargs,
         )
         self.runner = runner
