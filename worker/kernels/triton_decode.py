@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 # Finite "minus infinity" for the running max: exp2(-inf - -inf) would be NaN for an empty split.
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)  # jit code may only read constexpr globals
 
 
 @triton.jit

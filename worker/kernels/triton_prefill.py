@@ -12,7 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_BIG = -1.0e30  # finite running-max start: keeps fully masked rows free of NaN
+# Finite running-max start: keeps fully masked rows free of NaN. A constexpr, as jit code may only
+# read constexpr globals.
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
