@@ -99,7 +99,9 @@ def random_queries(case: Case, rows: int, gen: torch.Generator, device: torch.de
 
 def poisoned_like(x: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN: any element the kernel does not write fails the comparison."""
-    return torch.full_like(x, float("nan"))
+    return torch.full(
+        x.shape, float("nan"), dtype=x.dtype, device=x.device
+    )  # contiguous, like the kernels' own
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

@@ -53,13 +53,15 @@ def test_prefill_matches_reference(kernels: ModuleType, device: torch.device, ca
 def test_prefill_tile_sizes_other_than_the_default(
     kernels: ModuleType, device: torch.device, block_m: int, block_n: int
 ) -> None:
-    # Tiles smaller and larger than a cache block; with group 3, a 16-row tile holds 5 tokens.
+    # Tiles smaller and larger than a cache block (with group 3, a 16-row tile holds 5 tokens), and a
+    # strided q.
     case = GRID[3]
     gen = torch.Generator().manual_seed(21)
     seqs = [(40, 40), (1, 17), (33, 97)]
     cache = build_cache(case, [ctx for _, ctx in seqs], gen, device)
     cu_seqlens = torch.tensor([0, 40, 41, 74], dtype=torch.int32, device=device)
-    q = random_queries(case, 74, gen, device)
+    # q as the query part of a fused qkv output: its token stride is not heads * head_dim.
+    q = torch.cat([random_queries(case, 74, gen, device)] * 2, dim=1)[:, : case.heads]
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu_seqlens, cache.context_lens, 0.2)
 
     got = kernels.paged_prefill_attention(*args, block_m=block_m, block_n=block_n, out=poisoned_like(q))
