@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, help="max sequences decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    p.add_argument("--repetition-window", type=int, help="loop detection window in tokens (10; 0 = off)")
+    p.add_argument(
+        "--repetition-repeats", type=int, help="windows repeated in a row that end a loop (3; 0 = off)"
+    )
     p.add_argument("--prefetch", type=int, help="requests held beyond max-num-seqs (default max-num-seqs/2)")
     p.add_argument("--lease-s", type=float, help="lease on a running request; renewed while alive (30)")
     p.add_argument("--max-tries", type=int, help="tries before a request fails with an error (3)")

@@ -80,7 +80,17 @@ def test_over_long_prompt_fails_alone_and_cancel_stops_the_rest(server, workers,
     lines = [{"id": "huge", "prompt": "word " * 3000, "max_new_tokens": 5}]
     lines += [{"id": f"r{i}", "prompt": f"item {i}", "max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
               for i in range(15)]  # fmt: skip
-    w = workers(server.url, str(tiny_model_dir), "--max-num-seqs", "2", "--prefetch", "1", name="a")
+    w = workers(
+        server.url,
+        str(tiny_model_dir),
+        "--max-num-seqs",
+        "2",
+        "--prefetch",
+        "1",
+        "--repetition-repeats",
+        "0",
+        name="a",
+    )
     w.wait_ready()
     bid = submit(server.url, write_jsonl(tmp_path / "in.jsonl", lines))
     wait_until(lambda: results_count(server.url, bid) >= 4, 120, "some results")
