@@ -198,7 +198,9 @@ def _sm_count(device_index: int) -> int:
 
 def _auto_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
     """Split-K only when (sequence, kv head) programs cannot fill the GPU: aim at ~2 waves of programs,
-    keep each split at least 4 tiles long so the merge stays cheap, cap at 64 splits."""
+    keep each split at least 4 tiles long so the merge stays cheap, cap at 64 splits. max_ctx is the block
+    table's capacity, not the longest context (that would need a sync): tables much wider than the
+    contexts give splits that find no tokens; they exit at once, but still cost a launch slot each."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
