@@ -39,6 +39,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig, loaded: LoadedModel, runner: ModelRunner, num_blocks: int) -> None:
         self.cfg = cfg
         self.model_name = loaded.name
+        self.checkpoint_dir = loaded.checkpoint_dir  # a local HF dir (the GGUF cache for .gguf inputs)
         self.tokenizer: Any = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = min(loaded.max_model_len, cfg.max_model_len or loaded.max_model_len)

@@ -57,12 +57,15 @@ def paged_prefill_attention(
         table = block_tables[i, :nblk].long()
         k = k_cache[table].view(nblk * bs, kvh, d)[:n].transpose(0, 1)  # [KVH, n, D]
         v = v_cache[table].view(nblk * bs, kvh, d)[:n].transpose(0, 1)
-        qi = q[s:e].transpose(0, 1).to(k.dtype)  # [H, q_len, D]
+        # 4-D inputs: CPU SDPA only takes its fused flash kernel for [batch, heads, len, dim].
+        qi = q[s:e].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, q_len, D]
+        k, v = k.unsqueeze(0), v.unsqueeze(0)
+        gqa = h != kvh
         if e - s == n:
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=h != kvh)
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:  # cached prefix: query i sits at position n - q_len + i
             qpos = torch.arange(n - (e - s), n, device=q.device).unsqueeze(1)
             mask = torch.arange(n, device=q.device).unsqueeze(0) <= qpos
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=h != kvh)
-        out[s:e] = o.transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[s:e] = o[0].transpose(0, 1).to(q.dtype)
     return out
