@@ -79,25 +79,43 @@ class Sampler:
     @staticmethod
     def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
         # logits: [B, vocab] (temperature applied) -> [B]
+        # Each row's path depends only on its own params (batch-invariant): rows with top-k / top-p
+        # sort their distribution; the rest sample the unsorted one, skipping a costly vocab sort.
         dev = logits.device
-        vocab = logits.shape[1]
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-        top_k = torch.tensor([k if k > 0 else vocab for k in batch.top_ks], device=dev).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = torch.tensor(batch.top_ps, device=dev, dtype=probs.dtype).unsqueeze(1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p
-        min_p = torch.tensor(batch.min_ps, device=dev, dtype=probs.dtype).unsqueeze(1)
-        drop |= probs < min_p * probs[:, :1]
-        drop[:, 0] = False
-        probs = probs.masked_fill(drop, 0.0)
-        cdf = probs.cumsum(dim=-1)  # [B, vocab]
-        u = torch.tensor(
-            [splitmix64_uniform(s, n) for s, n in zip(batch.seeds, batch.steps, strict=True)],
-            device=dev,
-            dtype=cdf.dtype,
-        ).unsqueeze(1)
-        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)  # [B, 1]
-        return sorted_idx.gather(1, pick).squeeze(1)
+        out = torch.zeros(logits.shape[0], dtype=torch.long, device=dev)
+        u_all = [splitmix64_uniform(s, n) for s, n in zip(batch.seeds, batch.steps, strict=True)]
+        sort_rows = [i for i in range(len(u_all)) if batch.top_ks[i] > 0 or batch.top_ps[i] < 1.0]
+        plain_rows = [i for i in range(len(u_all)) if i not in set(sort_rows)]
+        for rows, sort in ((sort_rows, True), (plain_rows, False)):
+            if not rows:
+                continue
+            idx = torch.tensor(rows, device=dev)
+            sub = logits[idx]  # [R, vocab]
+            order: Tensor | None = None
+            if sort:
+                sub, order = sub.sort(dim=-1, descending=True)
+            probs = torch.softmax(_mask_top_k(sub, [batch.top_ks[i] for i in rows], sort), dim=-1)
+            keep_first = probs.argmax(dim=-1, keepdim=True)  # the top token always survives
+            drop = torch.zeros_like(probs, dtype=torch.bool)
+            if sort:  # nucleus: keep the smallest prefix whose mass reaches top_p
+                top_p = torch.tensor([batch.top_ps[i] for i in rows], device=dev, dtype=probs.dtype)
+                drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+            min_p = torch.tensor([batch.min_ps[i] for i in rows], device=dev, dtype=probs.dtype).unsqueeze(1)
+            drop |= probs < min_p * probs.max(dim=-1, keepdim=True).values
+            drop.scatter_(1, keep_first, False)
+            cdf = probs.masked_fill(drop, 0.0).cumsum(dim=-1)  # [R, vocab]
+            u = torch.tensor([u_all[i] for i in rows], device=dev, dtype=cdf.dtype).unsqueeze(1)
+            pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)
+            tokens = pick if order is None else order.gather(1, pick)
+            out[idx] = tokens.squeeze(1)
+        return out
+
+
+def _mask_top_k(sorted_or_raw: Tensor, top_ks: list[int], is_sorted: bool) -> Tensor:
+    # [R, vocab] -> [R, vocab] with ranks >= k set to -inf (only meaningful on sorted rows)
+    if not is_sorted or not any(k > 0 for k in top_ks):
+        return sorted_or_raw
+    vocab = sorted_or_raw.shape[1]
+    ranks = torch.arange(vocab, device=sorted_or_raw.device).unsqueeze(0)
+    k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=sorted_or_raw.device).unsqueeze(1)
+    return sorted_or_raw.masked_fill(ranks >= k, float("-inf"))
