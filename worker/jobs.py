@@ -146,7 +146,7 @@ def _to_result(req: Request, res: EngineResult, queued_s: float | None) -> Resul
         id=req.id,
         index=req.index,
         text=res.text,
-        finish_reason=res.finish_reason,  # type: ignore[arg-type]
+        finish_reason=res.finish_reason,
         usage=Usage(
             prompt_tokens=res.prompt_tokens,
             completion_tokens=res.completion_tokens,

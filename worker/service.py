@@ -9,7 +9,8 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 
-from redis.asyncio import ConnectionPool
+from arq.connections import ArqRedis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
@@ -45,8 +46,7 @@ def engine_config(cfg: WorkerConfig) -> EngineConfig:
     )
 
 
-def connect(cfg: WorkerConfig):  # -> ArqRedis
-    from arq.connections import ArqRedis
+def connect(cfg: WorkerConfig) -> ArqRedis:
 
     pool = ConnectionPool.from_url(
         cfg.redis_url,
@@ -64,7 +64,7 @@ def connect(cfg: WorkerConfig):  # -> ArqRedis
     )
 
 
-async def bind_queue(redis, cfg: WorkerConfig) -> None:  # type: ignore[no-untyped-def]
+async def bind_queue(redis: Redis, cfg: WorkerConfig) -> None:
     """A queue serves one model: the first live worker binds it; a worker for another model refuses to start."""
     key = keys.queue_model(keys.queue_name(cfg.queue))
     ttl = max(60, int(cfg.heartbeat_s * 6))
@@ -91,7 +91,7 @@ async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) ->
             log.exception("%s failed", what)
 
 
-async def _wait_for_redis(redis, cfg: WorkerConfig) -> None:  # type: ignore[no-untyped-def]
+async def _wait_for_redis(redis: Redis, cfg: WorkerConfig) -> None:
     delay = 0.2
     while True:
         try:
