@@ -29,6 +29,7 @@ class EngineConfig:
     repetition_repeats: int = 3  # 0 switches loop detection off
     max_model_len: int | None = None  # cap below the model's context length (None: the model's own)
     num_threads: int | None = None  # torch CPU threads (None: torch's default)
+    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + Triton backend only)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

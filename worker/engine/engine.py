@@ -65,7 +65,17 @@ class Engine:
         loaded = load_model(cfg.model, dtype, device)
         backend = select_backend(device, cfg.attention_backend)
         num_blocks = size_kv_pool(cfg, loaded.model, dtype, device)
-        runner = ModelRunner(loaded.model, backend, num_blocks, cfg.block_size, device, dtype)
+        runner = ModelRunner(
+            loaded.model,
+            backend,
+            num_blocks,
+            cfg.block_size,
+            device,
+            dtype,
+            cuda_graphs=cfg.cuda_graphs,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=min(loaded.max_model_len, cfg.max_model_len or loaded.max_model_len),
+        )
         log.info(
             "loaded %s in %.1fs: %s %s, %s attention, %d KV blocks of %d tokens",
             cfg.model,

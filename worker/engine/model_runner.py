@@ -7,6 +7,7 @@ One host sync per step (the sampled ids' .tolist()).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -16,6 +17,9 @@ from worker.engine.scheduler import ScheduledBatch
 from worker.kernels.backend import AttentionBackend
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import KVCache, LlamaFamilyModel
+
+if TYPE_CHECKING:
+    from worker.engine.cuda_graphs import CudaGraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,9 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -41,11 +48,21 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler()
         s = model.spec
-        shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        use_graphs = cuda_graphs and device.type == "cuda" and backend.name == "triton"
+        # Graphs pad batches with rows that write and read one extra block, never handed to a sequence.
+        shape = (num_blocks + int(use_graphs), block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches: list[KVCache] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(s.num_layers)
         ]
+        self.graphs: CudaGraphRunner | None = None
+        if use_graphs:
+            from worker.engine.cuda_graphs import CudaGraphRunner
+
+            max_len = max_model_len or int(model.rotary.cos.shape[0])
+            self.graphs = CudaGraphRunner(
+                model, backend, self.kv_caches, block_size, num_blocks, max_num_seqs, max_len, device
+            )
 
     def _tensor(self, data: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -79,7 +96,10 @@ class ModelRunner:
         lens_t = self._tensor(lens)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=self.device)
         cu[1:] = lens_t.cumsum(0)
-        seq_index = torch.repeat_interleave(torch.arange(len(lens), device=self.device), lens_t)
+        # output_size: without it repeat_interleave reads lens_t back to size its output (a GPU sync).
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(lens), device=self.device), lens_t, output_size=sum(lens)
+        )
         positions = torch.arange(sum(lens), device=self.device) - cu[:-1][seq_index]
         meta = AttentionMetadata(
             phase="prefill",
@@ -93,6 +113,11 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> Tensor:
         """Run the forward pass, writing the batch's K/V into the pool. -> [B, vocab] float32."""
+        g = self.graphs
+        if batch.phase == "decode" and g is not None and g.can_run(len(batch.seqs), batch.block_tables):
+            return g.run(
+                [s.last_token for s in batch.seqs], [s.num_tokens for s in batch.seqs], batch.block_tables
+            )
         input_ids, positions, meta, last = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches, self.backend)  # [T, hidden]
         return self.model.compute_logits(hidden[last])
