@@ -1,0 +1,247 @@
+"""One prepared GPU check: hardware, kernel tests, greedy parity with HF, throughput vs HF (1B and 8B).
+
+    python benchmarks/gpu_check.py                # on the GPU (what gpu_check.sh runs), < 9.5 min
+    python benchmarks/gpu_check.py --tiny         # the whole flow on CPU with tiny models, < 1 min
+
+Each stage runs in its own process under a hard timeout (a hung or crashed stage is reported and the
+next one runs, with its GPU memory freed). Results: a table on stdout, JSON in $OUT/gpu_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Stage budgets in seconds (hard timeouts); GPU total 480 s + start-up leaves room under 9.5 min.
+GPU_STAGES = [("kernels", 110), ("parity", 60), ("bench:llama-1b", 120), ("bench:llama-8b", 190)]
+TINY_STAGES = [("parity", 40), ("bench:tiny", 40)]
+
+
+def hardware() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                            "transformers": transformers.__version__, "python": sys.version.split()[0]}  # fmt: skip
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        info["gpu_mem_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return info
+
+
+# ------------------------------------------------------------------------------------------ stages
+
+
+def stage_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.budget - 5)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    return {"ok": proc.returncode == 0, "returncode": proc.returncode, "summary": tail[-1] if tail else "",
+            "tail": tail}  # fmt: skip
+
+
+def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
+    """Tiny random Llama through Engine.load (checkpoint in a temp dir) vs HF generate, greedy, EOS off:
+    fp32 must match token for token (graphs on and off); bf16 is reported (near-ties may flip)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from producer.contract import SamplingParams
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.request import EngineRequest
+    from worker.models.testing import build_tiny_checkpoint
+
+    device = torch.device(args.device)
+    new = 24
+    prompts = [[3 + (7 * i + 13 * k) % 250 for k in range(5 + 9 * i)] for i in range(8)]  # 5..68 tokens
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_checkpoint(Path(tmp), "llama", num_hidden_layers=3, max_position_embeddings=512)
+        for dtype in ("float32", "bfloat16"):
+            hf: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+            hf = hf.to(device).eval()
+            want = []
+            for p in prompts:  # one prompt at a time: no padding in the reference
+                ids = torch.tensor([p], device=device)
+                gen = hf.generate(
+                    ids, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0
+                )
+                want.append(gen[0, len(p) :].tolist())
+            del hf
+            for graphs in (True, False) if device.type == "cuda" else (False,):
+                cfg = EngineConfig(model=str(path), device=args.device, dtype=dtype, kv_cache_gb=0.05,
+                                   cuda_graphs=graphs)  # fmt: skip
+                engine = Engine.load(cfg)
+                params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True).resolve()
+                reqs = [EngineRequest(f"p{i}", params, prompt_token_ids=p) for i, p in enumerate(prompts)]
+                got = [r.token_ids for r in engine.generate(reqs)]
+                same = sum(g == w for g, w in zip(got, want, strict=True))
+                prefix = [
+                    next((k for k, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), new)
+                    for g, w in zip(got, want, strict=True)
+                ]
+                key = f"{dtype}{'+graphs' if engine.runner.graphs is not None else ''}"
+                out[key] = {
+                    "identical": f"{same}/{len(prompts)}",
+                    "mean_common_prefix": sum(prefix) / len(prefix),
+                }
+                del engine
+    out["ok"] = all(v["identical"].split("/")[0] == v["identical"].split("/")[1]
+                    for k, v in out.items() if k.startswith("float32"))  # fmt: skip
+    return out
+
+
+def stage_bench(args: argparse.Namespace, shape: str) -> dict[str, Any]:
+    import torch
+
+    from benchmarks import gpu_models as gm
+    from worker.engine.config import EngineConfig
+
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tiny = shape == "tiny"
+    n = 32 if tiny else 256
+    jobs = gm.workload(n, gm.SHAPES[shape]["vocab_size"])
+    if tiny:  # keep the CPU dry run short: same shape of work, short outputs and prompts
+        jobs = [gm.Job(j.prompt_ids[:60], min(j.max_new_tokens, 12)) for j in jobs]
+    hf = gm.hf_model(shape, dtype, device)
+    res: dict[str, Any] = {"model": shape, "dtype": str(dtype).removeprefix("torch."), "requests": n,
+                           "build_s": round(time.perf_counter() - t_start, 1), "contenders": {}}  # fmt: skip
+    left = lambda: args.budget - (time.perf_counter() - t_start) - 5  # noqa: E731
+    # Rough shares of what is left: the engine is fastest, HF generate and HF continuous batching share the rest.
+    shares = [("batchq", 0.3), ("hf_generate", 0.45), ("hf_continuous", 1.0)]
+    for name, share in shares:
+        budget = max(5.0, left() * share)
+        try:
+            if name == "batchq":
+                cfg = EngineConfig(model=shape, device=args.device, dtype=res["dtype"], kv_cache_gb=24 if not tiny else 0.05,
+                                   max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=1024)  # fmt: skip
+                t0 = time.perf_counter()
+                engine = gm.engine_from_hf(hf, cfg)
+                setup = time.perf_counter() - t0
+                r = gm.run_engine(engine, jobs, budget - setup)
+                r["setup_s"] = round(setup, 1)
+                del engine
+                gc.collect()  # the KV pool and graph pool must be gone before HF sizes its caches
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            elif name == "hf_generate":
+                r = gm.run_hf_generate(hf, jobs, [16, 64] if tiny else [32, 64, 128], budget)
+            else:
+                r = gm.run_hf_continuous(hf, jobs, budget)
+        except Exception as exc:  # one contender failing must not hide the others
+            r = {"error": f"{type(exc).__name__}: {exc}"}
+        res["contenders"][name] = r
+        print(f"  {shape} {name}: {r}", flush=True)
+        if args.result:  # written as we go, so a stage killed at its timeout still reports what it measured
+            Path(args.result).write_text(json.dumps(res, default=str))
+    return res
+
+
+def run_stage(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    if name == "kernels":
+        return stage_kernels(args)
+    if name == "parity":
+        return stage_parity(args)
+    return stage_bench(args, name.split(":", 1)[1])
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+def spawn(name: str, budget: int, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    result_file = out_dir / f"{name.replace(':', '_')}.json"
+    cmd = [sys.executable, __file__, "--stage", name, "--budget", str(budget), "--device", args.device,
+           "--result", str(result_file)]  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=budget + 15, capture_output=True, text=True)
+        sys.stdout.write(proc.stdout)
+        stderr = proc.stderr.strip().splitlines()[-12:]
+        error = f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        stderr, error = [], f"timed out after {budget + 15}s"
+    res: dict[str, Any] = {"ok": False, "error": error, "stderr": stderr}
+    if result_file.exists():
+        res = {**json.loads(result_file.read_text()), **({} if error == "exit 0" else {"error": error})}
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def report(hw: dict[str, Any], results: dict[str, Any]) -> None:
+    print("\n== hardware:", ", ".join(f"{k}={v}" for k, v in hw.items()))
+    for name in ("kernels", "parity"):
+        if name in results:
+            r = results[name]
+            detail = (
+                r.get("summary") or r.get("error") or {k: v for k, v in r.items() if k not in ("ok", "tail")}
+            )
+            print(f"== {name}: {'PASS' if r.get('ok') else 'FAIL'} ({r.get('wall_s')}s) {detail}")
+    print(f"\n{'model':<10} {'contender':<14} {'output tok/s':>12} {'vs batchq':>10}  notes")
+    for name, r in results.items():
+        if not name.startswith("bench:"):
+            continue
+        cont = r.get("contenders", {})
+        if not cont:
+            print(f"{name[6:]:<10} {'-':<14} {'-':>12} {'-':>10}  {r.get('error')} {r.get('stderr', '')}")
+        ours = cont.get("batchq", {}).get("tok_s")
+        for c, v in cont.items():
+            tps = v.get("tok_s")
+            ratio = f"{tps / ours:.2f}x" if tps and ours else "-"
+            notes = v.get("error") or ", ".join(
+                f"{k}={v[k]}" for k in ("batch_size", "requests_done", "partial", "cuda_graphs") if k in v
+            )
+            print(f"{name[6:]:<10} {c:<14} {tps or 0:>12.0f} {ratio:>10}  {notes}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="dry run: tiny models on CPU, torch backend, < 1 min")
+    p.add_argument("--device", default=None, help="cuda (default) or cpu (--tiny)")
+    p.add_argument("--stage", help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=int, default=60, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    if args.stage:  # child process: run one stage, write its JSON
+        res = run_stage(args.stage, args)
+        Path(args.result).write_text(json.dumps(res, indent=1, default=str))
+        return 0
+    t0 = time.perf_counter()
+    hw = hardware()
+    print("hardware:", json.dumps(hw), flush=True)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, budget in TINY_STAGES if args.tiny else GPU_STAGES:
+            print(f"-- {name} (budget {budget}s)", flush=True)
+            results[name] = spawn(name, budget, args, Path(tmp))
+    report(hw, results)
+    summary = {"hardware": hw, "results": results, "total_s": round(time.perf_counter() - t0, 1)}
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"\ntotal {summary['total_s']}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
