@@ -10,7 +10,7 @@ import torch
 from producer.contract import SamplingParams
 from tests.engine.fakes import make_seq
 from worker.engine.config import EngineConfig
-from worker.engine.cuda_graphs import bucket, capture_sizes, pad_decode
+from worker.engine.cuda_graphs import CudaGraphRunner, bucket, capture_sizes, pad_decode
 from worker.engine.engine import Engine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import EngineRequest
@@ -106,6 +106,47 @@ def test_padded_decode_gives_the_real_rows_eager_logits_and_spares_their_kv(tiny
     for (k, v), (ek, ev) in zip(runner.kv_caches, eager_kv, strict=True):
         torch.testing.assert_close(k[:dummy], ek[:dummy], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v[:dummy], ev[:dummy], rtol=1e-5, atol=1e-5)
+
+
+class _EagerReplay:
+    """Stands in for a captured graph on CPU: replay() runs the same forward over the static buffers."""
+
+    def __init__(self, runner: CudaGraphRunner, size: int) -> None:
+        self.runner, self.size = runner, size
+
+    def replay(self) -> None:
+        self.runner.logits[self.size].copy_(self.runner._forward(self.size))
+
+
+class _EagerGraphRunner(CudaGraphRunner):
+    def _capture(self) -> None:
+        for size in self.sizes:
+            self.graphs[size] = _EagerReplay(self, size)  # type: ignore[assignment]
+            self.logits[size] = torch.empty(size, self.model.spec.vocab_size)
+
+
+def test_run_stages_a_batch_into_the_static_buffers_and_slices_the_real_rows(tiny_dir: Path) -> None:
+    # Everything of CudaGraphRunner.run but the graph itself, on CPU: padding, the one staged copy,
+    # the static-buffer views, the stale columns of a previous wider batch, the logits slice.
+    loaded = load_model(str(tiny_dir), torch.float32, torch.device("cpu"))
+    dummy, cpu = 8, torch.device("cpu")
+    runner = ModelRunner(loaded.model, select_backend(cpu), dummy + 1, BLOCK, cpu, torch.float32)
+    seqs, tables = _prefilled(runner)
+    graphs = _EagerGraphRunner(loaded.model, runner.backend, runner.kv_caches, BLOCK, dummy, 8, 64, cpu)
+    assert graphs.block_tables.shape == (8, 16) and graphs.can_run(2, tables)
+    assert not graphs.can_run(9, tables) and not graphs.can_run(1, [list(range(17))])
+    with torch.inference_mode():
+        eager = runner.compute_logits(ScheduledBatch("decode", seqs, tables))
+        both = graphs.run([s.last_token for s in seqs], [s.num_tokens for s in seqs], tables)
+        torch.testing.assert_close(both, eager, rtol=1e-5, atol=1e-5)
+        assert graphs.context_lens[:2].tolist() == [6, 10] and graphs.block_tables[1, :3].tolist() == [
+            2,
+            3,
+            4,
+        ]
+        # A narrower batch next: seq 1 alone in row 0 over the wider table's stale columns.
+        one = graphs.run([seqs[1].last_token], [seqs[1].num_tokens], [tables[1]])
+        torch.testing.assert_close(one, eager[1:], rtol=1e-5, atol=1e-5)
 
 
 @needs_cuda

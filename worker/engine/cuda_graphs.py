@@ -102,7 +102,6 @@ class CudaGraphRunner:
         max_model_len: int,
         device: torch.device,
     ) -> None:
-        assert device.type == "cuda" and backend.name == "triton", "graphs need CUDA and the Triton backend"
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size, self.dummy_block, self.device = block_size, dummy_block, device
         self.sizes = capture_sizes(max_num_seqs)
@@ -131,6 +130,7 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        assert self.device.type == "cuda" and self.backend.name == "triton", "graphs need CUDA + Triton"
         t0 = time.monotonic()
         pool = None
         # Largest first: later (smaller) graphs reuse the shared pool's blocks instead of growing it.
