@@ -71,3 +71,16 @@ def test_random_workload_keeps_pool_invariants_after_every_step() -> None:
         for seq in sched.running:  # every cached token has a slot
             assert len(bm.block_table(seq.request_id)) * bm.block_size >= seq.num_tokens - 1
     assert finished == 60 and bm.num_free == bm.num_blocks
+
+
+def test_longest_first_admits_the_longest_generations_first_then_by_arrival() -> None:
+    sched = Scheduler(
+        BlockManager(1000, 16), max_num_seqs=3, max_num_batched_tokens=1000, policy="longest_first"
+    )
+    for name, max_new in [("short1", 8), ("long", 200), ("short2", 8), ("mid", 64), ("long2", 200)]:
+        sched.add(make_seq(name, 10, max_new))
+    batch = sched.schedule()
+    assert batch is not None and [s.request_id for s in batch.seqs] == ["long", "long2", "mid"]
+    assert [s.request_id for s in sched.waiting] == ["short1", "short2"]
+    sched.finish(sched.waiting[0])  # a cancelled waiting request leaves the order intact
+    assert [s.request_id for s in sched.waiting] == ["short2"]

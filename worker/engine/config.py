@@ -27,6 +27,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     repetition_window: int = 10  # 0 switches loop detection off
     repetition_repeats: int = 3  # 0 switches loop detection off
+    schedule_policy: str = "longest_first"  # fcfs | longest_first (see scheduler.py)
     max_model_len: int | None = None  # cap below the model's context length (None: the model's own)
     num_threads: int | None = None  # torch CPU threads (None: torch's default)
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + Triton backend only)
@@ -40,6 +41,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+        if self.schedule_policy not in ("fcfs", "longest_first"):
+            raise ValueError(f"schedule_policy must be fcfs or longest_first, got {self.schedule_policy!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

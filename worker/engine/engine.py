@@ -45,7 +45,12 @@ class Engine:
         self.max_model_len = min(loaded.max_model_len, cfg.max_model_len or loaded.max_model_len)
         self.runner = runner
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            policy="longest_first" if cfg.schedule_policy == "longest_first" else "fcfs",
+        )
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
         self._lock = threading.Lock()
         self._inbox: list[tuple[EngineRequest, float]] = []

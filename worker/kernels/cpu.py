@@ -1,7 +1,7 @@
 """Faster pure-torch paged attention for the CPU path, same signatures as reference.py.
 
-Decode gathers every sequence's blocks in one indexing op (padded to the longest context, masked),
-then runs one batched SDPA with grouped-query heads: no Python loop over sequences.
+Decode gathers sequences' blocks a length-sorted group at a time (a handful of groups per layer, never
+one op per sequence) and scores grouped-query heads with block-diagonal bmms.
 Prefill loops over sequences (one SDPA call each, causal), never over tokens.
 """
 
@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+DECODE_BUCKET = 16  # sequences per padded group: small enough that padding stays cheap
+
 
 def paged_decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
@@ -18,19 +20,39 @@ def paged_decode_attention(
     """q: [batch, heads, head_dim]; block_tables: [batch, max_blocks] int32; context_lens: [batch] int32.
 
     -> [batch, heads, head_dim]
+
+    Sequences are sorted by length and taken DECODE_BUCKET at a time, each group padded only to its own
+    longest context, so a few long contexts do not make every short one pay for their padding.
+    Grouped-query heads never copy K/V per query head: each group's queries form a block-diagonal
+    [kv_heads * group, kv_heads * head_dim] matrix, so one bmm against the gathered [len, kv_heads *
+    head_dim] rows scores every head at once (the zero blocks cost FLOPs, not memory traffic, and
+    decode attention is bound by memory traffic).
     """
     b, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(context_lens.max())
-    nblk = -(-max_len // bs)
-    tables = block_tables[:, :nblk].long()
-    k = k_cache[tables].view(b, nblk * bs, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[tables].view(b, nblk * bs, kvh, d).transpose(1, 2)
-    pos = torch.arange(nblk * bs, device=q.device)
-    mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1).long()).view(b, 1, 1, nblk * bs)
-    qf = q.unsqueeze(2).to(k.dtype)  # [B, H, 1, D]
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale, enable_gqa=h != kvh)
-    return out.squeeze(2).to(q.dtype)
+    g = h // kvh
+    lens = context_lens.tolist()
+    order = sorted(range(b), key=lens.__getitem__)
+    eye = torch.eye(kvh, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)
+    for c0 in range(0, b, DECODE_BUCKET):
+        chunk = order[c0 : c0 + DECODE_BUCKET]
+        n = len(chunk)
+        nblk = -(-lens[chunk[-1]] // bs)
+        idx = torch.tensor(chunk, device=q.device)
+        tables = block_tables[idx, :nblk].long()
+        k = k_cache[tables].view(n, nblk * bs, kvh * d)  # [n, L, KVH*D]
+        v = v_cache[tables].view(n, nblk * bs, kvh * d)
+        qbd = (eye.view(1, kvh, 1, kvh, 1) * q[idx].to(k.dtype).view(n, kvh, g, 1, d)).reshape(
+            n, kvh * g, kvh * d
+        )
+        scores = torch.bmm(qbd, k.transpose(1, 2)).float() * scale  # [n, KVH*G, L]
+        pad = torch.arange(nblk * bs, device=q.device) >= context_lens[idx].unsqueeze(1)
+        scores.masked_fill_(pad.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        o = torch.bmm(probs, v).view(n, kvh, g, kvh, d)  # every head against every kv head
+        out[idx] = torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, h, d).to(q.dtype)
+    return out
 
 
 def paged_prefill_attention(
