@@ -148,6 +148,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--hf-sweep-s", type=float, default=20.0, help="time per batch size in HF's sweep")
     p.add_argument("--skip", action="append", default=[], choices=["hf", "queue", "enqueue"])
     p.add_argument("--out", default=None)
     ns = p.parse_args()
@@ -165,7 +166,11 @@ def main() -> int:
         extra = ["--max-num-seqs", str(ns.max_num_seqs)]
         engine = run_contender("engine", wpath, ns.dtype, extra)
         rows = [engine]
-        hf = None if "hf" in ns.skip else run_contender("hf", wpath, ns.dtype, [])
+        hf = (
+            None
+            if "hf" in ns.skip
+            else run_contender("hf", wpath, ns.dtype, ["--hf-sweep-s", str(ns.hf_sweep_s)])
+        )
         queue = None if "queue" in ns.skip else run_contender("queue", wpath, ns.dtype, extra)
         rows += [r for r in (queue, hf) if r is not None]
     ceiling = gemm_ceiling(ns.dtype)

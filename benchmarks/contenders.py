@@ -134,13 +134,22 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
                 self.t = time.perf_counter()
             return scores
 
-    def run(idx: list[int], bs: int, budget: float | None) -> tuple[int, float, list[float], dict[str, str]]:
-        tokens, ttfts, outs = 0, [], {}
-        t0 = time.perf_counter()
-        for s in range(0, len(idx), bs):
-            chunk = idx[s : s + bs]
+    class Progress:
+        """Batches run so far at one batch size: the sweep's batches count towards the full run."""
+
+        def __init__(self) -> None:
+            self.next, self.tokens, self.wall = 0, 0, 0.0
+            self.ttfts: list[float] = []
+            self.outs: dict[str, str] = {}
+
+    def run(p: Progress, bs: int, budget: float | None) -> None:
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        t_start = time.perf_counter()
+        while p.next < len(lines):
+            chunk = list(range(p.next, min(p.next + bs, len(lines))))
             enc = tok([texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
             ft = FirstToken()
+            t0 = time.perf_counter()
             with torch.inference_mode():
                 gen = model.generate(
                     **enc,
@@ -149,27 +158,33 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
                     pad_token_id=pad,
                     logits_processor=LogitsProcessorList([ft]),
                 )
+            p.wall += time.perf_counter() - t0
             new = gen[:, enc["input_ids"].shape[1] :]
             for row, i in enumerate(chunk):
                 ids = new[row].tolist()[: lines[i]["max_new_tokens"]]
-                cut = next(
-                    (k + 1 for k, t in enumerate(ids) if t in (eos if isinstance(eos, list) else [eos])), None
-                )
+                cut = next((k + 1 for k, t in enumerate(ids) if t in eos_ids), None)
                 ids = ids[:cut] if cut else ids
-                tokens += len(ids)
-                outs[lines[i]["id"]] = tok.decode(ids, skip_special_tokens=True)
-                ttfts.append((ft.t or time.perf_counter()) - t0)
-            if budget is not None and time.perf_counter() - t0 > budget:
+                p.tokens += len(ids)
+                p.outs[lines[i]["id"]] = tok.decode(ids, skip_special_tokens=True)
+                # All requests are there at t=0, like the engine's: a batch waits for the ones before it.
+                p.ttfts.append(p.wall - (time.perf_counter() - (ft.t or time.perf_counter())))
+            p.next = chunk[-1] + 1
+            if budget is not None and time.perf_counter() - t_start > budget:
                 break
-        return tokens, time.perf_counter() - t0, ttfts, outs
 
-    order = list(range(len(lines)))
-    sweep: dict[int, float] = {}
+    progress: dict[int, Progress] = {}
+    sweep: dict[str, float] = {}
     for bs in (1, 8, 16, 32, 64):
-        tok_n, wall, _, _ = run(order, bs, sweep_s)
-        sweep[bs] = tok_n / wall
-    best = max(sweep, key=lambda b: sweep[b])
-    tokens, wall, ttfts, outs = run(order, best, None)
+        progress[bs] = p = Progress()
+        run(p, bs, sweep_s)
+        sweep[str(bs)] = p.tokens / p.wall
+        print(
+            f"    HF bs={bs}: {sweep[str(bs)]:.1f} tok/s over {p.next} requests", file=sys.stderr, flush=True
+        )
+    best = max(progress, key=lambda b: sweep[str(b)])
+    p = progress[best]
+    run(p, best, None)
+    tokens, wall, ttfts, outs = p.tokens, p.wall, p.ttfts, p.outs
     return _summary(
         f"HF generate (bs={best})",
         wall,

@@ -11,7 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-DECODE_BUCKET = 16  # sequences per padded group: small enough that padding stays cheap
+MAX_GROUP = 64  # sequences per padded group
+
+
+def _length_groups(lens: list[int], block_size: int) -> list[list[int]]:
+    """Sequence indices sorted by length, cut into groups whose padding stays within ~25% + one block."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and len(groups[-1]) < MAX_GROUP and lens[i] <= 1.25 * lens[groups[-1][0]] + block_size:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def paged_decode_attention(
@@ -21,22 +33,21 @@ def paged_decode_attention(
 
     -> [batch, heads, head_dim]
 
-    Sequences are sorted by length and taken DECODE_BUCKET at a time, each group padded only to its own
-    longest context, so a few long contexts do not make every short one pay for their padding.
+    Sequences are sorted by length and cut into groups of similar length, each padded only to its own
+    longest context, so a few long contexts do not make every short one pay for their padding, while
+    many similar contexts share one gather and one bmm.
     Grouped-query heads never copy K/V per query head: each group's queries form a block-diagonal
     [kv_heads * group, kv_heads * head_dim] matrix, so one bmm against the gathered [len, kv_heads *
     head_dim] rows scores every head at once (the zero blocks cost FLOPs, not memory traffic, and
     decode attention is bound by memory traffic).
     """
-    b, h, d = q.shape
+    _, h, d = q.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
     lens = context_lens.tolist()
-    order = sorted(range(b), key=lens.__getitem__)
     eye = torch.eye(kvh, dtype=q.dtype, device=q.device)
     out = torch.empty_like(q)
-    for c0 in range(0, b, DECODE_BUCKET):
-        chunk = order[c0 : c0 + DECODE_BUCKET]
+    for chunk in _length_groups(lens, bs):
         n = len(chunk)
         nblk = -(-lens[chunk[-1]] // bs)
         idx = torch.tensor(chunk, device=q.device)

@@ -134,7 +134,9 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported activation {hf_config.hidden_act!r}: only silu")
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    # Load straight in the serving dtype: peak memory is then about two copies of the weights in that
+    # dtype (HF's and ours), not two float32 copies.
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
     try:
         gen_config = GenerationConfig.from_pretrained(ckpt)
     except OSError:
@@ -145,13 +147,17 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
         hf_config, qk_norm=qk_norm, qkv_bias=attn_bias if qkv_bias is None else qkv_bias, o_bias=attn_bias
     )
     max_len = context_length(hf_config)
-    rotary_hf = hf.model.rotary_emb  # HF computed inv_freq for whatever rope type the config names
-    rotary = RotaryTable(rotary_hf.inv_freq, float(rotary_hf.attention_scaling), max_len)
-    ours = LlamaFamilyModel(spec, rotary)
+    # A fresh HF rotary module computes inv_freq in float32 for whatever rope type the config names,
+    # whatever dtype the weights were loaded in.
+    rotary_hf = type(hf.model.rotary_emb)(config=hf.config)
+    inv_freq = rotary_hf.inv_freq.to(device)
+    with torch.device(device):
+        ours = LlamaFamilyModel(spec, RotaryTable(inv_freq, 1.0, 1)).to(dtype)
+        # Attached after the dtype cast: the cos/sin table stays float32 (exact), cast per step.
+        ours.rotary = RotaryTable(inv_freq, float(rotary_hf.attention_scaling), max_len)
     ours.load_hf_state(hf.state_dict())
     del hf
-    ours = ours.to(device=device, dtype=dtype).eval()
-    ours.rotary = rotary.to(device=device)  # keep the float32 table exact; cast per step
+    ours = ours.eval()
     return LoadedModel(
         name=model,
         model=ours,
