@@ -137,7 +137,9 @@ def table(info: dict[str, Any], rows: list[dict[str, Any]], hf_tps: float | None
         ratio = r["tokens_per_s"] / hf_tps if hf_tps else None
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['requests_per_s']:.2f} | {fmt(r['ttft_p50_s'], '.2f')} | "
-            f"{fmt(r['ttft_p95_s'], '.2f')} | {fmt(r.get('peak_rss_mb'), '.0f')} | {fmt(ratio, '.2f')}x |"
+            f"{fmt(r['ttft_p95_s'], '.2f')} | {fmt(r.get('peak_rss_mb'), '.0f')} | "
+            + ("-" if ratio is None else f"{ratio:.2f}x")
+            + " |"
         )
     return "\n".join(lines)
 
@@ -148,6 +150,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--full-batch", type=int, default=256, help="batch of the decode-rate / GEMM-fraction check"
+    )
     p.add_argument("--hf-sweep-s", type=float, default=20.0, help="time per batch size in HF's sweep")
     p.add_argument("--skip", action="append", default=[], choices=["hf", "queue", "enqueue"])
     p.add_argument("--out", default=None)
@@ -156,6 +161,7 @@ def main() -> int:
     import workload as wl
     from transformers import AutoTokenizer
 
+    from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB
     from worker.models.loader import resolve_checkpoint
 
     info: dict[str, Any] = {"machine": machine(), "dtype": ns.dtype, "requests": ns.n, "seed": ns.seed}
@@ -164,7 +170,7 @@ def main() -> int:
         lines = wl.generate(ns.n, ns.seed, AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m")))
         wpath.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
         extra = ["--max-num-seqs", str(ns.max_num_seqs)]
-        engine = run_contender("engine", wpath, ns.dtype, extra)
+        engine = run_contender("engine", wpath, ns.dtype, [*extra, "--full-batch", str(ns.full_batch)])
         rows = [engine]
         hf = (
             None
@@ -187,6 +193,9 @@ def main() -> int:
         info["hf_sweep_tokens_per_s"] = hf["sweep_tokens_per_s"]
     if queue is not None:
         info["queue_vs_engine"] = queue["tokens_per_s"] / engine["tokens_per_s"]
+        itemsize = 4 if ns.dtype == "float32" else 2
+        budget = params * itemsize / 2**20 + 1024 * DEFAULT_CPU_KV_CACHE_GB + 1024
+        info["worker_rss"] = {"peak_mb": queue["peak_rss_mb"], "budget_mb": budget}
     if "enqueue" not in ns.skip:
         info["enqueue"] = enqueue_rate()
     for r in rows:
@@ -203,6 +212,11 @@ def main() -> int:
     )
     if "queue_vs_engine" in info:
         print(f"queue path / engine: {100 * info['queue_vs_engine']:.0f}%")
+    if "worker_rss" in info:
+        w = info["worker_rss"]
+        print(
+            f"worker peak RSS: {w['peak_mb']:.0f} MB (budget weights + KV pool + 1 GB = {w['budget_mb']:.0f} MB)"
+        )
     if "greedy_text_equal_to_hf" in info:
         print(f"greedy texts identical to HF: {info['greedy_text_equal_to_hf']}")
         print(

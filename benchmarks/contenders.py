@@ -55,7 +55,7 @@ def load_lines(path: str) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- engine
-def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int) -> dict[str, Any]:
+def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_batch: int) -> dict[str, Any]:
     from producer.contract import SamplingParams
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
@@ -83,13 +83,21 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int) -> di
     tokens = sum(r.completion_tokens for r in results)
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
 
-    # Full-batch decode rate: max_num_seqs short prompts decoding a fixed length (ignore_eos).
-    dec = reqs([{**ln, "max_new_tokens": 64} for ln in lines[:max_num_seqs]], ignore_eos=True)
-    for r in dec:
+    peak_rss = _peak_rss_mb()
+    params = sum(p.numel() for p in engine.runner.model.parameters())
+    del engine
+
+    # Decode at the largest batch: full_batch short prompts, then only decode steps are timed.
+    big = Engine.load(EngineConfig(model=MODEL, device="cpu", dtype=dtype, max_num_seqs=full_batch))
+    for r in reqs([{**ln, "max_new_tokens": 48} for ln in lines[:full_batch]], ignore_eos=True):
         r.messages = [{"role": "user", "content": "Count slowly from one to one hundred."}]
-    t1 = time.perf_counter()
-    dres = engine.generate(dec)
-    dwall = time.perf_counter() - t1
+        big.add_request(r)
+    while big.stats().waiting:
+        big.step()  # prefill (the inbox and the waiting queue are empty once every prompt is admitted)
+    gen0, t1 = big.stats().tokens_generated, time.perf_counter()
+    while big.has_work():
+        big.step()
+    decode_tps = (big.stats().tokens_generated - gen0) / (time.perf_counter() - t1)
     return _summary(
         "batchq engine",
         wall,
@@ -97,13 +105,11 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int) -> di
         len(results),
         ttfts,
         load_s=load_s,
-        peak_rss_mb=_peak_rss_mb(),
+        peak_rss_mb=peak_rss,
         texts={r.request_id: r.text for r in results},
-        full_batch_tokens_per_s=sum(r.completion_tokens for r in dres) / dwall,
-        full_batch_size=len(dec),
-        params=sum(p.numel() for p in engine.runner.model.parameters())
-        if hasattr(engine, "runner")
-        else None,
+        full_batch_tokens_per_s=decode_tps,
+        full_batch_size=full_batch,
+        params=params,
     )
 
 
@@ -264,10 +270,11 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--hf-sweep-s", type=float, default=20.0)
+    p.add_argument("--full-batch", type=int, default=256, help="sequences in the decode-rate measurement")
     ns = p.parse_args()
     lines = load_lines(ns.workload)
     if ns.mode == "engine":
-        res = run_engine(lines, ns.dtype, ns.max_num_seqs)
+        res = run_engine(lines, ns.dtype, ns.max_num_seqs, ns.full_batch)
     elif ns.mode == "hf":
         res = run_hf(lines, ns.dtype, ns.hf_sweep_s)
     else:
