@@ -32,7 +32,7 @@ class WorkerConfig:
     repetition_repeats: int = 3
     # queue behaviour
     prefetch: int | None = None  # requests held beyond max_num_seqs so the batch never runs dry
-    poll_delay_s: float = 0.05
+    poll_delay_s: float = 0.2
     lease_s: float = 30.0
     max_tries: int = 3
     shutdown_grace_s: float = 30.0

@@ -39,6 +39,9 @@ class QueueWorker(Worker):
             functions=[func(run_request, name=keys.JOB_FUNCTION, max_tries=ARQ_MAX_TRIES)],
             queue_name=keys.queue_name(cfg.queue),
             max_jobs=cfg.max_jobs,
+            # arq reads max_jobs * 5 ids a poll by default; each costs an EXISTS, which on a small
+            # machine takes CPU from the engine. The head of the queue is all a worker needs.
+            queue_read_limit=cfg.max_jobs,
             job_timeout=JOB_TIMEOUT_S,
             keep_result=0,
             poll_delay=cfg.poll_delay_s,
