@@ -33,21 +33,17 @@ def server() -> Iterator[RedisServer]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random Llama with SmolLM2's tokenizer: real loading code, fast workers, long contexts."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     from worker.models.loader import resolve_checkpoint
+    from worker.models.testing import tiny_config
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
-    cfg = LlamaConfig(
+    cfg = tiny_config(
+        "llama",
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
-        bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
     )
