@@ -50,7 +50,7 @@ class ModelRunner:
         s = model.spec
         use_graphs = cuda_graphs and device.type == "cuda" and backend.name == "triton"
         # Graphs pad batches with rows that write and read one extra block, never handed to a sequence.
-        shape = (num_blocks + int(use_graphs), block_size, s.num_kv_heads, s.head_dim)
+        shape = backend.kv_cache_shape(num_blocks + int(use_graphs), block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches: list[KVCache] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(s.num_layers)

@@ -39,7 +39,8 @@ def _peak_activation_bytes(cfg: EngineConfig, model: LlamaFamilyModel, device: t
     dtype = model.embed_tokens.weight.dtype
     t = min(cfg.max_num_batched_tokens, model.rotary.cos.shape[0])
     nblk = -(-t // cfg.block_size)
-    shape = (nblk, cfg.block_size, s.num_kv_heads, s.head_dim)
+    backend = torch_backend()
+    shape = backend.kv_cache_shape(nblk, cfg.block_size, s.num_kv_heads, s.head_dim)
     caches = [(torch.empty(shape, dtype=dtype, device=device),) * 2 for _ in range(s.num_layers)]
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -52,7 +53,7 @@ def _peak_activation_bytes(cfg: EngineConfig, model: LlamaFamilyModel, device: t
         context_lens=torch.tensor([t], dtype=torch.int32, device=device),
         cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=device),
     )
-    hidden = model(ids, pos, meta, caches, torch_backend())
+    hidden = model(ids, pos, meta, caches, backend)
     model.compute_logits(hidden[-cfg.max_num_seqs :])
     peak = torch.cuda.max_memory_allocated(device) - before
     del caches, hidden

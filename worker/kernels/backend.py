@@ -1,6 +1,9 @@
 """Attention backend selection: Triton kernels on CUDA when they import, pure torch otherwise.
 
-Every backend exposes reference.py's three functions with exactly its signatures.
+Every backend exposes reference.py's three functions with its signatures, plus the cache layout it
+wants (`kv_cache_shape`). Prefill also receives this step's new k/v; a backend may attend to them
+directly instead of reading them back from the cache (the CPU path does, the Triton kernel reads the
+cache).
 """
 
 from __future__ import annotations
@@ -9,26 +12,45 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
+from torch import Tensor
 
-from worker.kernels import cpu, reference
+from worker.kernels import reference
+from worker.kernels.cpu import CpuAttention
 
 log = logging.getLogger(__name__)
+
+
+def reference_kv_cache_shape(
+    num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
+    return (num_blocks, block_size, kv_heads, head_dim)
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
+    kv_cache_shape: Callable[[int, int, int, int], tuple[int, ...]]  # (blocks, block_size, kv_heads, dim)
     write_kv: Callable[..., None]
-    paged_decode_attention: Callable[..., torch.Tensor]
-    paged_prefill_attention: Callable[..., torch.Tensor]
+    paged_decode_attention: Callable[..., Tensor]
+    # (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k=new_k, v=new_v)
+    paged_prefill_attention: Callable[..., Tensor]
 
 
 def torch_backend() -> AttentionBackend:
+    cpu = CpuAttention()
     return AttentionBackend(
-        "torch", reference.write_kv, cpu.paged_decode_attention, cpu.paged_prefill_attention
+        "torch", cpu.kv_cache_shape, cpu.write_kv, cpu.paged_decode_attention, cpu.paged_prefill_attention
     )
+
+
+def _prefill_from_cache(mod: ModuleType) -> Callable[..., Tensor]:
+    def prefill(*args: object, k: Tensor | None = None, v: Tensor | None = None) -> Tensor:
+        return mod.paged_prefill_attention(*args)
+
+    return prefill
 
 
 def triton_backend() -> AttentionBackend:
@@ -36,9 +58,10 @@ def triton_backend() -> AttentionBackend:
     mod = importlib.import_module("worker.kernels.triton_attention")
     return AttentionBackend(
         "triton",
+        reference_kv_cache_shape,
         getattr(mod, "write_kv", reference.write_kv),
         mod.paged_decode_attention,
-        mod.paged_prefill_attention,
+        _prefill_from_cache(mod),
     )
 
 

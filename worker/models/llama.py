@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from worker.kernels.backend import AttentionBackend
 from worker.models.layers import AttentionMetadata, RMSNorm, RotaryTable, apply_rotary
 
-KVCache = tuple[Tensor, Tensor]  # k, v: [num_blocks, block_size, kv_heads, head_dim]
+KVCache = tuple[Tensor, Tensor]  # k, v in the attention backend's layout (backend.kv_cache_shape)
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,9 @@ class Attention(nn.Module):
         else:
             assert meta.cu_seqlens_q is not None
             o = backend.paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale
-            )
+                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale,
+                k=k, v=v,
+            )  # fmt: skip
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -1,0 +1,102 @@
+"""The CPU attention path (worker/kernels/cpu.py) matches the torch reference over the kernel grid.
+
+The CPU path keeps its cache kv-head-major; the cases are built in the reference layout and permuted.
+Garbage (huge values and NaN) fills every slot no sequence owns, so a wrong block, a read past a
+context or an unmasked padded row shows up as NaN or a wrong softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.kernels.paged_cases import GRID, Case, assert_close, build_cache, garbage_cache, random_queries
+from tests.kernels.test_triton_decode import decode_lengths
+from tests.kernels.test_triton_prefill import prefill_lengths
+from worker.kernels import reference
+from worker.kernels.cpu import CpuAttention, length_groups
+
+CPU = torch.device("cpu")
+
+
+def cpu_layout(cache: torch.Tensor) -> torch.Tensor:
+    # [num_blocks, block_size, kv_heads, head_dim] -> [kv_heads, num_blocks, block_size, head_dim]
+    return cache.permute(2, 0, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize("workspace_bytes", [64 << 20, 1], ids=["workspace", "one-seq-per-gather"])
+@pytest.mark.parametrize("case", GRID, ids=str)
+def test_decode_matches_reference(case: Case, workspace_bytes: int) -> None:
+    gen = torch.Generator().manual_seed(case.seed)
+    # Lengths in several groups (1, blocks, 2,000) plus duplicates that share a group.
+    lens = [*decode_lengths(case, gen), 5, case.block_size * 4 + 2, 1999]
+    cache = build_cache(case, lens, gen, CPU)
+    q = random_queries(case, len(lens), gen, CPU)
+    scale = 1 / math.sqrt(case.head_dim)
+    attn = CpuAttention(workspace_bytes=workspace_bytes)
+
+    got = attn.paged_decode_attention(
+        q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cache.context_lens, scale
+    )
+
+    want = reference.paged_decode_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
+    )
+    assert_close(got, want, case.dtype)
+
+
+@pytest.mark.parametrize("new_kv", [True, False], ids=["new-kv", "from-cache"])
+@pytest.mark.parametrize("case", GRID, ids=str)
+def test_prefill_matches_reference(case: Case, new_kv: bool) -> None:
+    gen = torch.Generator().manual_seed(100 + case.seed)
+    seqs = prefill_lengths(case)
+    cache = build_cache(case, [ctx for _, ctx in seqs], gen, CPU)
+    q_lens = torch.tensor([0] + [n for n, _ in seqs])
+    cu_seqlens = q_lens.cumsum(0).to(torch.int32)
+    q = random_queries(case, int(q_lens.sum()), gen, CPU)
+    scale = 1 / math.sqrt(case.head_dim)
+    # This step's new K/V: the last q_len tokens of each context, as the model hands them over.
+    bs = case.block_size
+    new_k, new_v = [], []
+    for b, (n, ctx) in enumerate(seqs):
+        pos = torch.arange(ctx - n, ctx)
+        slots = cache.block_tables[b, pos // bs].long() * bs + pos % bs
+        new_k.append(cache.k_cache.flatten(0, 1)[slots])
+        new_v.append(cache.v_cache.flatten(0, 1)[slots])
+    kv = {"k": torch.cat(new_k), "v": torch.cat(new_v)} if new_kv else {}
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu_seqlens, cache.context_lens, scale)
+
+    got = CpuAttention().paged_prefill_attention(
+        q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), *args[3:], **kv
+    )
+
+    assert_close(got, reference.paged_prefill_attention(*args), case.dtype)
+
+
+@pytest.mark.parametrize("case", GRID[:4], ids=str)
+def test_write_kv_matches_reference(case: Case) -> None:
+    gen = torch.Generator().manual_seed(200 + case.seed)
+    k_cache, v_cache = garbage_cache(case, 6, gen)
+    slots = torch.randperm(6 * case.block_size, generator=gen)[:37]
+    k = torch.randn(37, case.kv_heads, case.head_dim, generator=gen)
+    v = torch.randn(37, case.kv_heads, case.head_dim, generator=gen)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k, v, want_k, want_v, slots)
+    got_k, got_v = cpu_layout(k_cache), cpu_layout(v_cache)
+
+    CpuAttention.write_kv(k, v, got_k, got_v, slots)
+
+    torch.testing.assert_close(got_k, cpu_layout(want_k), atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got_v, cpu_layout(want_v), atol=0, rtol=0, equal_nan=True)
+
+
+def test_length_groups_cover_every_sequence_once_with_bounded_padding() -> None:
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 2000, (300,), generator=gen).tolist()
+    groups = length_groups(lens, 16, max_group=64)
+    assert sorted(i for g in groups for i in g) == list(range(300))
+    for g in groups:
+        assert len(g) <= 64
+        assert max(lens[i] for i in g) <= 1.25 * min(lens[i] for i in g) + 16
