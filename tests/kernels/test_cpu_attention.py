@@ -100,3 +100,29 @@ def test_length_groups_cover_every_sequence_once_with_bounded_padding() -> None:
     for g in groups:
         assert len(g) <= 64
         assert max(lens[i] for i in g) <= 1.25 * min(lens[i] for i in g) + 16
+
+
+def test_decode_plan_is_shared_by_layers_and_rebuilt_when_the_step_changes() -> None:
+    # The plan (groups, gather rows, masks) is built once per step: a second layer with the same
+    # metadata reuses it; an in-place update of context_lens (static buffers) or new tensors rebuild it.
+    case = GRID[2]
+    gen = torch.Generator().manual_seed(42)
+    cache = build_cache(case, [40, 300, 7, 129], gen, CPU)
+    layer2 = (cache.k_cache * 0.5, cache.v_cache * 2.0)  # same tables, other K/V
+    attn = CpuAttention()
+    q = random_queries(case, 4, gen, CPU)
+
+    def check(kv: tuple[torch.Tensor, torch.Tensor], lens: torch.Tensor) -> None:
+        k, v = kv
+        got = attn.paged_decode_attention(q, cpu_layout(k), cpu_layout(v), cache.block_tables, lens, 0.1)
+        want = reference.paged_decode_attention(q, k, v, cache.block_tables, lens, 0.1)
+        assert_close(got, want, case.dtype)
+
+    lens = cache.context_lens
+    check((cache.k_cache, cache.v_cache), lens)
+    plan = attn._plan
+    check(layer2, lens)
+    assert attn._plan is plan
+    lens[1] = 150  # shorter context, same buffer
+    check((cache.k_cache, cache.v_cache), lens)
+    assert attn._plan is not plan
