@@ -86,10 +86,16 @@ class SamplingParams(_Strict):
 
     def resolve(self, defaults: SamplingParams | None = None) -> SamplingParams:
         """Fill every unset field from `defaults`, then from the built-in defaults."""
-        merged: dict[str, Any] = dict(BUILTIN_DEFAULTS)
-        if defaults is not None:
-            merged.update(defaults.model_dump(exclude_none=True))
-        merged.update(self.model_dump(exclude_none=True))
+        return self.resolve_over(defaults_base(defaults))
+
+    def resolve_over(self, base: dict[str, Any]) -> SamplingParams:
+        """resolve() over a precomputed defaults_base(defaults): the per-line path of submit.
+
+        Reads the set fields straight from the instance (an input line subclasses SamplingParams, so
+        this also takes the parameters out of a whole line) and validates the merged result once.
+        """
+        merged = dict(base)
+        merged.update({k: v for k, v in self.__dict__.items() if v is not None and k in PARAM_FIELDS})
         merged.pop("n", None)
         return SamplingParams.model_validate(merged)
 
@@ -98,6 +104,14 @@ class SamplingParams(_Strict):
     def max_new(self) -> int:
         assert self.max_new_tokens is not None
         return self.max_new_tokens
+
+
+def defaults_base(defaults: SamplingParams | None) -> dict[str, Any]:
+    """The built-in defaults overridden by the set fields of `defaults` (the batch's defaults)."""
+    base = dict(BUILTIN_DEFAULTS)
+    if defaults is not None:
+        base.update(defaults.model_dump(exclude_none=True))
+    return base
 
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
@@ -261,9 +275,3 @@ class OpenAIBatchLine(_Strict):
 
 
 PARAM_FIELDS = frozenset(SamplingParams.model_fields)
-
-
-def params_of(line: SamplingParams) -> SamplingParams:
-    """The SamplingParams part of an input line (which subclasses SamplingParams), without re-validation."""
-    values = {k: v for k, v in line.__dict__.items() if k in PARAM_FIELDS}
-    return SamplingParams.model_construct(**values)

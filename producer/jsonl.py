@@ -19,7 +19,7 @@ from producer.contract import (
     PromptLine,
     Request,
     SamplingParams,
-    params_of,
+    defaults_base,
 )
 
 # A line longer than this is refused without being held in memory: generous for long-context prompts
@@ -96,8 +96,12 @@ def parse_line(
     batch_id: str,
     defaults: SamplingParams | None,
     model: str | None,
+    base: dict[str, Any] | None = None,
 ) -> ParsedLine | list[LineError]:
-    """Validate one non-blank line. Returns the parsed line, or every error found on it."""
+    """Validate one non-blank line. Returns the parsed line, or every error found on it.
+
+    `base`: defaults_base(defaults), computed once per file by the caller (else once per line).
+    """
     if raw is None:
         return [LineError(line_no, "", f"line is longer than {MAX_LINE_BYTES} bytes")]
     try:
@@ -114,17 +118,18 @@ def parse_line(
     uid = _user_id(obj, "custom_id" if openai else "id")
     try:
         line: PromptLine | OpenAIBatchLine
+        params: SamplingParams
         if openai:
             line = OpenAIBatchLine.model_validate(obj)
             body = line.body
             chat = line.url == CHAT_URL
-            prompt, messages, params = body.prompt, body.messages, params_of(body)
+            prompt, messages, params = body.prompt, body.messages, body
             metadata = line.metadata if line.metadata is not None else body.metadata
             body_model = body.model
         else:
             line = PromptLine.model_validate(obj)
             chat = line.messages is not None
-            prompt, messages, params = line.prompt, line.messages, params_of(line)
+            prompt, messages, params = line.prompt, line.messages, line
             metadata, body_model = line.metadata, None
         request = Request(
             batch_id=batch_id,
@@ -132,7 +137,7 @@ def parse_line(
             index=index,
             prompt=prompt,
             messages=messages,
-            params=params.resolve(defaults),
+            params=params.resolve_over(base if base is not None else defaults_base(defaults)),
             metadata=metadata,
             model=model,
         )
