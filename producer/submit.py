@@ -20,7 +20,7 @@ from arq.constants import job_key_prefix, result_key_prefix
 from redis.asyncio import Redis
 
 from producer import keys
-from producer.contract import ErrorInfo, Result, SamplingParams
+from producer.contract import ErrorInfo, Result, SamplingParams, defaults_base
 from producer.jsonl import LineError, ParsedLine, parse_line, read_lines
 from producer.lua import LuaScript
 from producer.store import DEFAULT_RESULT_TTL_S, write_result
@@ -76,13 +76,17 @@ def validate_to_spool(
     defaults: SamplingParams | None,
     model: str | None,
 ) -> None:
-    """Pass 1. Spool records: b"R" + (b"c"|b"p") + request JSON, or b"E" + error JSON; one per line."""
+    """Pass 1. Spool records: b"R" + (b"c"|b"p") + 3 hex digits of queue order (see queue_order) +
+    request JSON, or b"E" + error JSON; one per line."""
     seen: dict[str, int] = {}  # ids only, never prompts: memory stays small for multi-GB files
+    base = defaults_base(defaults)
     index = 0
     for line_no, raw in read_lines(stream):
         if raw is not None and not raw.strip():
             continue
-        parsed = parse_line(raw, line_no, index, batch_id=report.batch_id, defaults=defaults, model=model)
+        parsed = parse_line(
+            raw, line_no, index, batch_id=report.batch_id, defaults=defaults, model=model, base=base
+        )
         if isinstance(parsed, ParsedLine):
             first = seen.setdefault(parsed.request.id, line_no)
             if first != line_no:
@@ -92,7 +96,8 @@ def validate_to_spool(
         if isinstance(parsed, ParsedLine):
             report.body_model = report.body_model or parsed.body_model
             body = orjson.dumps(parsed.request.model_dump(mode="json", exclude={"enqueued_at"}))
-            spool.write(b"R" + (b"c" if parsed.chat else b"p") + body + b"\n")
+            order = b"%03x" % queue_order(parsed.request.params.max_new_tokens)
+            spool.write(b"R" + (b"c" if parsed.chat else b"p") + order + body + b"\n")
         else:
             report.invalid += 1
             if len(report.errors) < MAX_REPORTED:
@@ -101,6 +106,22 @@ def validate_to_spool(
             spool.write(b"E" + orjson.dumps({"id": uid, "reason": "; ".join(map(str, parsed))}) + b"\n")
         index += 1
     report.total = index
+
+
+ORDER_LEVELS = 4096  # distinct fractions of a millisecond a queue score can hold at today's epoch-ms
+ORDER_TOKENS_PER_LEVEL = 8
+
+
+def queue_order(max_new_tokens: int | None) -> int:
+    """Position of a request within its batch's millisecond of queue score: longest generations first.
+
+    Workers pull in score order. A batch is done when its last request is, so long generations must
+    not be pulled last, where they would decode alone at a small batch size: the queue hands them out
+    first and the short labeling requests fill the slots they leave (longest-processing-time-first).
+    Every request of a batch still scores within the same millisecond, so batches stay in FIFO order.
+    """
+    n = max_new_tokens if max_new_tokens is not None else 0
+    return max(0, ORDER_LEVELS - 1 - n // ORDER_TOKENS_PER_LEVEL)
 
 
 def _join(errors: list[LineError]) -> LineError:
@@ -119,12 +140,12 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 return 0
 """)
 
-# KEYS: queue, results hash, chat bitmap. ARGV: score, then (index, job id, chat flag, payload) per job.
+# KEYS: queue, results hash, chat bitmap. ARGV: (index, job id, chat flag, payload, score) per job.
 # A job is skipped when its result exists, arq kept its result, or its job key exists (SET NX).
 _ENQUEUE = LuaScript(
     """
 local n = 0
-for i = 2, #ARGV, 4 do
+for i = 1, #ARGV, 5 do
   local idx, jid = ARGV[i], ARGV[i + 1]
   if ARGV[i + 2] == '1' then redis.call('SETBIT', KEYS[3], idx, 1) end
   if redis.call('HEXISTS', KEYS[2], idx) == 0 and redis.call('EXISTS', '"""
@@ -133,7 +154,7 @@ for i = 2, #ARGV, 4 do
      and redis.call('SET', '"""
     + job_key_prefix
     + """' .. jid, ARGV[i + 3], 'NX') then
-    redis.call('ZADD', KEYS[1], ARGV[1], jid)
+    redis.call('ZADD', KEYS[1], ARGV[i + 4], jid)
     n = n + 1
   end
 end
@@ -191,7 +212,9 @@ async def enqueue_spool(redis: Redis, spool: IO[bytes], report: SubmitReport, *,
     tail = b'],"k":{},"et":' + et + b"}"
     enq_at = b',"enqueued_at":' + repr(now).encode() + b"}"
     ks = [queue, keys.batch_results(bid), keys.batch_chat(bid)]
-    args: list[Any] = [et]
+    et_ms = int(et)
+    scores = [repr(et_ms + level / ORDER_LEVELS).encode() for level in range(ORDER_LEVELS)]
+    args: list[Any] = []
     size = 0
     for index, rec in _spool_records(spool):
         if rec[:1] == b"E":
@@ -205,13 +228,14 @@ async def enqueue_spool(redis: Redis, spool: IO[bytes], report: SubmitReport, *,
             await write_result(redis, bid, result)
             continue
         # Request JSON was spooled without enqueued_at; append it now so queued_s starts at enqueue time.
-        payload = head + rec[2:-1] + enq_at + tail
-        args += [index, keys.job_id(bid, index), 1 if rec[1:2] == b"c" else 0, payload]
+        payload = head + rec[5:-1] + enq_at + tail
+        chat = 1 if rec[1:2] == b"c" else 0
+        args += [index, keys.job_id(bid, index), chat, payload, scores[int(rec[2:5], 16)]]
         size += len(payload)
-        if len(args) >= 1 + 4 * CHUNK_JOBS or size >= CHUNK_BYTES:
+        if len(args) >= 5 * CHUNK_JOBS or size >= CHUNK_BYTES:
             report.enqueued += int(await _ENQUEUE(redis, ks, args))
-            args, size = [et], 0
-    if len(args) > 1:
+            args, size = [], 0
+    if args:
         report.enqueued += int(await _ENQUEUE(redis, ks, args))
 
 

@@ -38,6 +38,21 @@ async def test_jobs_are_in_arqs_own_format_and_parse_back_to_requests(redis: Red
     assert req.enqueued_at > 0 and req.params.max_new_tokens == 256
 
 
+async def test_longest_generations_are_queued_first_and_batches_stay_fifo(redis: Redis) -> None:
+    # Workers pull in score order: within a batch the longest max_new_tokens come out first, so they do
+    # not decode alone at the batch's tail; a later batch still comes after every job of an earlier one.
+    lens = [8, 256, 16, 64, 256, 40]  # distinct in steps of ORDER_TOKENS_PER_LEVEL (8)
+    lines = b"".join(b'{"prompt": "p", "max_new_tokens": %d}\n' % n for n in lens)
+    await submit(redis, lines, batch_id="early", queue="q")
+    await submit(redis, b'{"prompt": "p", "max_new_tokens": 4000}\n', batch_id="late", queue="q")
+    queued = await redis.zrange(keys.queue_name("q"), 0, -1, withscores=True)
+    ids = [jid.decode() for jid, _ in queued]
+    assert [lens[int(i.split(":")[1])] for i in ids[:6]] == [256, 256, 64, 40, 16, 8]
+    assert ids[6] == "late:0"
+    early = [score for jid, score in queued if jid.startswith(b"early:")]
+    assert max(early) - min(early) < 1  # one millisecond: the order is a fraction of the enqueue time
+
+
 async def test_batch_meta_records_total_queue_model_and_defaults(redis: Redis) -> None:
     defaults = SamplingParams(max_new_tokens=12, temperature=0)
     status = await submit(redis, GOOD, batch_id="b1", model="m", defaults=defaults)

@@ -22,7 +22,7 @@ def validate(data: bytes, defaults: SamplingParams | None = None) -> tuple[Submi
 def requests(data: bytes, defaults: SamplingParams | None = None) -> list[Request]:
     report, recs = validate(data, defaults)
     assert report.invalid == 0, [str(e) for e in report.errors]
-    return [Request.model_validate(orjson.loads(r[2:])) for r in recs]
+    return [Request.model_validate(orjson.loads(r[5:])) for r in recs]  # b"R" + kind + order + JSON
 
 
 def errors(data: bytes) -> list[str]:
