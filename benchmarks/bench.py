@@ -148,7 +148,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", type=int, default=256, help="requests in the workload")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="one dtype for every contender; auto = the engine's CPU choice (the faster GEMM here)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
         "--full-batch", type=int, default=256, help="batch of the decode-rate / GEMM-fraction check"
@@ -160,6 +165,12 @@ def main() -> int:
 
     import workload as wl
     from transformers import AutoTokenizer
+
+    if ns.dtype == "auto":
+        from worker.engine.resources import cpu_auto_dtype
+
+        ns.dtype = str(cpu_auto_dtype()).removeprefix("torch.")
+        print(f"  dtype auto -> {ns.dtype}", file=sys.stderr, flush=True)
 
     from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB
     from worker.models.loader import resolve_checkpoint

@@ -25,7 +25,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_with(ckpt: Path, blocks: int = 2000, **kw: object) -> Engine:
-    cfg = EngineConfig(model=str(ckpt), block_size=BLOCK, kv_cache_gb=blocks * BLOCK_BYTES / 1024**3, **kw)  # type: ignore[arg-type]
+    cfg = EngineConfig(dtype="float32", model=str(ckpt), block_size=BLOCK, kv_cache_gb=blocks * BLOCK_BYTES / 1024**3, **kw)  # type: ignore[arg-type]
     engine = Engine.load(cfg)
     assert engine.block_manager.num_blocks == blocks
     return engine
@@ -142,7 +142,7 @@ def test_request_errors_are_results_not_exceptions(ckpt: Path) -> None:
 
 def test_chat_request_without_chat_template_is_invalid(tmp_path: Path) -> None:
     path = build_tiny_checkpoint(tmp_path / "m", "llama", chat_template=False)
-    engine = Engine.load(EngineConfig(model=str(path), kv_cache_gb=0.001))
+    engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.001))
     res = engine.generate([EngineRequest("c", params(), messages=[{"role": "user", "content": "hi"}])])[0]
     assert (
         res.finish_reason == "error"

@@ -51,7 +51,7 @@ def greedy(max_new: int) -> SamplingParams:
 
 def test_greedy_matches_hf_generate_in_one_mixed_batch(tiny: tuple[Path, str]) -> None:
     path, name = tiny
-    engine = Engine.load(EngineConfig(model=str(path), kv_cache_gb=0.01, block_size=8))
+    engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reqs = [
         EngineRequest(f"r{i}", greedy(n), prompt_token_ids=p)
@@ -70,7 +70,7 @@ def test_greedy_matches_hf_generate_in_one_mixed_batch(tiny: tuple[Path, str]) -
 
 def test_prefill_and_decode_logits_match_hf(tiny: tuple[Path, str]) -> None:
     path, _ = tiny
-    engine = Engine.load(EngineConfig(model=str(path), kv_cache_gb=0.01, block_size=8))
+    engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = [list(range(10, 47)), [7, 8, 9, 10, 11]]
     for i, p in enumerate(prompts):

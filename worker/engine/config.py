@@ -18,7 +18,7 @@ class EngineConfig:
 
     model: str  # local HF dir | .gguf file | hub id | alias "smollm2-135m"
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (CUDA: bfloat16; CPU: the faster of float32 and bfloat16) | float32 | ...16
     block_size: int = 16
     kv_cache_gb: float | None = None  # explicit pool size; CPU default DEFAULT_CPU_KV_CACHE_GB
     kv_watermark: float = 0.9  # GPU: fraction of device memory usable by weights + activations + KV
