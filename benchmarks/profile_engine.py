@@ -1,0 +1,131 @@
+"""Where the engine's time goes on the standard workload: per-phase step times, then the top torch ops.
+
+    python benchmarks/profile_engine.py --dtype bfloat16            # step breakdown
+    python benchmarks/profile_engine.py --dtype bfloat16 --ops 25   # + torch.profiler tables
+
+The breakdown splits wall time into prefill steps (prompt tokens/s), decode steps (by batch size) and
+everything outside the model (scheduling, stop rules, detokenising). Use it before and after a change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("-n", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--policy", default="longest_first")
+    p.add_argument(
+        "--ops", type=int, default=0, help="print the top N ops of one prefill and one decode step"
+    )
+    ns = p.parse_args()
+
+    from benchmarks.contenders import MODEL
+    from benchmarks.workload import generate
+    from producer.contract import SamplingParams
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.request import EngineRequest
+
+    cfg = EngineConfig(
+        model=MODEL,
+        device="cpu",
+        dtype=ns.dtype,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        schedule_policy=ns.policy,
+    )
+    engine = Engine.load(cfg)
+    lines = generate(ns.n, tokenizer=engine.tokenizer)
+
+    def reqs(ls: list[dict[str, Any]]) -> list[EngineRequest]:
+        return [
+            EngineRequest(
+                request_id=ln["id"],
+                params=SamplingParams(max_new_tokens=ln["max_new_tokens"], temperature=0).resolve(),
+                messages=ln["messages"],
+            )
+            for ln in ls
+        ]
+
+    engine.generate(reqs(lines[:4]))  # warm-up
+    runner = engine.runner
+    times: dict[str, list[tuple[int, int, float]]] = defaultdict(list)  # phase -> (seqs, tokens, s)
+    inner = runner.run
+
+    def timed(batch: Any) -> list[int]:
+        t = time.perf_counter()
+        out = inner(batch)
+        times[batch.phase].append((len(batch.seqs), batch.num_tokens, time.perf_counter() - t))
+        return out
+
+    runner.run = timed  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    results = engine.generate(reqs(lines))
+    wall = time.perf_counter() - t0
+    runner.run = inner  # type: ignore[method-assign]
+
+    out_tokens = sum(r.completion_tokens for r in results)
+    model_s = sum(t for v in times.values() for _, _, t in v)
+    print(f"{ns.n} requests, {out_tokens} output tokens in {wall:.1f}s = {out_tokens / wall:.1f} tok/s")
+    print(f"outside the model: {wall - model_s:.1f}s; peak RSS {_peak_rss_mb():.0f} MB")
+    pre = times["prefill"]
+    if pre:
+        pt, ps = sum(x[1] for x in pre), sum(x[2] for x in pre)
+        print(f"prefill: {len(pre)} steps, {pt} tokens, {ps:.1f}s, {pt / ps:.0f} tok/s")
+    dec = times["decode"]
+    if dec:
+        ds = sum(x[2] for x in dec)
+        print(f"decode: {len(dec)} steps, {sum(x[0] for x in dec)} tokens, {ds:.1f}s")
+        buckets: dict[int, list[float]] = defaultdict(list)
+        for n, _, t in dec:
+            buckets[min(64, 1 << (n - 1).bit_length())].append(t)
+        for b in sorted(buckets):
+            v = buckets[b]
+            print(f"  batch <= {b:3d}: {len(v):4d} steps, median {statistics.median(v) * 1e3:6.1f} ms")
+
+    if ns.ops:
+        from torch.profiler import ProfilerActivity, profile
+
+        for r in reqs(lines[:48]):
+            engine.add_request(r)
+        while engine.stats().waiting:
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        print(f"\n== one decode step, {engine.stats().running} sequences")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ns.ops))
+        engine.abort_all("cancelled", "profiling done")
+
+        for r in reqs(lines[:16]):
+            engine.add_request(r)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        print(f"\n== one prefill step, {engine.stats().prompt_tokens} prompt tokens so far")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ns.ops))
+        engine.abort_all("cancelled", "profiling done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
