@@ -25,7 +25,13 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_with(ckpt: Path, blocks: int = 2000, **kw: object) -> Engine:
-    cfg = EngineConfig(dtype="float32", model=str(ckpt), block_size=BLOCK, kv_cache_gb=blocks * BLOCK_BYTES / 1024**3, **kw)  # type: ignore[arg-type]
+    cfg = EngineConfig(
+        dtype="float32",
+        model=str(ckpt),
+        block_size=BLOCK,
+        kv_cache_gb=blocks * BLOCK_BYTES / 1024**3,
+        **kw,  # type: ignore[arg-type]
+    )
     engine = Engine.load(cfg)
     assert engine.block_manager.num_blocks == blocks
     return engine
