@@ -77,7 +77,8 @@ def test_two_workers_complete_a_batch_with_exact_usage_and_engine_identical_text
 
 
 def test_over_long_prompt_fails_alone_and_cancel_stops_the_rest(server, workers, tiny_model_dir, tmp_path):
-    lines = [{"id": "huge", "prompt": "word " * 3000, "max_new_tokens": 5}]
+    # Same max_new_tokens as the rest, so the queue (longest generations first) hands "huge" out first.
+    lines = [{"id": "huge", "prompt": "word " * 3000, "max_new_tokens": 300}]
     lines += [{"id": f"r{i}", "prompt": f"item {i}", "max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
               for i in range(15)]  # fmt: skip
     w = workers(
