@@ -106,7 +106,11 @@ async def _wait_for_redis(redis: Redis, cfg: WorkerConfig) -> None:
 async def serve(cfg: WorkerConfig, engine: Engine | None = None) -> int:
     t0 = time.monotonic()
     if engine is None:
-        engine = await asyncio.to_thread(Engine.load, engine_config(cfg))
+        aengine = await AsyncEngine.load(engine_config(cfg))  # loads on the thread that will step it
+        engine = aengine.engine
+    else:
+        aengine = AsyncEngine(engine)
+        await aengine.start()
     stats = engine.stats()
     log.info(
         "model %s loaded in %.1fs; KV pool %d blocks of %d tokens; max_num_seqs=%d max_jobs=%d",
@@ -117,8 +121,6 @@ async def serve(cfg: WorkerConfig, engine: Engine | None = None) -> int:
         cfg.max_num_seqs,
         cfg.max_jobs,
     )
-    aengine = AsyncEngine(engine)
-    await aengine.start()
     redis = connect(cfg)
     await _wait_for_redis(redis, cfg)
     runner = JobRunner(cfg, aengine, redis, frozenset({cfg.model, engine.model_name}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -206,3 +207,32 @@ async def test_async_engine_keeps_the_event_loop_responsive(ckpt: Path) -> None:
     res = await asyncio.wait_for(victim, 5)
     assert res.finish_reason == "cancelled" and aeng.last_progress > t0
     await aeng.stop()
+
+
+async def test_async_engine_loads_the_model_on_the_thread_that_steps_it(ckpt: Path) -> None:
+    # One thread for every torch call: a second thread's OpenMP team made decode steps ~1.9x slower.
+    threads: dict[str, threading.Thread] = {}
+
+    def loader(cfg: EngineConfig) -> Engine:
+        threads["load"] = threading.current_thread()
+        engine = Engine.load(cfg)
+        real_step = engine.step
+
+        def step() -> list[EngineResult]:
+            threads["step"] = threading.current_thread()
+            return real_step()
+
+        engine.step = step  # type: ignore[method-assign]
+        return engine
+
+    cfg = EngineConfig(dtype="float32", model=str(ckpt), block_size=BLOCK, kv_cache_gb=0.01)
+    aeng = await AsyncEngine.load(cfg, loader=loader)
+    res = await aeng.submit(EngineRequest("a", params(temperature=0, max_new_tokens=3), prompt_token_ids=[5]))
+    await aeng.stop()
+    assert res.completion_tokens >= 1
+    assert threads["load"] is threads["step"] is not threading.main_thread()
+
+
+async def test_async_engine_load_errors_reach_the_caller(tmp_path: Path) -> None:
+    with pytest.raises(OSError):
+        await AsyncEngine.load(EngineConfig(dtype="float32", model=str(tmp_path / "missing")))

@@ -1,6 +1,12 @@
 """AsyncEngine: the engine's step loop on a background thread, results delivered as asyncio futures.
 
 Model compute never runs on the event loop, so heartbeats, timeouts and signals keep working.
+
+Every torch call of a process should come from one thread: each thread that runs a parallel op gets
+its own OpenMP team, and an idle team's spinning workers then compete with the busy one for the cores.
+Measured on 2 cores, a model loaded and warmed up on one thread and stepped on another ran decode steps
+at 45 sequences in ~550 ms instead of ~290 ms. `AsyncEngine.load` therefore loads the model on the
+engine thread itself, which then runs the step loop.
 """
 
 from __future__ import annotations
@@ -9,11 +15,15 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
+from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.request import EngineRequest, EngineResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -27,7 +37,29 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @classmethod
+    async def load(
+        cls, cfg: EngineConfig, loader: Callable[[EngineConfig], Engine] = Engine.load
+    ) -> AsyncEngine:
+        """Load the engine on its own step thread and start the loop there (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        loaded: asyncio.Future[AsyncEngine] = loop.create_future()
+
+        def run() -> None:
+            try:
+                self = cls(loader(cfg))
+            except BaseException as exc:  # the caller sees the load error; the thread ends
+                loop.call_soon_threadsafe(_set_exception, loaded, exc)
+                return
+            self._loop, self._thread = loop, threading.current_thread()
+            loop.call_soon_threadsafe(_set_result, loaded, self)
+            self._run()
+
+        threading.Thread(target=run, name="batchq-engine", daemon=True).start()
+        return await loaded
+
     async def start(self) -> None:
+        """Start the step loop for an engine loaded elsewhere (tests; prefer `load`)."""
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -96,6 +128,11 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, fut, res)
 
 
-def _set_result(fut: asyncio.Future[EngineResult], res: EngineResult) -> None:
+def _set_result(fut: asyncio.Future[T], res: T) -> None:
     if not fut.done():  # the awaiting task may have been cancelled
         fut.set_result(res)
+
+
+def _set_exception(fut: asyncio.Future[T], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
