@@ -52,17 +52,31 @@ class StatsLogger:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._t = time.monotonic()
-        self._tokens = engine.engine.stats().tokens_generated
+        s = engine.engine.stats()
+        self._tokens, self._steps, self._prefills = s.tokens_generated, s.steps, s.prefill_steps
+        self._busy = s.prefill_s + s.decode_s
 
     def line(self, completed: int, failed: int) -> str:
         s = self.engine.engine.stats()
         now = time.monotonic()
         rate = (s.tokens_generated - self._tokens) / max(now - self._t, 1e-9)
-        self._t, self._tokens = now, s.tokens_generated
+        busy = s.prefill_s + s.decode_s
+        # model busy = share of the interval spent inside forward passes (the rest: scheduling, stop
+        # rules, detokenising, waiting for work, and whatever else competes for the CPU)
+        busy_pct = 100.0 * (busy - self._busy) / max(now - self._t, 1e-9)
+        steps, prefills = s.steps - self._steps, s.prefill_steps - self._prefills
+        self._t, self._tokens, self._steps, self._prefills, self._busy = (
+            now,
+            s.tokens_generated,
+            s.steps,
+            s.prefill_steps,
+            busy,
+        )
         kv_pct = 100.0 * s.kv_blocks_used / max(s.kv_blocks_total, 1)
         return (
             f"throughput={rate:.1f} tok/s running={s.running} waiting={s.waiting} "
-            f"kv={s.kv_blocks_used}/{s.kv_blocks_total} ({kv_pct:.0f}%) done={completed} failed={failed}"
+            f"kv={s.kv_blocks_used}/{s.kv_blocks_total} ({kv_pct:.0f}%) steps={steps} "
+            f"(prefill {prefills}) model busy={busy_pct:.0f}% done={completed} failed={failed}"
         )
 
 

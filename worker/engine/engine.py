@@ -57,6 +57,9 @@ class Engine:
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
         self._steps = 0
+        self._prefill_steps = 0
+        self._prefill_s = 0.0
+        self._decode_s = 0.0
         self._tokens_generated = 0
         self._prompt_tokens = 0
 
@@ -121,9 +124,15 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return results
+        t0 = time.monotonic()
         tokens = self.runner.run(batch)
         now = time.monotonic()
         self._steps += 1
+        if batch.phase == "prefill":
+            self._prefill_steps += 1
+            self._prefill_s += now - t0
+        else:
+            self._decode_s += now - t0
         self._tokens_generated += len(tokens)
         for seq, token in zip(batch.seqs, tokens, strict=True):
             reason = self.stop_rules.append_token(seq, token, now)
@@ -152,6 +161,9 @@ class Engine:
             tokens_generated=self._tokens_generated,
             prompt_tokens=self._prompt_tokens,
             steps=self._steps,
+            prefill_steps=self._prefill_steps,
+            prefill_s=self._prefill_s,
+            decode_s=self._decode_s,
         )
 
     def abort_all(self, error_type: str, message: str) -> list[EngineResult]:

@@ -48,3 +48,6 @@ class EngineStats:
     tokens_generated: int
     prompt_tokens: int
     steps: int
+    prefill_steps: int = 0
+    prefill_s: float = 0.0  # time in the model for prefill steps
+    decode_s: float = 0.0  # time in the model for decode steps
