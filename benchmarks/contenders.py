@@ -56,9 +56,12 @@ def load_lines(path: str) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------- engine
 def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_batch: int) -> dict[str, Any]:
+    import torch
+
     from producer.contract import SamplingParams
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
+    from worker.engine.model_runner import kv_bytes_per_token
     from worker.engine.request import EngineRequest
 
     t0 = time.perf_counter()
@@ -84,16 +87,27 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
 
     peak_rss = _peak_rss_mb()
+    prompt = [{"role": "user", "content": "Count slowly from one to one hundred."}]
+    prompt_len = len(engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+    kv_bytes = kv_bytes_per_token(engine.runner.model, getattr(torch, dtype))
     params = sum(p.numel() for p in engine.runner.model.parameters())
     del engine
 
     # Decode at the largest batch: full_batch short prompts, then only decode steps are timed.
-    big = Engine.load(EngineConfig(model=MODEL, device="cpu", dtype=dtype, max_num_seqs=full_batch))
+    # A pool that holds every sequence's whole reservation at once (the default 1 GB holds 237 of 256
+    # in float32), so every measured step decodes the full batch.
+    need = full_batch * (prompt_len + 48 + 16) * kv_bytes
+    big = Engine.load(
+        EngineConfig(
+            model=MODEL, device="cpu", dtype=dtype, max_num_seqs=full_batch, kv_cache_gb=need / 1024**3
+        )
+    )
     for r in reqs([{**ln, "max_new_tokens": 48} for ln in lines[:full_batch]], ignore_eos=True):
-        r.messages = [{"role": "user", "content": "Count slowly from one to one hundred."}]
+        r.messages = prompt
         big.add_request(r)
     while big.stats().waiting:
         big.step()  # prefill (the inbox and the waiting queue are empty once every prompt is admitted)
+    assert big.stats().running == full_batch, "the full batch did not fit the KV pool"
     gen0, t1 = big.stats().tokens_generated, time.perf_counter()
     while big.has_work():
         big.step()
