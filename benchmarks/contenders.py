@@ -88,7 +88,8 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
 
     peak_rss = _peak_rss_mb()
     prompt = [{"role": "user", "content": "Count slowly from one to one hundred."}]
-    prompt_len = len(engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+    text = engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    prompt_len = len(engine.tokenizer(text, add_special_tokens=False).input_ids)
     kv_bytes = kv_bytes_per_token(engine.runner.model, getattr(torch, dtype))
     params = sum(p.numel() for p in engine.runner.model.parameters())
     del engine
