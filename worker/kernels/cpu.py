@@ -63,6 +63,12 @@ class _DecodePlan:
     chunks: list[_Chunk]
 
 
+def head_rows(blocks: Tensor, kv_heads: int, num_blocks: int) -> Tensor:
+    """Block ids [M] -> rows [KVH * M] of a cache viewed [KVH * num_blocks, block_size, D], head-major."""
+    offsets = torch.arange(kv_heads, device=blocks.device).view(kv_heads, 1) * num_blocks
+    return (blocks.long().view(1, -1) + offsets).view(-1)
+
+
 class CpuAttention:
     """write_kv / paged_decode_attention / paged_prefill_attention over the kv-head-major layout.
 
@@ -88,7 +94,7 @@ class CpuAttention:
     def _gather(self, name: str, cache: Tensor, blocks: Tensor, tokens: int) -> Tensor:
         """cache [KVH, NB, BS, D], blocks [N * nblk] -> [KVH, N, nblk * BS, D] (workspace view)."""
         kvh, nb, bs, d = cache.shape
-        rows = (blocks.long().view(1, -1) + torch.arange(kvh, device=cache.device).view(kvh, 1) * nb).view(-1)
+        rows = head_rows(blocks, kvh, nb)
         out = self._buffer(name, (rows.numel(), bs, d), cache)
         torch.index_select(cache.view(kvh * nb, bs, d), 0, rows, out=out)
         return out.view(kvh, -1, tokens, d)
@@ -121,7 +127,6 @@ class CpuAttention:
         per_token = kvh * d * k_cache.element_size()
         chunks: list[_Chunk] = []
         order: list[int] = []
-        head_offsets = torch.arange(kvh, device=dev).view(kvh, 1) * nb  # [KVH, 1]
         for group in length_groups(lens, bs):
             nblk = -(-lens[group[-1]] // bs)
             step = max(1, self.workspace_bytes // (nblk * bs * per_token))
@@ -129,14 +134,12 @@ class CpuAttention:
                 chunk = group[i : i + step]
                 n, tokens = len(chunk), nblk * bs
                 idx = torch.tensor(chunk, device=dev)
-                blocks = block_tables[idx, :nblk].reshape(1, -1).long()  # [1, n * nblk]
+                blocks = block_tables[idx, :nblk].reshape(-1)  # [n * nblk]
                 valid = torch.arange(tokens, device=dev) < context_lens[idx].unsqueeze(1)  # [n, L]
                 stale = (~valid).view(1, -1).nonzero()[:, 1]  # rows past a context, within one head
                 rows = (torch.arange(kvh, device=dev).view(kvh, 1) * (n * tokens) + stale).view(-1)
                 chunks.append(
-                    _Chunk(
-                        len(order), n, tokens, (blocks + head_offsets).view(-1), rows, valid[None, :, None, :]
-                    )
+                    _Chunk(len(order), n, tokens, head_rows(blocks, kvh, nb), rows, valid[None, :, None, :])
                 )
                 order += chunk
         order_t = torch.tensor(order, device=dev)
