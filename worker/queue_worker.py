@@ -74,12 +74,37 @@ class QueueWorker(Worker):
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         if not job_ids:
             return
+        # A job this worker still runs whose lease lapsed while Redis was down is back in reach of every
+        # poll: take the lease again instead of starting it twice (the engine refuses a second request
+        # under the same id, and arq would drop the first task unobserved).
+        ms = int(self.runner.cfg.lease_s * 1000)
+        mine = {jid for jid in job_ids if (t := self.tasks.get(jid.decode())) is not None and not t.done()}
         async with self.pool.pipeline(transaction=False) as pipe:
             for jid in job_ids:
-                pipe.exists(in_progress_key_prefix + jid.decode())
+                if jid in mine:
+                    pipe.psetex(in_progress_key_prefix + jid.decode(), ms, b"1")
+                else:
+                    pipe.exists(in_progress_key_prefix + jid.decode())
             leased = await pipe.execute()
-        free = [jid for jid, busy in zip(job_ids, leased, strict=True) if not busy]
+        free = [jid for jid, busy in zip(job_ids, leased, strict=True) if jid not in mine and not busy]
         await super().start_jobs(free)
+
+    async def finish_job(self, *args: Any, **kwargs: Any) -> None:
+        """arq's end of a job (dequeue, delete its keys), retried through a Redis outage.
+
+        The result is stored by then; without the retry the job stays queued and runs again, only to
+        find its result, and arq logs the lost task's exception as never retrieved.
+        """
+        delay = 0.1
+        while True:
+            try:
+                return await super().finish_job(*args, **kwargs)
+            except REDIS_ERRORS as e:
+                log.warning(
+                    "redis unavailable (%s) finishing a job; retrying in %.1fs", type(e).__name__, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def renew_leases(self) -> None:
         """Extend the lease of every job this worker runs; called every lease_s / 3."""

@@ -90,8 +90,12 @@ class Worker:
         return self.proc.wait(timeout)
 
     def log(self) -> str:
+        """The log's tail, for assertion messages."""
+        return self.full_log()[-4000:]
+
+    def full_log(self) -> str:
         self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
+        return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -160,4 +160,4 @@ def test_worker_refuses_a_queue_bound_to_another_model(server, workers, tiny_mod
     r.close()
     w = workers(server.url, str(tiny_model_dir), name="a")
     assert w.wait(120) == 1
-    assert "is served by workers of model 'some-other-model'" in w.log()
+    assert "is served by workers of model 'some-other-model'" in w.full_log()

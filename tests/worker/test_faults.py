@@ -83,7 +83,7 @@ def test_sigterm_finishes_or_hands_back_without_burning_a_try(server, workers, t
     a.signal(signal.SIGTERM)
     assert a.wait(30) == 0, a.log()
     assert time.monotonic() - t0 < 15
-    assert "handing" in a.log()
+    assert "handing" in a.full_log()
     assert results_count(server.url, bid) < 12
     # The handed-back requests are free at once (no lease to wait for) and run on the next worker.
     workers(server.url, str(tiny_model_dir), *args, name="b").wait_ready()
@@ -103,7 +103,10 @@ def test_worker_survives_a_redis_restart_and_the_batch_completes(server, workers
     assert a.proc.poll() is None, a.log()
     results = assert_consistent(server.url, bid, 16)
     assert all(x["finish_reason"] == "length" for x in results.values())
-    assert "redis unavailable" in a.log()
+    log = a.full_log()
+    assert "redis unavailable" in log
+    # Jobs that finished during the outage are dequeued once Redis is back, not dropped unobserved.
+    assert "never retrieved" not in log and "Traceback" not in log, a.log()
 
 
 def test_request_that_keeps_killing_workers_fails_after_max_tries(server, workers, tiny_model_dir, tmp_path):
