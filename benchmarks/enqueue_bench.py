@@ -58,8 +58,10 @@ async def bench(n: int, peer_n: int) -> list[tuple[str, int, float]]:
             t0 = time.perf_counter()
             validate_to_spool(f, spool, report, defaults=SamplingParams(max_new_tokens=64), model=None)
             t1 = time.perf_counter()
-            await create_batch(redis, report, queue=queue, model=None, defaults=None, result_ttl_s=3600)
-            await enqueue_spool(redis, spool, report, queue=queue)
+            fresh = await create_batch(
+                redis, report, queue=queue, model=None, defaults=None, result_ttl_s=3600
+            )
+            await enqueue_spool(redis, spool, report, queue=queue, fresh=fresh)
             t2 = time.perf_counter()
         assert report.enqueued == n and await redis.zcard(queue) == n, "not every line was enqueued"
         rows += [

@@ -6,7 +6,6 @@ Unknown fields are rejected by name (extra="forbid") everywhere a user writes in
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -37,26 +36,21 @@ class SamplingParams(_Strict):
         ge=1,
         validation_alias=AliasChoices("max_new_tokens", "max_tokens", "max_completion_tokens"),
     )
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # allow_inf_nan=False: finite numbers only, checked inside pydantic-core (a Python validator here cost
+    # a call per field per line on the submit path).
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0.0, lt=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_p: float | None = Field(default=None, ge=0.0, lt=1.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
-    timeout_s: float | None = Field(default=None, gt=0.0)
+    timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     truncate_prompt: TruncateSide | None = None
     n: int | None = None
-
-    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "timeout_s")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -89,15 +83,24 @@ class SamplingParams(_Strict):
         return self.resolve_over(defaults_base(defaults))
 
     def resolve_over(self, base: dict[str, Any]) -> SamplingParams:
-        """resolve() over a precomputed defaults_base(defaults): the per-line path of submit.
+        """resolve() over a precomputed defaults_base(defaults)."""
+        return SamplingParams.model_validate(self.params_over(base))
 
-        Reads the set fields straight from the instance (an input line subclasses SamplingParams, so
-        this also takes the parameters out of a whole line) and validates the merged result once.
+    def params_over(self, base: dict[str, Any]) -> dict[str, Any]:
+        """The resolved parameters as a plain dict, for serialising: `base` overridden by the fields set here.
+
+        Not validated again: both sides already were (this instance, and the batch defaults in `base`).
+        Submit takes this path once per line, where a second pydantic pass cost a third of the time.
+        Reads the fields straight from the instance: an input line subclasses SamplingParams, so this
+        also takes the parameters out of a whole line. Shares `base`'s lists: serialise, don't mutate.
         """
         merged = dict(base)
-        merged.update({k: v for k, v in self.__dict__.items() if v is not None and k in PARAM_FIELDS})
-        merged.pop("n", None)
-        return SamplingParams.model_validate(merged)
+        fields = self.__dict__
+        for k in _RESOLVED_FIELDS:
+            v = fields[k]
+            if v is not None:
+                merged[k] = v
+        return merged
 
     # Accessors for resolved params (after resolve() every one is set).
     @property
@@ -274,4 +277,4 @@ class OpenAIBatchLine(_Strict):
         return self
 
 
-PARAM_FIELDS = frozenset(SamplingParams.model_fields)
+_RESOLVED_FIELDS = tuple(k for k in SamplingParams.model_fields if k != "n")  # n is checked, never kept

@@ -7,6 +7,7 @@ directly (arq's enqueue_job costs a round trip plus a WATCH per job: far too slo
 
 from __future__ import annotations
 
+import asyncio
 import re
 import tempfile
 import time
@@ -80,30 +81,29 @@ def validate_to_spool(
     request JSON, or b"E" + error JSON; one per line."""
     seen: dict[str, int] = {}  # ids only, never prompts: memory stays small for multi-GB files
     base = defaults_base(defaults)
+    batch_id, write, dumps = report.batch_id, spool.write, orjson.dumps
     index = 0
     for line_no, raw in read_lines(stream):
-        if raw is not None and not raw.strip():
+        if raw is not None and raw.isspace():  # blank (isspace, unlike strip, copies nothing)
             continue
-        parsed = parse_line(
-            raw, line_no, index, batch_id=report.batch_id, defaults=defaults, model=model, base=base
-        )
+        parsed = parse_line(raw, line_no, index, batch_id=batch_id, defaults=defaults, model=model, base=base)
         if isinstance(parsed, ParsedLine):
-            first = seen.setdefault(parsed.request.id, line_no)
-            if first != line_no:
-                parsed = [
-                    LineError(line_no, "id", f"duplicate id {parsed.request.id!r} (first on line {first})")
-                ]
-        if isinstance(parsed, ParsedLine):
-            report.body_model = report.body_model or parsed.body_model
-            body = orjson.dumps(parsed.request.model_dump(mode="json", exclude={"enqueued_at"}))
-            order = b"%03x" % queue_order(parsed.request.params.max_new_tokens)
-            spool.write(b"R" + (b"c" if parsed.chat else b"p") + order + body + b"\n")
-        else:
-            report.invalid += 1
-            if len(report.errors) < MAX_REPORTED:
-                report.errors.extend(parsed[:1] if len(parsed) == 1 else [_join(parsed)])
-            uid = parsed[0].id or str(line_no)
-            spool.write(b"E" + orjson.dumps({"id": uid, "reason": "; ".join(map(str, parsed))}) + b"\n")
+            rid = parsed.record["id"]
+            first = seen.setdefault(rid, line_no)
+            if first == line_no:
+                if parsed.body_model and not report.body_model:
+                    report.body_model = parsed.body_model
+                kind = b"Rc" if parsed.chat else b"Rp"
+                order = b"%03x" % queue_order(parsed.record["params"]["max_new_tokens"])
+                write(kind + order + dumps(parsed.record) + b"\n")
+                index += 1
+                continue
+            parsed = [LineError(line_no, "id", f"duplicate id {rid!r} (first on line {first})")]
+        report.invalid += 1
+        if len(report.errors) < MAX_REPORTED:
+            report.errors.extend(parsed[:1] if len(parsed) == 1 else [_join(parsed)])
+        uid = parsed[0].id or str(line_no)
+        write(b"E" + dumps({"id": uid, "reason": "; ".join(map(str, parsed))}) + b"\n")
         index += 1
     report.total = index
 
@@ -140,25 +140,71 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 return 0
 """)
 
-# KEYS: queue, results hash, chat bitmap. ARGV: (index, job id, chat flag, payload, score) per job.
-# A job is skipped when its result exists, arq kept its result, or its job key exists (SET NX).
+# KEYS: queue, results hash, chat bitmap. ARGV: job id prefix ("<batch id>:"), first index, enqueue time
+# (ms), kinds (one byte per job: c chat, p prompt), orders (3 hex digits of queue_order per job), fresh
+# ("1" when this submit created the batch), then one payload per job for consecutive indices.
+#
+# One argument per job: redis-py packs each argument in Python, and five per job cost more than the script.
+# A fresh batch has no results and no job keys but those this submit wrote (a chunk's indices are its
+# own), so one MSETNX writes the chunk's jobs; should it find a key after all (another submit of the same
+# batch id racing this one), it writes nothing and the checked path runs. The checked path, always taken
+# when resubmitting, skips a job whose result exists, whose arq result exists, or whose job key exists.
+# Scores are enqueue ms + order/4096: exact in a double until 2039, printed with %.17g so that Redis
+# parses back the same double.
 _ENQUEUE = LuaScript(
     """
-local n = 0
-for i = 1, #ARGV, 5 do
-  local idx, jid = ARGV[i], ARGV[i + 1]
-  if ARGV[i + 2] == '1' then redis.call('SETBIT', KEYS[3], idx, 1) end
-  if redis.call('HEXISTS', KEYS[2], idx) == 0 and redis.call('EXISTS', '"""
-    + result_key_prefix
-    + """' .. jid) == 0
-     and redis.call('SET', '"""
-    + job_key_prefix
-    + """' .. jid, ARGV[i + 3], 'NX') then
-    redis.call('ZADD', KEYS[1], ARGV[i + 4], jid)
-    n = n + 1
+local prefix, first, et = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local kinds, orders, n = ARGV[4], ARGV[5], #ARGV - 6
+local members, bits, scores = {}, {}, {}
+local function score(j)
+  local o = string.sub(orders, 3 * j + 1, 3 * j + 3)
+  local s = scores[o]
+  if not s then
+    s = string.format('%.17g', et + tonumber(o, 16) / """
+    + str(ORDER_LEVELS)
+    + """)
+    scores[o] = s
+  end
+  return s
+end
+for j = 0, n - 1 do
+  if string.byte(kinds, j + 1) == 99 then
+    local m = #bits
+    bits[m + 1], bits[m + 2], bits[m + 3], bits[m + 4] = 'SET', 'u1', first + j, 1
   end
 end
-return n
+-- unpack() stops at Lua's C stack (8000 values): BITFIELD and ZADD take 4000 arguments at a time.
+for i = 1, #bits, 4000 do redis.call('BITFIELD', KEYS[3], unpack(bits, i, math.min(i + 3999, #bits))) end
+local written = false
+if ARGV[6] == '1' and n <= 3000 then
+  local kv = {}
+  for j = 0, n - 1 do
+    local jid = prefix .. (first + j)
+    kv[2 * j + 1], kv[2 * j + 2] = '"""
+    + job_key_prefix
+    + """' .. jid, ARGV[j + 7]
+    members[2 * j + 1], members[2 * j + 2] = score(j), jid
+  end
+  written = redis.call('MSETNX', unpack(kv)) == 1
+  if not written then members = {} end
+end
+if not written then
+  for j = 0, n - 1 do
+    local idx = first + j
+    local jid = prefix .. idx
+    if redis.call('HEXISTS', KEYS[2], idx) == 0 and redis.call('EXISTS', '"""
+    + result_key_prefix
+    + """' .. jid) == 0
+       and redis.call('SET', '"""
+    + job_key_prefix
+    + """' .. jid, ARGV[j + 7], 'NX') then
+      local m = #members
+      members[m + 1], members[m + 2] = score(j), jid
+    end
+  end
+end
+for i = 1, #members, 4000 do redis.call('ZADD', KEYS[1], unpack(members, i, math.min(i + 3999, #members))) end
+return #members / 2
 """
 )
 
@@ -171,7 +217,8 @@ async def create_batch(
     model: str | None,
     defaults: SamplingParams | None,
     result_ttl_s: int,
-) -> None:
+) -> bool:
+    """Create the batch, or check a resubmission against it. True when this call created it."""
     fields: dict[str, Any] = {
         "queue": queue,
         "model": model or "",
@@ -195,6 +242,7 @@ async def create_batch(
             f"batch {report.batch_id!r} already exists with {int(existing)} requests, this input has "
             f"{report.total}: use another --batch-id"
         )
+    return not existing
 
 
 def _spool_records(spool: IO[bytes]) -> Iterator[tuple[int, bytes]]:
@@ -203,40 +251,85 @@ def _spool_records(spool: IO[bytes]) -> Iterator[tuple[int, bytes]]:
         yield index, rec.rstrip(b"\n")
 
 
-async def enqueue_spool(redis: Redis, spool: IO[bytes], report: SubmitReport, *, queue: str) -> None:
-    """Pass 2: enqueue valid requests and record invalid ones as failed results."""
+class _Chunk:
+    """Consecutive valid records, sent as one _ENQUEUE call."""
+
+    __slots__ = ("first", "kinds", "orders", "payloads", "size")
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.kinds: list[bytes] = []
+        self.orders: list[bytes] = []
+        self.payloads: list[bytes] = []
+        self.size = 0
+
+    def args(self, prefix: bytes, et: bytes, fresh: bool) -> list[bytes | int]:
+        kinds, orders = b"".join(self.kinds), b"".join(self.orders)
+        return [prefix, self.first, et, kinds, orders, int(fresh), *self.payloads]
+
+
+async def enqueue_spool(
+    redis: Redis, spool: IO[bytes], report: SubmitReport, *, queue: str, fresh: bool = False
+) -> None:
+    """Pass 2: enqueue valid requests and record invalid ones as failed results.
+
+    `fresh`: create_batch created the batch just now (not a resubmission), so no job of it can exist yet.
+
+    One chunk is in flight while the next is built: Redis runs the script on one core while Python
+    reads and frames the next chunk on the other.
+    """
     bid = report.batch_id
     now = time.time()
     et = str(int(now * 1000)).encode()
     head = b'{"t":null,"f":"' + keys.JOB_FUNCTION.encode() + b'","a":['
     tail = b'],"k":{},"et":' + et + b"}"
+    # Request JSON was spooled without enqueued_at; append it now so queued_s starts at enqueue time.
     enq_at = b',"enqueued_at":' + repr(now).encode() + b"}"
     ks = [queue, keys.batch_results(bid), keys.batch_chat(bid)]
-    et_ms = int(et)
-    scores = [repr(et_ms + level / ORDER_LEVELS).encode() for level in range(ORDER_LEVELS)]
-    args: list[Any] = []
-    size = 0
-    for index, rec in _spool_records(spool):
-        if rec[:1] == b"E":
-            err = orjson.loads(rec[1:])
-            result = Result(
-                id=err["id"],
-                index=index,
-                finish_reason="error",
-                error=ErrorInfo(type="invalid_request", message=err["reason"]),
-            )
-            await write_result(redis, bid, result)
-            continue
-        # Request JSON was spooled without enqueued_at; append it now so queued_s starts at enqueue time.
-        payload = head + rec[5:-1] + enq_at + tail
-        chat = 1 if rec[1:2] == b"c" else 0
-        args += [index, keys.job_id(bid, index), chat, payload, scores[int(rec[2:5], 16)]]
-        size += len(payload)
-        if len(args) >= 5 * CHUNK_JOBS or size >= CHUNK_BYTES:
-            report.enqueued += int(await _ENQUEUE(redis, ks, args))
-            args, size = [], 0
-    if args:
-        report.enqueued += int(await _ENQUEUE(redis, ks, args))
+    prefix = keys.job_id(bid, 0)[:-1].encode()
+    in_flight: asyncio.Task[Any] | None = None
+
+    async def send(chunk: _Chunk) -> None:
+        nonlocal in_flight
+        if in_flight is not None:
+            report.enqueued += int(await in_flight)
+        in_flight = asyncio.ensure_future(_ENQUEUE(redis, ks, chunk.args(prefix, et, fresh)))
+        await asyncio.sleep(0)  # let it pack and send the call now, not once the next chunk is built
+
+    chunk: _Chunk | None = None
+    try:
+        for index, rec in _spool_records(spool):
+            if rec[:1] == b"E":
+                if chunk is not None:
+                    await send(chunk)
+                    chunk = None
+                err = orjson.loads(rec[1:])
+                result = Result(
+                    id=err["id"],
+                    index=index,
+                    finish_reason="error",
+                    error=ErrorInfo(type="invalid_request", message=err["reason"]),
+                )
+                await write_result(redis, bid, result)
+                continue
+            if chunk is None:
+                chunk = _Chunk(index)
+            payload = head + rec[5:-1] + enq_at + tail
+            chunk.kinds.append(rec[1:2])
+            chunk.orders.append(rec[2:5])
+            chunk.payloads.append(payload)
+            chunk.size += len(payload)
+            if len(chunk.payloads) >= CHUNK_JOBS or chunk.size >= CHUNK_BYTES:
+                await send(chunk)
+                chunk = None
+        if chunk is not None:
+            await send(chunk)
+        if in_flight is not None:
+            report.enqueued += int(await in_flight)
+            in_flight = None
+    finally:
+        if in_flight is not None:  # an error above: don't leave the call running unobserved
+            in_flight.cancel()
 
 
 async def submit_stream(
@@ -266,8 +359,8 @@ async def submit_stream(
             raise InputError(
                 f"{report.invalid} invalid line(s); nothing was enqueued", report.errors, report.invalid
             )
-        await create_batch(
+        fresh = await create_batch(
             redis, report, queue=qname, model=model, defaults=defaults, result_ttl_s=result_ttl_s
         )
-        await enqueue_spool(redis, spool, report, queue=qname)
+        await enqueue_spool(redis, spool, report, queue=qname, fresh=fresh)
     return report

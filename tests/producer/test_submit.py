@@ -12,6 +12,7 @@ from arq.jobs import deserialize_job
 from redis.asyncio import Redis
 
 from producer import keys, serde, store
+from producer import submit as submit_module
 from producer.client import BatchqClient
 from producer.contract import Request, Result, SamplingParams
 from producer.submit import InputError, submit_stream
@@ -137,3 +138,60 @@ async def test_client_submits_files_and_python_lines(redis_url: str, tmp_path: P
             await client.submit_file(tmp_path / "missing.jsonl")
         with pytest.raises(InputError, match="invalid batch id"):
             await client.submit_lines(['{"prompt": "x"}'], batch_id="no spaces")
+
+
+async def test_chunks_split_at_invalid_lines_keep_indices_chat_bits_and_order(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small chunks, and --skip-invalid lines between them: every valid line is enqueued under its own
+    # index, with its chat bit and its queue order, and every invalid line becomes a failed result.
+    monkeypatch.setattr(submit_module, "CHUNK_JOBS", 3)
+    lines, bad = [], {4, 5, 9}
+    for i in range(12):
+        if i in bad:
+            lines.append(b'{"prompt": "x", "top_k": -1}')
+        elif i % 3 == 0:
+            lines.append(
+                b'{"messages": [{"role": "user", "content": "c%d"}], "max_tokens": %d}' % (i, 8 * i + 8)
+            )
+        else:
+            lines.append(b'{"prompt": "p%d", "max_tokens": %d}' % (i, 8 * i + 8))
+    report = await submit_stream(redis, io.BytesIO(b"\n".join(lines)), batch_id="b", skip_invalid=True)
+    assert (report.enqueued, report.invalid) == (9, 3)
+    queued = [jid.decode() for jid in await redis.zrange(keys.DEFAULT_QUEUE, 0, -1)]
+    good = [i for i in range(12) if i not in bad]
+    assert queued == [f"b:{i}" for i in sorted(good, reverse=True)]  # longest max_tokens first
+    for i in good:
+        raw = await redis.get(job_key_prefix + f"b:{i}")
+        assert raw is not None
+        req = Request.model_validate(orjson.loads(raw)["a"][0])
+        assert (req.index, req.params.max_new_tokens) == (i, 8 * i + 8)
+        assert await redis.getbit(keys.batch_chat("b"), i) == (i % 3 == 0)
+    results = [r async for r, _ in store.iter_results(redis, "b")]
+    assert [r.index for r in results] == sorted(bad)
+
+
+async def test_a_chunk_bigger_than_luas_unpack_limit_is_enqueued_whole(
+    redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The script collects ZADD members (2 per job) and BITFIELD ops (4 per chat job); Lua's unpack() stops
+    # at 8000 values, so a chunk this big must be written in slices.
+    monkeypatch.setattr(submit_module, "CHUNK_JOBS", 5000)
+    n = 4500
+    data = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}\n' * n
+    report = await submit_stream(redis, io.BytesIO(data), batch_id="big")
+    assert report.enqueued == n and await redis.zcard(keys.DEFAULT_QUEUE) == n
+    assert await redis.bitcount(keys.batch_chat("big")) == n
+
+
+async def test_a_fresh_batch_that_meets_an_existing_job_key_falls_back_to_checking_each_job(
+    redis: Redis,
+) -> None:
+    # A fresh batch writes each chunk's jobs with one MSETNX. Should one job key exist already (another
+    # submit of the same batch id racing this one), the chunk goes job by job and skips that job.
+    await redis.set(job_key_prefix + "b1:1", b"{}")
+    report = await submit_stream(redis, io.BytesIO(GOOD), batch_id="b1")
+    assert report.enqueued == 1
+    assert await redis.zrange(keys.DEFAULT_QUEUE, 0, -1) == [b"b1:0"]
+    assert await redis.get(job_key_prefix + "b1:1") == b"{}"
+    assert await redis.getbit(keys.batch_chat("b1"), 1) == 1
