@@ -362,5 +362,7 @@ async def submit_stream(
         fresh = await create_batch(
             redis, report, queue=qname, model=model, defaults=defaults, result_ttl_s=result_ttl_s
         )
+        if on_created is not None:
+            on_created(report.batch_id)
         await enqueue_spool(redis, spool, report, queue=qname, fresh=fresh)
     return report

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import redis as sync_redis
 from arq.constants import job_key_prefix
 from arq.jobs import deserialize_job
 from redis.asyncio import Redis
@@ -182,6 +183,22 @@ async def test_a_chunk_bigger_than_luas_unpack_limit_is_enqueued_whole(
     report = await submit_stream(redis, io.BytesIO(data), batch_id="big")
     assert report.enqueued == n and await redis.zcard(keys.DEFAULT_QUEUE) == n
     assert await redis.bitcount(keys.batch_chat("big")) == n
+
+
+async def test_on_created_is_called_once_the_batch_exists_and_before_its_jobs(
+    redis_url: str, redis: Redis
+) -> None:
+    # The CLI uses it to tell a user whose submit was interrupted mid-enqueue how to finish it.
+    seen = []
+
+    def created(batch_id: str) -> None:
+        r = sync_redis.Redis.from_url(redis_url)
+        seen.append((batch_id, r.exists(keys.batch_meta(batch_id)), r.zcard(keys.DEFAULT_QUEUE)))
+        r.close()
+
+    await submit_stream(redis, io.BytesIO(GOOD), batch_id="b1", on_created=created)
+    assert seen == [("b1", 1, 0)]
+    assert await redis.zcard(keys.DEFAULT_QUEUE) == 2
 
 
 async def test_a_fresh_batch_that_meets_an_existing_job_key_falls_back_to_checking_each_job(
