@@ -29,6 +29,18 @@ log = logging.getLogger("batchq.worker")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
+async def retrying(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a Redis operation until it succeeds: a Redis blip must not lose an accepted result."""
+    delay = 0.1
+    while True:
+        try:
+            return await fn(*args, **kwargs)
+        except REDIS_ERRORS as e:
+            log.warning("redis unavailable (%s); retrying in %.1fs", type(e).__name__, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
 @dataclass
 class JobRunner:
     """State shared by every job of one worker process."""
@@ -50,7 +62,7 @@ class JobRunner:
             msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
             await self._store(batch_id, _error_result(str(index + 1), index, "invalid_request", msg))
             return "invalid"
-        if await self._retrying(store.has_result, self.redis, req.batch_id, req.index):
+        if await retrying(store.has_result, self.redis, req.batch_id, req.index):
             return "duplicate"  # ran before (a lease expired while it finished elsewhere): first write won
         if job_try > self.cfg.max_tries:
             msg = (
@@ -63,14 +75,14 @@ class JobRunner:
             msg = f"request is for model {req.model!r} but this worker serves {sorted(self.model_names)[0]!r}"
             await self._store(req.batch_id, _error_result(req.id, req.index, "model_mismatch", msg, req))
             return "model_mismatch"
-        if await self._retrying(store.is_cancelled, self.redis, req.batch_id):
+        if await retrying(store.is_cancelled, self.redis, req.batch_id):
             await self._store(req.batch_id, _cancelled_result(req))
             return "cancelled"
         return await self._generate(req, job_id)
 
     async def _generate(self, req: Request, job_id: str) -> str:
         picked_at = time.time()
-        await self._retrying(store.mark_running, self.redis, req.batch_id, req.index)
+        await retrying(store.mark_running, self.redis, req.batch_id, req.index)
         ereq = EngineRequest(
             request_id=job_id,
             params=req.params,
@@ -107,7 +119,7 @@ class JobRunner:
             log.warning("could not hand back %s (%s); its lease will expire", job_id, type(e).__name__)
 
     async def _store(self, batch_id: str, result: Result) -> None:
-        written = await self._retrying(self._write, batch_id, result)
+        written = await retrying(self._write, batch_id, result)
         if written:
             if result.finish_reason == "error":
                 self.failed += 1
@@ -116,17 +128,6 @@ class JobRunner:
 
     async def _write(self, batch_id: str, result: Result) -> bool:
         return await store.write_result(self.redis, batch_id, result, ttl_s=int(self.cfg.result_ttl_s))
-
-    async def _retrying(self, fn: Any, *args: Any) -> Any:
-        """Call a Redis operation until it succeeds: a Redis blip must not lose an accepted result."""
-        delay = 0.1
-        while True:
-            try:
-                return await fn(*args)
-            except REDIS_ERRORS as e:
-                log.warning("redis unavailable (%s); retrying in %.1fs", type(e).__name__, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     async def poll_cancellations(self) -> None:
         """Running requests of a cancelled batch stop at their next engine step."""

@@ -19,7 +19,7 @@ from arq.constants import in_progress_key_prefix
 from arq.worker import Worker, func
 
 from producer import keys, serde
-from worker.jobs import REDIS_ERRORS, JobRunner
+from worker.jobs import REDIS_ERRORS, JobRunner, retrying
 
 log = logging.getLogger("batchq.worker")
 
@@ -95,16 +95,7 @@ class QueueWorker(Worker):
         The result is stored by then; without the retry the job stays queued and runs again, only to
         find its result, and arq logs the lost task's exception as never retrieved.
         """
-        delay = 0.1
-        while True:
-            try:
-                return await super().finish_job(*args, **kwargs)
-            except REDIS_ERRORS as e:
-                log.warning(
-                    "redis unavailable (%s) finishing a job; retrying in %.1fs", type(e).__name__, delay
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        await retrying(super().finish_job, *args, **kwargs)
 
     async def renew_leases(self) -> None:
         """Extend the lease of every job this worker runs; called every lease_s / 3."""
