@@ -63,10 +63,12 @@ class _DecodePlan:
     chunks: list[_Chunk]
 
 
-def head_rows(blocks: Tensor, kv_heads: int, num_blocks: int) -> Tensor:
-    """Block ids [M] -> rows [KVH * M] of a cache viewed [KVH * num_blocks, block_size, D], head-major."""
-    offsets = torch.arange(kv_heads, device=blocks.device).view(kv_heads, 1) * num_blocks
-    return (blocks.long().view(1, -1) + offsets).view(-1)
+def head_rows(rows: Tensor, kv_heads: int, per_head: int) -> Tensor:
+    """Rows [M] within one kv head's slice -> rows [KVH * M] of a tensor whose first dimension holds the
+    kv heads' slices of `per_head` rows one after another, head-major. E.g. block ids -> rows of a cache
+    viewed [KVH * num_blocks, block_size, D]."""
+    offsets = torch.arange(kv_heads, device=rows.device).view(kv_heads, 1) * per_head
+    return (rows.long().view(1, -1) + offsets).view(-1)
 
 
 class CpuAttention:
@@ -137,7 +139,7 @@ class CpuAttention:
                 blocks = block_tables[idx, :nblk].reshape(-1)  # [n * nblk]
                 valid = torch.arange(tokens, device=dev) < context_lens[idx].unsqueeze(1)  # [n, L]
                 stale = (~valid).view(1, -1).nonzero()[:, 1]  # rows past a context, within one head
-                rows = (torch.arange(kvh, device=dev).view(kvh, 1) * (n * tokens) + stale).view(-1)
+                rows = head_rows(stale, kvh, n * tokens)  # the same rows in every head's slice
                 chunks.append(
                     _Chunk(len(order), n, tokens, head_rows(blocks, kvh, nb), rows, valid[None, :, None, :])
                 )
