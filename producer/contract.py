@@ -80,11 +80,7 @@ class SamplingParams(_Strict):
 
     def resolve(self, defaults: SamplingParams | None = None) -> SamplingParams:
         """Fill every unset field from `defaults`, then from the built-in defaults."""
-        return self.resolve_over(defaults_base(defaults))
-
-    def resolve_over(self, base: dict[str, Any]) -> SamplingParams:
-        """resolve() over a precomputed defaults_base(defaults)."""
-        return SamplingParams.model_validate(self.params_over(base))
+        return SamplingParams.model_validate(self.params_over(defaults_base(defaults)))
 
     def params_over(self, base: dict[str, Any]) -> dict[str, Any]:
         """The resolved parameters as a plain dict, for serialising: `base` overridden by the fields set here.

@@ -38,7 +38,12 @@ def batch_running(batch_id: str) -> str:
 
 def job_id(batch_id: str, index: int) -> str:
     """Deterministic arq job id: resubmitting the same batch enqueues nothing twice."""
-    return f"{batch_id}:{index}"
+    return f"{job_id_prefix(batch_id)}{index}"
+
+
+def job_id_prefix(batch_id: str) -> str:
+    """What every job id of a batch starts with; submit's Lua script appends the index itself."""
+    return f"{batch_id}:"
 
 
 def split_job_id(jid: str) -> tuple[str, int]:

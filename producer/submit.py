@@ -286,7 +286,7 @@ async def enqueue_spool(
     # Request JSON was spooled without enqueued_at; append it now so queued_s starts at enqueue time.
     enq_at = b',"enqueued_at":' + repr(now).encode() + b"}"
     ks = [queue, keys.batch_results(bid), keys.batch_chat(bid)]
-    prefix = keys.job_id(bid, 0)[:-1].encode()
+    prefix = keys.job_id_prefix(bid).encode()
     in_flight: asyncio.Task[Any] | None = None
 
     async def send(chunk: _Chunk) -> None:
