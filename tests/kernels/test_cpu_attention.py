@@ -16,7 +16,7 @@ from tests.kernels.paged_cases import GRID, Case, assert_close, build_cache, gar
 from tests.kernels.test_triton_decode import decode_lengths
 from tests.kernels.test_triton_prefill import prefill_lengths
 from worker.kernels import reference
-from worker.kernels.cpu import CpuAttention, length_groups
+from worker.kernels.cpu import CpuAttention, causal_tiles, length_groups
 
 CPU = torch.device("cpu")
 
@@ -126,3 +126,23 @@ def test_decode_plan_is_shared_by_layers_and_rebuilt_when_the_step_changes() -> 
     lens[1] = 150  # shorter context, same buffer
     check((cache.k_cache, cache.v_cache), lens)
     assert attn._plan is not plan
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("q_len", "offset"), [(300, 0), (300, 77), (128, 0), (129, 1000)])
+def test_causal_tiles_match_float64_attention(dtype: torch.dtype, q_len: int, offset: int) -> None:
+    # Tile edges (128 rows), a last partial tile, and a cached prefix that shifts every query's horizon.
+    gen = torch.Generator().manual_seed(q_len + offset)
+    kvh, g, d, n = 2, 3, 64, offset + q_len
+    q = torch.randn(kvh * g, q_len, d, generator=gen)
+    k, v = torch.randn(kvh, n, d, generator=gen), torch.randn(kvh, n, d, generator=gen)
+    qpos = torch.arange(offset, n).unsqueeze(1)
+    mask = torch.arange(n).unsqueeze(0) <= qpos
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double()[None], k.double()[None], v.double()[None], attn_mask=mask, scale=0.125, enable_gqa=True
+    )[0].transpose(0, 1)
+
+    got = causal_tiles(q.to(dtype), k.to(dtype), v.to(dtype), offset, 0.125)
+
+    assert got.shape == (q_len, kvh * g, d) and got.dtype == dtype
+    assert_close(got, want.to(dtype), dtype)

@@ -12,8 +12,9 @@ rows, so grouped-query heads never copy K/V. Scores are rounded to the cache dty
 which runs in float32 inside (HF's eager attention does the same). Measured on 2 Zen 5 cores, bf16, 43
 sequences of 300-600 tokens: 1.6 ms per layer with SDPA's flash kernel, 0.6 ms with the matmuls (its
 tiles do ~3 query rows of work per call here).
-Prefill runs one causal SDPA call per sequence over this step's own K/V (nothing read back from the
-cache) unless the sequence continues a cached prefix.
+Prefill attends over each sequence's own K/V from this step (nothing read back from the cache) unless
+the sequence continues a cached prefix: in float32 with one causal SDPA call, in bf16/fp16 as
+causal tiles of batched matmuls (causal_tiles).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import Tensor
 
 MAX_GROUP = 64  # sequences per padded group
 WORKSPACE_BYTES = 64 << 20  # per K and per V; a group that needs more is split
+TILE_ROWS = 128  # query positions per tile of a reduced-precision prefill
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -72,6 +74,34 @@ def head_rows(rows: Tensor, kv_heads: int, per_head: int) -> Tensor:
     viewed [KVH * num_blocks, block_size, D]."""
     offsets = torch.arange(kv_heads, device=rows.device).view(kv_heads, 1) * per_head
     return (rows.long().view(1, -1) + offsets).view(-1)
+
+
+def causal_tiles(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> Tensor:
+    """Causal attention of one sequence, TILE_ROWS query positions at a time, as batched matmuls.
+
+    q: [H, q_len, D]; k, v: [KVH, n, D]; query j sits at position offset + j and sees keys 0..offset+j.
+    -> [q_len, H, D]
+
+    Each tile reads only the keys its last row can see, so the causal half is mostly skipped, and its
+    scores stay in cache. Scores are rounded to q's dtype before the softmax (float32 inside). For
+    bf16 on 2 Zen 5 cores this is ~1.7x faster than SDPA's flash kernel at 240-600 tokens; in float32
+    SDPA is faster, so the caller keeps it there.
+    """
+    h, q_len, d = q.shape
+    kvh = k.shape[0]
+    g = h // kvh
+    out = torch.empty(q_len, h, d, dtype=q.dtype, device=q.device)
+    qg = (q * scale).view(kvh, g, q_len, d)
+    keys = torch.arange(offset + q_len, device=q.device)
+    for a in range(0, q_len, TILE_ROWS):
+        b = min(q_len, a + TILE_ROWS)
+        end = offset + b  # keys the tile's last row sees
+        qt = qg[:, :, a:b].reshape(kvh, g * (b - a), d)
+        scores = torch.matmul(qt, k[:, :end].transpose(-1, -2)).view(kvh, g, b - a, end)
+        scores.masked_fill_(keys[:end] > keys[offset + a : end, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(kvh, g * (b - a), end)
+        out[a:b] = torch.matmul(probs, v[:, :end]).view(h, b - a, d).transpose(0, 1)
+    return out
 
 
 class CpuAttention:
@@ -210,30 +240,35 @@ class CpuAttention:
         """
         h = q.shape[1]
         kvh, _, bs, _ = k_cache.shape
-        gqa = h != kvh
+        tiled = k_cache.dtype != torch.float32
         out = torch.empty_like(q)
         starts = cu_seqlens_q.tolist()
         lens = context_lens.tolist()
         for i, n in enumerate(lens):
             s, e = starts[i], starts[i + 1]
-            # 4-D inputs: CPU SDPA only takes its fused flash kernel for [batch, heads, len, dim].
-            qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if e - s == n and k is not None and v is not None:
-                ki = k[s:e].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, KVH, n, D]
-                vi = v[s:e].transpose(0, 1).unsqueeze(0).to(v_cache.dtype)
-                o = F.scaled_dot_product_attention(
-                    qi.to(ki.dtype), ki, vi, is_causal=True, scale=scale, enable_gqa=gqa
-                )
+                ki = k[s:e].transpose(0, 1).to(k_cache.dtype)  # [KVH, n, D]
+                vi = v[s:e].transpose(0, 1).to(v_cache.dtype)
             else:
                 nblk = -(-n // bs)
                 blocks = block_tables[i, :nblk]
-                ki = self._gather("k", k_cache, blocks, nblk * bs)[:, :, :n].transpose(0, 1)  # [1, KVH, n, D]
-                vi = self._gather("v", v_cache, blocks, nblk * bs)[:, :, :n].transpose(0, 1)
+                ki = self._gather("k", k_cache, blocks, nblk * bs)[:, 0, :n]  # [KVH, n, D]
+                vi = self._gather("v", v_cache, blocks, nblk * bs)[:, 0, :n]
+            qi = q[s:e].transpose(0, 1).to(ki.dtype)  # [H, q_len, D]
+            if tiled and e - s >= TILE_ROWS // 2:
+                out[s:e] = causal_tiles(qi, ki, vi, n - (e - s), scale)
+                continue
+            # 4-D inputs: CPU SDPA only takes its fused flash kernel for [batch, heads, len, dim].
+            if e - s == n:
+                o = F.scaled_dot_product_attention(
+                    qi[None], ki[None], vi[None], is_causal=True, scale=scale, enable_gqa=h != kvh
+                )
+            else:
                 # query j sits at position n - q_len + j (causal over the cached prefix and itself)
                 qpos = torch.arange(n - (e - s), n, device=q.device).unsqueeze(1)
                 mask = torch.arange(n, device=q.device).unsqueeze(0) <= qpos
                 o = F.scaled_dot_product_attention(
-                    qi.to(ki.dtype), ki, vi, attn_mask=mask, scale=scale, enable_gqa=gqa
+                    qi[None], ki[None], vi[None], attn_mask=mask, scale=scale, enable_gqa=h != kvh
                 )
-            out[s:e] = o[0].transpose(0, 1).to(q.dtype)
+            out[s:e] = o[0].transpose(0, 1)
         return out
