@@ -19,7 +19,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import EngineRequest, EngineResult, EngineStats
-from worker.engine.resources import pick_device, pick_dtype, size_kv_pool
+from worker.engine.resources import keep_freed_memory, pick_device, pick_dtype, size_kv_pool
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stop_rules import StopRules
@@ -71,6 +71,8 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         t0 = time.monotonic()
         loaded = load_model(cfg.model, dtype, device)
+        if device.type == "cpu":
+            keep_freed_memory()  # after loading: the checkpoint's copy of the weights goes back to the OS
         backend = select_backend(device, cfg.attention_backend)
         num_blocks = size_kv_pool(cfg, loaded.model, dtype, device)
         runner = ModelRunner(
