@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -32,3 +36,50 @@ def test_gemm_probe_measures_this_machine() -> None:
     # The real probe, small: both dtypes run and give a plausible rate (above 1 GFLOP/s, below 100 TFLOP/s).
     for dtype in (torch.float32, torch.bfloat16):
         assert 1e9 < resources.gemm_flops(dtype, n=256, reps=2) < 1e14
+
+
+# Runs in a fresh interpreter: oneDNN reads its cache capacity once, at the process's first matmul.
+_GROWTH = """
+import random, sys, torch
+from worker.engine.resources import bound_onednn_caches, keep_freed_memory
+if sys.argv[1] == "bounded":
+    bound_onednn_caches()
+keep_freed_memory()
+def rss_mb():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
+random.seed(0)
+start = rss_mb()
+for _ in range(600):  # as many distinct shapes as a few hundred serving steps meet
+    n, t = random.randint(1, 32), random.randint(16, 600)
+    torch.matmul(torch.ones(3, n, 3, 64, dtype=torch.bfloat16), torch.ones(3, n, 64, t, dtype=torch.bfloat16))
+print(rss_mb() - start)
+"""
+
+
+def _rss_growth_mb(mode: str) -> float:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _GROWTH, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return float(out.stdout.split()[-1])
+
+
+def test_bf16_matmul_kernel_caches_stay_bounded_under_ever_new_shapes() -> None:
+    # Every new matmul shape costs oneDNN a JIT kernel kept in its caches; with the default capacity a
+    # long-running worker's RSS grows by hundreds of MB. Bounded, 600 shapes stay well under 200 MB.
+    unbounded = _rss_growth_mb("default")
+    if unbounded < 300:
+        pytest.skip(f"this CPU's bf16 matmuls keep no per-shape kernels ({unbounded:.0f} MB for 600 shapes)")
+    bounded = _rss_growth_mb("bounded")
+    assert bounded < 200, (
+        f"RSS grew {bounded:.0f} MB over 600 bf16 matmul shapes (unbounded: {unbounded:.0f} MB)"
+    )

@@ -19,7 +19,13 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.request import EngineRequest, EngineResult, EngineStats
-from worker.engine.resources import keep_freed_memory, pick_device, pick_dtype, size_kv_pool
+from worker.engine.resources import (
+    bound_onednn_caches,
+    keep_freed_memory,
+    pick_device,
+    pick_dtype,
+    size_kv_pool,
+)
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stop_rules import StopRules
@@ -66,6 +72,8 @@ class Engine:
     @classmethod
     def load(cls, cfg: EngineConfig) -> Engine:
         device = pick_device(cfg.device)
+        if device.type == "cpu":
+            bound_onednn_caches()  # before the dtype probe's matmuls
         dtype = pick_dtype(cfg.dtype, device)
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
