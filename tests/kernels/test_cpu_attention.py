@@ -142,7 +142,7 @@ def test_causal_tiles_match_float64_attention(dtype: torch.dtype, q_len: int, of
         q.double()[None], k.double()[None], v.double()[None], attn_mask=mask, scale=0.125, enable_gqa=True
     )[0].transpose(0, 1)
 
-    got = causal_tiles(q.to(dtype), k.to(dtype), v.to(dtype), offset, 0.125)
+    got = causal_tiles(q.transpose(0, 1).to(dtype), k.to(dtype), v.to(dtype), offset, 0.125)
 
     assert got.shape == (q_len, kvh * g, d) and got.dtype == dtype
     assert_close(got, want.to(dtype), dtype)
