@@ -83,3 +83,35 @@ def test_bf16_matmul_kernel_caches_stay_bounded_under_ever_new_shapes() -> None:
     assert bounded < 200, (
         f"RSS grew {bounded:.0f} MB over 600 bf16 matmul shapes (unbounded: {unbounded:.0f} MB)"
     )
+
+
+_FAULTS = """
+import resource, sys, torch
+from worker.engine.resources import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory(), "mallopt refused"
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):  # a step's large temporary: allocated, written, freed (twice: the heap settles)
+    torch.ones(64 << 20, dtype=torch.uint8)
+before = faults()
+for _ in range(10):  # ten more steps
+    torch.ones(64 << 20, dtype=torch.uint8)
+print(faults() - before)
+"""
+
+
+def _page_faults(mode: str) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True, timeout=120
+    )
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_step_temporaries_are_reused_not_faulted_in_again() -> None:
+    # By default glibc unmaps a freed 64 MB block, so the next step faults all its pages in again.
+    default, kept = _page_faults("default"), _page_faults("keep")
+    if default < 1000:
+        pytest.skip(f"this allocator reuses large blocks already ({default} faults for 10 x 64 MB)")
+    assert kept < default / 5, f"{kept} page faults with freed memory kept, {default} without"
