@@ -92,7 +92,7 @@ def causal_tiles(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> 
     q_len, h, d = q.shape
     kvh = k.shape[0]
     g = h // kvh
-    qs = q.view(q_len, kvh, g, d).transpose(0, 1).contiguous()  # [KVH, q_len, G, D]
+    qs = q.reshape(q_len, kvh, g, d).transpose(0, 1).contiguous()  # [KVH, q_len, G, D]
     kt = k.transpose(1, 2)  # [KVH, D, n]
     out = torch.empty(q_len, kvh, g, d, dtype=q.dtype, device=q.device)
     above = torch.ones(TILE_ROWS, TILE_ROWS, dtype=torch.bool, device=q.device).triu_(1)  # key > query
