@@ -61,6 +61,11 @@ def queue_model(queue: str) -> str:
     return f"{PREFIX}queue-model:{queue}"
 
 
+def queue_clock(queue: str) -> str:
+    """string: the last enqueue millisecond handed to a submit on this queue (see submit._CLAIM_MS)."""
+    return f"{PREFIX}queue-clock:{queue}"
+
+
 def batch_chat(batch_id: str) -> str:
     """bitmap: bit `index` is 1 when the request was a chat request (OpenAI output needs the object type)."""
     return f"{PREFIX}batch:{batch_id}:chat"

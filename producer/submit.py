@@ -268,6 +268,19 @@ class _Chunk:
         return [prefix, self.first, et, kinds, orders, int(fresh), *self.payloads]
 
 
+# A submit's enqueue millisecond, from Redis's clock and strictly after the last one handed out on this
+# queue. Requests of a batch are ordered by fractions of that millisecond (queue_order), so two batches
+# enqueued within one millisecond, or by producers whose clocks disagree, would otherwise interleave.
+_CLAIM_MS = LuaScript("""
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local last = tonumber(redis.call('GET', KEYS[1]) or '0')
+if ms <= last then ms = last + 1 end
+redis.call('SET', KEYS[1], ms)
+return ms
+""")
+
+
 async def enqueue_spool(
     redis: Redis, spool: IO[bytes], report: SubmitReport, *, queue: str, fresh: bool = False
 ) -> None:
@@ -280,7 +293,7 @@ async def enqueue_spool(
     """
     bid = report.batch_id
     now = time.time()
-    et = str(int(now * 1000)).encode()
+    et = str(await _CLAIM_MS(redis, [keys.queue_clock(queue)], [])).encode()
     head = b'{"t":null,"f":"' + keys.JOB_FUNCTION.encode() + b'","a":['
     tail = b'],"k":{},"et":' + et + b"}"
     # Request JSON was spooled without enqueued_at; append it now so queued_s starts at enqueue time.

@@ -55,6 +55,20 @@ async def test_longest_generations_are_queued_first_and_batches_stay_fifo(redis:
     assert max(early) - min(early) < 1  # one millisecond: the order is a fraction of the enqueue time
 
 
+async def test_batches_enqueued_within_one_millisecond_stay_fifo(redis: Redis) -> None:
+    # Each submit claims an enqueue millisecond strictly after the queue's last one. With a clock that
+    # says "this millisecond is taken" far ahead, both batches still get consecutive, ordered ones, and
+    # the later batch's longest request does not jump ahead of the earlier batch.
+    qname = keys.queue_name("q")
+    taken = 4_000_000_000_000  # year 2096: later than any clock here
+    await redis.set(keys.queue_clock(qname), taken)
+    await submit(redis, b'{"prompt": "p", "max_new_tokens": 8}\n', batch_id="early", queue="q")
+    await submit(redis, b'{"prompt": "p", "max_new_tokens": 4000}\n', batch_id="late", queue="q")
+    queued = await redis.zrange(qname, 0, -1, withscores=True)
+    assert [jid for jid, _ in queued] == [b"early:0", b"late:0"]
+    assert [int(score) for _, score in queued] == [taken + 1, taken + 2]
+
+
 async def test_batch_meta_records_total_queue_model_and_defaults(redis: Redis) -> None:
     defaults = SamplingParams(max_new_tokens=12, temperature=0)
     status = await submit(redis, GOOD, batch_id="b1", model="m", defaults=defaults)
