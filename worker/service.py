@@ -20,7 +20,7 @@ from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.jobs import REDIS_ERRORS, JobRunner
+from worker.jobs import REDIS_ERRORS, JobRunner, retrying
 from worker.queue_worker import QueueWorker
 
 log = logging.getLogger("batchq.worker")
@@ -91,18 +91,6 @@ async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) ->
             log.exception("%s failed", what)
 
 
-async def _wait_for_redis(redis: Redis, cfg: WorkerConfig) -> None:
-    delay = 0.2
-    while True:
-        try:
-            await bind_queue(redis, cfg)
-            return
-        except REDIS_ERRORS as e:
-            log.warning("redis unavailable at start-up (%s); retrying in %.1fs", type(e).__name__, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-
-
 async def serve(cfg: WorkerConfig, engine: Engine | None = None) -> int:
     t0 = time.monotonic()
     if engine is None:
@@ -122,7 +110,7 @@ async def serve(cfg: WorkerConfig, engine: Engine | None = None) -> int:
         cfg.max_jobs,
     )
     redis = connect(cfg)
-    await _wait_for_redis(redis, cfg)
+    await retrying(bind_queue, redis, cfg)  # a worker started before Redis waits for it
     runner = JobRunner(cfg, aengine, redis, frozenset({cfg.model, engine.model_name}))
     worker = QueueWorker(runner, redis_pool=redis)
     health.start_watchdog(aengine, cfg.stall_s)
