@@ -56,21 +56,18 @@ print(rss_mb() - start)
 """
 
 
-def _rss_growth_mb(mode: str) -> float:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-    }
+def _fresh_interpreter(script: str, mode: str) -> str:
+    """Run `script` with argv[1] = mode in a new interpreter (oneDNN's cache capacity unset) -> last word."""
+    caps = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    env = {k: v for k, v in os.environ.items() if k not in caps}
     out = subprocess.run(
-        [sys.executable, "-c", _GROWTH, mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
+        [sys.executable, "-c", script, mode], env=env, capture_output=True, text=True, check=True, timeout=300
     )
-    return float(out.stdout.split()[-1])
+    return out.stdout.split()[-1]
+
+
+def _rss_growth_mb(mode: str) -> float:
+    return float(_fresh_interpreter(_GROWTH, mode))
 
 
 def test_bf16_matmul_kernel_caches_stay_bounded_under_ever_new_shapes() -> None:
@@ -102,10 +99,7 @@ print(faults() - before)
 
 
 def _page_faults(mode: str) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True, timeout=120
-    )
-    return int(out.stdout.split()[-1])
+    return int(_fresh_interpreter(_FAULTS, mode))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
