@@ -87,8 +87,6 @@ def engine_from_hf(hf: Any, cfg: EngineConfig) -> Engine:
     with torch.device("meta"):
         model = LlamaFamilyModel(spec, RotaryTable(torch.ones(1), 1.0, 1)).to(dtype)
     model = model.to_empty(device=device)
-    if spec.tie_embeddings:  # to_empty may replace the shared parameter
-        model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_state(hf.state_dict())
     rope = hf.model.rotary_emb
     max_len = int(hcfg.max_position_embeddings)

@@ -111,7 +111,7 @@ def _peak_activation_bytes(cfg: EngineConfig, model: LlamaFamilyModel, device: t
     from worker.kernels.backend import torch_backend
 
     s = model.spec
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.lm_head.weight.dtype
     t = min(cfg.max_num_batched_tokens, model.rotary.cos.shape[0])
     nblk = -(-t // cfg.block_size)
     backend = torch_backend()
