@@ -12,9 +12,19 @@ import math
 import pytest
 import torch
 
-from tests.kernels.paged_cases import GRID, Case, assert_close, build_cache, garbage_cache, random_queries
+from tests.kernels.paged_cases import (
+    GRID,
+    Case,
+    assert_close,
+    bf16,
+    build_cache,
+    f32,
+    garbage_cache,
+    random_queries,
+)
 from tests.kernels.test_triton_decode import decode_lengths
 from tests.kernels.test_triton_prefill import prefill_lengths
+from worker.kernels import native as native_kernel
 from worker.kernels import reference
 from worker.kernels.cpu import CpuAttention, causal_tiles, length_groups
 
@@ -26,16 +36,24 @@ def cpu_layout(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(2, 0, 1, 3).contiguous()
 
 
-@pytest.mark.parametrize("workspace_bytes", [64 << 20, 1], ids=["workspace", "one-seq-per-gather"])
+@pytest.mark.parametrize(
+    ("native", "workspace_bytes"),
+    [(True, 64 << 20), (False, 64 << 20), (False, 1)],
+    ids=["c-kernel", "torch-workspace", "torch-one-seq-per-gather"],
+)
 @pytest.mark.parametrize("case", GRID, ids=str)
-def test_decode_matches_reference(case: Case, workspace_bytes: int) -> None:
+def test_decode_matches_reference(case: Case, native: bool, workspace_bytes: int) -> None:
     gen = torch.Generator().manual_seed(case.seed)
     # Lengths in several groups (1, blocks, 2,000) plus duplicates that share a group.
     lens = [*decode_lengths(case, gen), 5, case.block_size * 4 + 2, 1999]
     cache = build_cache(case, lens, gen, CPU)
     q = random_queries(case, len(lens), gen, CPU)
     scale = 1 / math.sqrt(case.head_dim)
-    attn = CpuAttention(workspace_bytes=workspace_bytes)
+    attn = CpuAttention(workspace_bytes=workspace_bytes, native=native)
+    if native and not native_kernel.supports(q, cache.k_cache):
+        # Only a missing compiler may send the C-kernel case to the torch path; a shape must not.
+        assert case.dtype not in (torch.float32, torch.bfloat16) or native_kernel.library() is None
+        pytest.skip(f"the C kernel does not take {case} here (compiler: {native_kernel.compiler()})")
 
     got = attn.paged_decode_attention(
         q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cache.context_lens, scale
@@ -109,7 +127,7 @@ def test_decode_plan_is_shared_by_layers_and_rebuilt_when_the_step_changes() -> 
     gen = torch.Generator().manual_seed(42)
     cache = build_cache(case, [40, 300, 7, 129], gen, CPU)
     layer2 = (cache.k_cache * 0.5, cache.v_cache * 2.0)  # same tables, other K/V
-    attn = CpuAttention()
+    attn = CpuAttention(native=False)
     q = random_queries(case, 4, gen, CPU)
 
     def check(kv: tuple[torch.Tensor, torch.Tensor], lens: torch.Tensor) -> None:
@@ -146,3 +164,29 @@ def test_causal_tiles_match_float64_attention(dtype: torch.dtype, q_len: int, of
 
     assert got.shape == (q_len, kvh * g, d) and got.dtype == dtype
     assert_close(got, want.to(dtype), dtype)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(32, 12, 1, 8, f32, seed=11), Case(16, 2, 2, 5, bf16, seed=12), Case(256, 16, 1, 16, f32, seed=13)],
+    ids=str,
+)
+def test_c_kernel_outside_its_specialised_shapes(case: Case) -> None:
+    """Head dims and group sizes the C kernel has no unrolled copy for run its generic loop, correctly."""
+    if native_kernel.library() is None:
+        pytest.skip(f"no C kernel here (compiler: {native_kernel.compiler()})")
+    gen = torch.Generator().manual_seed(case.seed)
+    lens = [1, 7, case.block_size * 3, 300]
+    cache = build_cache(case, lens, gen, CPU)
+    q = random_queries(case, len(lens), gen, CPU)
+    scale = 1 / math.sqrt(case.head_dim)
+    k, v = cpu_layout(cache.k_cache), cpu_layout(cache.v_cache)
+    assert native_kernel.supports(q, k)
+
+    got = native_kernel.paged_decode(q, k, v, cache.block_tables, cache.context_lens, scale)
+
+    want = reference.paged_decode_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
+    )
+    assert got is not None
+    assert_close(got, want, case.dtype)

@@ -5,7 +5,9 @@ outermost (reference.py and the Triton kernels use [num_blocks, block_size, kv_h
 Gathering a sequence's blocks is then one contiguous-row index_select per kv head, and the result is
 already [kv_heads, seqs, tokens, head_dim], the layout the batched matmuls read without a copy.
 
-Decode gathers a length-sorted group of sequences at a time into a reused workspace (no allocation, no
+Decode runs the C kernel of native.py where a C compiler exists: it reads each block in place. The
+torch path below is its fallback (no compiler, BATCHQ_NATIVE_KERNELS=0, an unsupported shape).
+It gathers a length-sorted group of sequences at a time into a reused workspace (no allocation, no
 page faults per step), then computes the group's attention as two batched matmuls around a softmax,
 with the kv heads as the batch dimension and each sequence's query heads of one kv head as its query
 rows, so grouped-query heads never copy K/V. Scores are rounded to the cache dtype before the softmax,
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from worker.kernels import native as native_kernel
 
 MAX_GROUP = 64  # sequences per padded group
 WORKSPACE_BYTES = 64 << 20  # per K and per V; a group that needs more is split
@@ -114,10 +118,12 @@ class CpuAttention:
     """write_kv / paged_decode_attention / paged_prefill_attention over the kv-head-major layout.
 
     One instance per model runner: it owns the gather workspace, grown on demand up to WORKSPACE_BYTES.
+    Decode runs the C kernel (native.py) where it builds and handles the shapes, unless native=False.
     """
 
-    def __init__(self, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+    def __init__(self, workspace_bytes: int = WORKSPACE_BYTES, native: bool = True) -> None:
         self.workspace_bytes = workspace_bytes
+        self.native = native
         self._ws: dict[str, Tensor] = {}
         self._plan: _DecodePlan | None = None
 
@@ -205,6 +211,10 @@ class CpuAttention:
         Sequences are sorted by length and cut into groups of similar length, each padded only to its
         own longest context, so a few long contexts do not make every short one pay for their padding.
         """
+        if self.native and native_kernel.supports(q, k_cache):
+            out = native_kernel.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+            if out is not None:
+                return out
         b, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
         g = h // kvh

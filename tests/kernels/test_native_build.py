@@ -1,0 +1,99 @@
+"""Building and loading the C decode kernel: cached per machine, and every way it can be missing falls
+back to the torch path with a warning instead of failing the worker."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kernels.paged_cases import GRID, assert_close, build_cache, random_queries
+from tests.kernels.test_cpu_attention import cpu_layout
+from worker.kernels import native as native_kernel
+from worker.kernels import reference
+from worker.kernels.cpu import CpuAttention
+
+
+@pytest.fixture
+def fresh_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """library() forgets its cached result and builds into an empty cache dir; restored afterwards."""
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    native_kernel.library.cache_clear()
+    yield tmp_path / "native"
+    native_kernel.library.cache_clear()
+
+
+def _decode_is_right() -> None:
+    case = GRID[2]
+    gen = torch.Generator().manual_seed(5)
+    cache = build_cache(case, [3, 70, 513], gen, torch.device("cpu"))
+    q = random_queries(case, 3, gen, torch.device("cpu"))
+    scale = 1 / math.sqrt(case.head_dim)
+    got = CpuAttention().paged_decode_attention(
+        q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cache.context_lens, scale
+    )
+    want = reference.paged_decode_attention(
+        q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
+    )
+    assert_close(got, want, case.dtype)
+
+
+def test_built_once_then_reused(fresh_library: Path) -> None:
+    if native_kernel.compiler() is None:
+        pytest.skip("no C compiler here")
+    assert native_kernel.library() is not None
+    (built,) = list(fresh_library.glob("paged_decode-*.so"))
+    stamp = built.stat().st_mtime_ns
+    native_kernel.library.cache_clear()  # a new process, as far as library() knows
+
+    assert native_kernel.library() is not None
+
+    assert list(fresh_library.glob("*")) == [built]  # no second build, no temp file left behind
+    assert built.stat().st_mtime_ns == stamp
+
+
+def test_switched_off_by_env(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHQ_NATIVE_KERNELS", "0")
+
+    assert native_kernel.library() is None
+
+    assert not fresh_library.exists()
+    _decode_is_right()
+
+
+def test_failing_compiler_falls_back_with_a_warning(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "false")  # exists on PATH, exits 1: a broken toolchain
+    with caplog.at_level(logging.WARNING, logger="worker.kernels.native"):
+        assert native_kernel.library() is None
+
+    assert "false failed on paged_decode.c" in caplog.text
+    assert list(fresh_library.glob("*")) == []  # the failed build left nothing behind
+    _decode_is_right()
+
+
+def test_no_compiler_falls_back_with_a_warning(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(fresh_library.parent))  # no cc, gcc or clang here
+    with caplog.at_level(logging.WARNING, logger="worker.kernels.native"):
+        assert native_kernel.library() is None
+
+    assert "no C compiler" in caplog.text
+    _decode_is_right()
+
+
+def test_shares_torchs_openmp_runtime() -> None:
+    """The kernel's threads must come from torch's OpenMP pool: a second libgomp would start its own
+    threads, which then fight torch's spinning ones for the cores."""
+    if native_kernel.library() is None:
+        pytest.skip(f"no C kernel here (compiler: {native_kernel.compiler()})")
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp
