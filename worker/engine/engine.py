@@ -29,6 +29,7 @@ from worker.engine.resources import (
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stop_rules import StopRules
+from worker.kernels import native as native_kernel
 from worker.kernels.backend import select_backend
 from worker.models.loader import LoadedModel, load_model
 
@@ -81,6 +82,7 @@ class Engine:
         loaded = load_model(cfg.model, dtype, device)
         if device.type == "cpu":
             keep_freed_memory()  # after loading: the checkpoint's copy of the weights goes back to the OS
+            native_kernel.library()  # build the C decode kernel (or warn) now, not in the first decode step
         backend = select_backend(device, cfg.attention_backend)
         num_blocks = size_kv_pool(cfg, loaded.model, dtype, device)
         runner = ModelRunner(
