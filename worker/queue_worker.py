@@ -89,6 +89,24 @@ class QueueWorker(Worker):
         free = [jid for jid, busy in zip(job_ids, leased, strict=True) if jid not in mine and not busy]
         await super().start_jobs(free)
 
+    async def run_job(self, job_id: str, score: int) -> None:
+        """arq's job task, with a Redis outage in its opening reads survived.
+
+        arq's run_job starts with one MULTI/EXEC (payload, try counter); when Redis went down between
+        the poll and that read, the task died with the error, which asyncio logged as never retrieved.
+        Nothing had run then (the transaction did not apply): the lease lapses and a poll picks the
+        job up again once Redis is back. Its other Redis writes are finish_job (retried below) and the
+        failed-job paths, where the same holds: the job stays queued and runs again.
+        """
+        try:
+            await super().run_job(job_id, score)
+        except REDIS_ERRORS as e:
+            log.warning(
+                "request %s not started: redis unavailable (%s); it runs again after its lease",
+                job_id,
+                type(e).__name__,
+            )
+
     async def finish_job(self, *args: Any, **kwargs: Any) -> None:
         """arq's end of a job (dequeue, delete its keys), retried through a Redis outage.
 
