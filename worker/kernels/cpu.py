@@ -1,4 +1,4 @@
-"""The CPU attention path: paged attention in pure torch, laid out for cheap gathers.
+"""The CPU attention path: paged attention in torch (decode in C where native.py can build it).
 
 Cache layout (one layer): k_cache, v_cache: [kv_heads, num_blocks, block_size, head_dim], kv-head
 outermost (reference.py and the Triton kernels use [num_blocks, block_size, kv_heads, head_dim]).
