@@ -3,8 +3,9 @@
 The torch decode path copies every sequence's K/V blocks into a workspace and then reads them again
 in two batched matmuls; decode is memory-bound, so that copy is most of its time. The C kernel reads
 each block in place, once, on torch's OpenMP threads. On 2 Ice Lake cores, float32, SmolLM2-135M's
-heads (9 over 3 kv heads, dim 64), 64 sequences of 100-850 tokens in shuffled blocks, 30 layers' caches so reads come
-from DRAM: 5.9 ms per layer against 16.1 ms for the torch path, 2.2-2.7x from 8 to 64 sequences
+heads (9 over 3 kv heads, dim 64), 64 sequences of 100-850 tokens in shuffled blocks, 30 layers'
+caches so reads come from DRAM: 5.9 ms per layer against 16.1 ms for the torch path, 2.2-2.7x from 8
+to 64 sequences
 (`python benchmarks/kernel_bench.py --cpu --heads 9 --kv-heads 3 --head-dim 64 --dtype float32`).
 
 Building needs a C compiler (`$CC`, else cc, gcc or clang on PATH). The library is cached under
