@@ -173,27 +173,25 @@ class LlamaFamilyModel(nn.Module):
         else:
             self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
             self.lm_head.load(sd["lm_head.weight"])
+
+        def weights(names: list[str]) -> Tensor:
+            return torch.cat([sd[n + ".weight"] for n in names])
+
+        def biases(names: list[str]) -> Tensor | None:  # None where the checkpoint has none, as sd.get
+            return torch.cat([sd[n + ".bias"] for n in names]) if names[0] + ".bias" in sd else None
+
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
-            attn.qkv_proj.load(
-                torch.cat([sd[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
-                torch.cat([sd[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"])
-                if attn.qkv_proj.bias is not None
-                else None,
-            )
+            qkv = [f"{p}self_attn.{n}_proj" for n in "qkv"]
+            attn.qkv_proj.load(weights(qkv), biases(qkv))
             attn.o_proj.load(sd[p + "self_attn.o_proj.weight"], sd.get(p + "self_attn.o_proj.bias"))
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.copy_(sd[p + "self_attn.q_norm.weight"])
                 attn.k_norm.weight.copy_(sd[p + "self_attn.k_norm.weight"])
-            gate_up = [sd[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")]
-            gate_up_bias = (
-                [sd[f"{p}mlp.{n}_proj.bias"] for n in ("gate", "up")]
-                if mlp.down_proj.bias is not None
-                else None
-            )
-            mlp.gate_up_proj.load(torch.cat(gate_up), torch.cat(gate_up_bias) if gate_up_bias else None)
+            gate_up = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+            mlp.gate_up_proj.load(weights(gate_up), biases(gate_up))
             mlp.down_proj.load(sd[p + "mlp.down_proj.weight"], sd.get(p + "mlp.down_proj.bias"))
