@@ -4,7 +4,8 @@ What changes from plain arq, and why:
 - The in-progress key is a lease of `lease_s` (not job timeout + 10 s) that live workers renew, so a
   SIGKILLed worker's requests are re-run within seconds.
 - Redis errors in the poll loop are logged and retried with backoff instead of ending the worker.
-- Before starting jobs, ids already leased elsewhere are filtered with one pipelined round trip.
+- Before starting jobs, ids already leased elsewhere are filtered with one pipelined round trip, and a
+  Redis outage while leasing a job neither leaks its job slot nor ends the worker.
 - Tries are counted by the job itself (arq's own limit is set out of reach) so that a request which
   keeps killing workers ends in a recorded error result rather than vanishing.
 """
@@ -16,7 +17,10 @@ import logging
 from typing import Any
 
 from arq.constants import in_progress_key_prefix
+from arq.utils import timestamp_ms
 from arq.worker import Worker, func
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError, WatchError
 
 from producer import keys, serde
 from worker.jobs import REDIS_ERRORS, JobRunner, retrying
@@ -72,6 +76,13 @@ class QueueWorker(Worker):
             self._backoff = 0.0
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
+        """Lease and start the polled jobs that no live worker holds.
+
+        Replaces arq's start_jobs, which on a Redis outage mid-start leaked the job slot it had taken (its
+        counter and semaphore: a few outages and the worker never polled again) and let the WatchError
+        that redis-py raises for a connection lost under WATCH end the worker's main loop. Here a slot is
+        released on every path that starts no task, and a lost connection is an outage like any other.
+        """
         if not job_ids:
             return
         # A job this worker still runs whose lease lapsed while Redis was down is back in reach of every
@@ -86,8 +97,45 @@ class QueueWorker(Worker):
                 else:
                     pipe.exists(in_progress_key_prefix + jid.decode())
             leased = await pipe.execute()
-        free = [jid for jid, busy in zip(job_ids, leased, strict=True) if jid not in mine and not busy]
-        await super().start_jobs(free)
+        for jid, busy in zip(job_ids, leased, strict=True):
+            if jid in mine or busy:
+                continue
+            await self.sem.acquire()
+            if self.job_counter >= self.max_jobs:
+                self.sem.release()
+                return
+            self.job_counter += 1
+            started = False
+            try:
+                started = await self._lease_and_start(jid.decode(), ms)
+            finally:
+                if not started:
+                    self.job_counter -= 1
+                    self.sem.release()
+
+    async def _lease_and_start(self, job_id: str, lease_ms: int) -> bool:
+        """Take the job's lease in one WATCH/MULTI and start its task; False when another worker won it."""
+        in_progress_key = in_progress_key_prefix + job_id
+        try:
+            async with self.pool.pipeline(transaction=True) as pipe:
+                await pipe.watch(in_progress_key)
+                ongoing = await pipe.exists(in_progress_key)
+                score = await pipe.zscore(self.queue_name, job_id)
+                if ongoing or not score or score > timestamp_ms():
+                    return False  # running elsewhere, finished, or re-enqueued for later
+                pipe.multi()
+                pipe.psetex(in_progress_key, lease_ms, b"1")
+                await pipe.execute()
+        except WatchError as e:
+            if isinstance(e.__context__, REDIS_ERRORS):
+                raise RedisConnectionError(f"connection lost while leasing {job_id}") from e
+            return False  # another worker took the lease between our WATCH and EXEC
+        except ResponseError:
+            return False
+        task = self.loop.create_task(self.run_job(job_id, int(score)))
+        task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+        self.tasks[job_id] = task
+        return True
 
     async def run_job(self, job_id: str, score: int) -> None:
         """arq's job task, with a Redis outage in its opening reads survived.

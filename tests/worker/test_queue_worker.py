@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
+from redis.asyncio.client import Pipeline
 
 from producer import keys
+from producer.client import BatchqClient
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.jobs import JobRunner
@@ -31,6 +34,62 @@ async def test_job_whose_opening_read_meets_an_outage_is_left_to_its_lease(
         with caplog.at_level(logging.WARNING, logger="batchq.worker"):
             await worker.run_job(keys.job_id("b-outage", 0), 0)  # must not raise
         assert "not started: redis unavailable (ConnectionError)" in caplog.text
+    finally:
+        await aengine.stop()
+        await redis.aclose()
+
+
+@pytest.mark.parametrize("when", ["before WATCH", "after WATCH"])
+async def test_outage_while_leasing_a_job_neither_ends_the_worker_nor_leaks_its_slot(
+    server, tiny_model_dir, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """Redis dies after a poll found a job and before its lease is taken. redis-py reports a connection
+    lost under WATCH as a WatchError, which arq's start_jobs let escape (ending the worker's main loop),
+    and arq kept the job slot it had counted. The poll must back off like any outage, give the slot back,
+    and run the job once Redis is back."""
+    cfg = WorkerConfig(
+        model=str(tiny_model_dir), redis_url=server.url, device="cpu", dtype="float32", max_num_seqs=1
+    )
+    aengine = await AsyncEngine.load(engine_config(cfg))
+    redis = connect(cfg)
+    try:
+        async with BatchqClient.from_url(server.url) as client:
+            line = '{"id": "a", "prompt": "hello", "max_new_tokens": 3, "temperature": 0}'
+            report = await client.submit_lines([line], queue=cfg.queue)
+        runner = JobRunner(cfg, aengine, redis, frozenset({cfg.model}))
+        worker = QueueWorker(runner, redis_pool=redis)
+        pipeline = redis.pipeline
+
+        def kill_first_transaction(transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
+            pipe = pipeline(transaction, shard_hint)
+            if transaction:  # the lease's WATCH/MULTI: Redis goes down just before or after WATCH
+                redis.pipeline = pipeline  # type: ignore[method-assign]
+                if when == "before WATCH":
+                    server.kill()
+                else:
+                    watch = pipe.watch
+
+                    async def watch_then_kill(*names: str) -> bool:
+                        ok = await watch(*names)
+                        server.kill()
+                        return ok
+
+                    pipe.watch = watch_then_kill  # type: ignore[method-assign]
+            return pipe
+
+        redis.pipeline = kill_first_transaction  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="batchq.worker"):
+            await worker._poll_iteration()  # must not raise
+        assert "redis unavailable" in caplog.text
+        assert worker.job_counter == 0 and not worker.tasks
+        server.start()
+        await worker._poll_iteration()
+        assert list(worker.tasks) == [keys.job_id(report.batch_id, 0)]
+        await asyncio.gather(*worker.tasks.values())
+        assert worker.job_counter == 0
+        async with BatchqClient.from_url(server.url) as client:
+            results = [r async for r in client.results(report.batch_id)]
+        assert [(r.id, r.finish_reason, r.usage.completion_tokens) for r in results] == [("a", "length", 3)]
     finally:
         await aengine.stop()
         await redis.aclose()
