@@ -69,7 +69,7 @@ def gemm_ceiling(dtype: str, n: int = 2048, reps: int = 10) -> float:
 
 def enqueue_rate(n: int = 100_000) -> dict[str, Any]:
     """`producer submit` (the real CLI, validation included) on n lines into a local Redis."""
-    from producer.testing_redis import RedisServer
+    from producer.embedded_redis import RedisServer
 
     with tempfile.TemporaryDirectory() as d, RedisServer() as server:
         path = Path(d) / "big.jsonl"
@@ -167,7 +167,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     if ns.dtype == "auto":
-        from worker.engine.resources import cpu_auto_dtype
+        from worker.engine.device import cpu_auto_dtype
 
         ns.dtype = str(cpu_auto_dtype()).removeprefix("torch.")
         print(f"  dtype auto -> {ns.dtype}", file=sys.stderr, flush=True)

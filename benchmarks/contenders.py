@@ -58,28 +58,25 @@ def load_lines(path: str) -> list[dict[str, Any]]:
 def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_batch: int) -> dict[str, Any]:
     import torch
 
-    from producer.contract import SamplingParams
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
-    from worker.engine.model_runner import kv_bytes_per_token
+    from worker.engine.kv_pool import kv_bytes_per_token
+    from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
 
     t0 = time.perf_counter()
     engine = Engine.load(EngineConfig(model=MODEL, device="cpu", dtype=dtype, max_num_seqs=max_num_seqs))
     load_s = time.perf_counter() - t0
 
-    def reqs(ls: list[dict[str, Any]], **over: Any) -> list[EngineRequest]:
+    def reqs(ls: list[dict[str, Any]], started_at: float | None = None, **over: Any) -> list[EngineRequest]:
         out = []
         for ln in ls:
-            params = SamplingParams(max_new_tokens=ln["max_new_tokens"], temperature=0, **over).resolve()
-            out.append(EngineRequest(request_id=ln["id"], params=params, messages=ln["messages"]))
+            params = GenerationParams(max_new_tokens=ln["max_new_tokens"], temperature=0, **over)
+            out.append(EngineRequest(ln["id"], params, messages=ln["messages"], started_at=started_at))
         return out
 
     engine.generate(reqs(lines[:4]))  # warm-up (allocator, kernels)
-    batch = reqs(lines)
-    now = time.monotonic()
-    for r in batch:
-        r.started_at = now
+    batch = reqs(lines, started_at=time.monotonic())
     t0 = time.perf_counter()
     results = engine.generate(batch)
     wall = time.perf_counter() - t0
@@ -90,8 +87,8 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
     prompt = [{"role": "user", "content": "Count slowly from one to one hundred."}]
     text = engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     prompt_len = len(engine.tokenizer(text, add_special_tokens=False).input_ids)
-    kv_bytes = kv_bytes_per_token(engine.runner.model, getattr(torch, dtype))
-    params = sum(p.numel() for p in engine.runner.model.parameters())
+    kv_bytes = kv_bytes_per_token(engine.model_runner.model, getattr(torch, dtype))
+    params = sum(p.numel() for p in engine.model_runner.model.parameters())
     del engine
 
     # Decode at the largest batch: full_batch short prompts, then only decode steps are timed.
@@ -103,8 +100,9 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
             model=MODEL, device="cpu", dtype=dtype, max_num_seqs=full_batch, kv_cache_gb=need / 1024**3
         )
     )
-    for r in reqs([{**ln, "max_new_tokens": 48} for ln in lines[:full_batch]], ignore_eos=True):
-        r.messages = prompt
+    for r in reqs(
+        [{**ln, "max_new_tokens": 48, "messages": prompt} for ln in lines[:full_batch]], ignore_eos=True
+    ):
         big.add_request(r)
     while big.stats().waiting:
         big.step()  # prefill (the inbox and the waiting queue are empty once every prompt is admitted)
@@ -223,7 +221,7 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
 def run_queue(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, workload: str) -> dict[str, Any]:
     import asyncio
 
-    from producer.testing_redis import RedisServer
+    from producer.embedded_redis import RedisServer
 
     with RedisServer() as server:
         env = {**os.environ, "REDIS_URL": server.url}

@@ -22,8 +22,8 @@ from redis.asyncio import ConnectionPool, Redis
 
 from producer import keys, serde
 from producer.contract import SamplingParams
+from producer.embedded_redis import RedisServer
 from producer.submit import SubmitReport, create_batch, enqueue_spool, validate_to_spool
-from producer.testing_redis import RedisServer
 
 
 def make_lines(n: int) -> bytes:

@@ -64,11 +64,11 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from producer.contract import SamplingParams
+    from tests.tiny_models import build_tiny_checkpoint
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
+    from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
-    from worker.models.testing import build_tiny_checkpoint
 
     device = torch.device(args.device)
     new = 24
@@ -91,7 +91,7 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
                 cfg = EngineConfig(model=str(path), device=args.device, dtype=dtype, kv_cache_gb=0.05,
                                    cuda_graphs=graphs)  # fmt: skip
                 engine = Engine.load(cfg)
-                params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True).resolve()
+                params = GenerationParams(max_new_tokens=new, temperature=0, ignore_eos=True)
                 reqs = [EngineRequest(f"p{i}", params, prompt_token_ids=p) for i, p in enumerate(prompts)]
                 got = [r.token_ids for r in engine.generate(reqs)]
                 same = sum(g == w for g, w in zip(got, want, strict=True))
@@ -99,7 +99,7 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
                     next((k for k, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), new)
                     for g, w in zip(got, want, strict=True)
                 ]
-                key = f"{dtype}{'+graphs' if engine.runner.graphs is not None else ''}"
+                key = f"{dtype}{'+graphs' if engine.model_runner.graphs is not None else ''}"
                 out[key] = {
                     "identical": f"{same}/{len(prompts)}",
                     "mean_common_prefix": sum(prefix) / len(prefix),

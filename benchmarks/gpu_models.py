@@ -15,16 +15,17 @@ from typing import Any
 import torch
 
 from benchmarks.workload import generate as workload_lines
+from tests.tiny_models import byte_tokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.kv_pool import size_kv_pool
 from worker.engine.model_runner import ModelRunner
+from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
-from worker.engine.resources import size_kv_pool
 from worker.kernels.backend import select_backend
 from worker.models.layers import RotaryTable
 from worker.models.llama import DecoderSpec, LlamaFamilyModel
 from worker.models.loader import LoadedModel
-from worker.models.testing import byte_tokenizer
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B-like (untied head) and Llama-3-8B.
@@ -95,22 +96,21 @@ def engine_from_hf(hf: Any, cfg: EngineConfig) -> Engine:
     loaded = LoadedModel("random-" + str(spec.hidden_size), model, byte_tokenizer(), hcfg, [2], max_len, "")
     backend = select_backend(device, cfg.attention_backend)
     num_blocks = size_kv_pool(cfg, model, dtype, device)
+    context = cfg.context_len(max_len)
     runner = ModelRunner(
         model, backend, num_blocks, cfg.block_size, device, dtype,
-        cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs,
-        max_model_len=min(max_len, cfg.max_model_len or max_len),
+        max_model_len=context, max_num_seqs=cfg.max_num_seqs, cuda_graphs=cfg.cuda_graphs,
     )  # fmt: skip
-    return Engine(cfg, loaded, runner, num_blocks)
+    return Engine(cfg, loaded, runner, num_blocks, context)
 
 
 def run_engine(engine: Engine, jobs: list[Job], budget_s: float) -> dict[str, Any]:
     """Continuous batching over every job; stops early (partial=True) when the budget runs out."""
-    from producer.contract import SamplingParams
 
     def reqs(js: list[Job], tag: str) -> list[EngineRequest]:
         out = []
         for i, j in enumerate(js):
-            p = SamplingParams(max_new_tokens=j.max_new_tokens, temperature=0, ignore_eos=True).resolve()
+            p = GenerationParams(max_new_tokens=j.max_new_tokens, temperature=0, ignore_eos=True)
             out.append(EngineRequest(f"{tag}{i}", p, prompt_token_ids=j.prompt_ids))
         return out
 
@@ -127,7 +127,7 @@ def run_engine(engine: Engine, jobs: list[Job], budget_s: float) -> dict[str, An
     tokens = engine.stats().tokens_generated - before
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "requests_done": done,
             "partial": done < len(jobs), "max_num_seqs": engine.cfg.max_num_seqs,
-            "cuda_graphs": engine.runner.graphs is not None}  # fmt: skip
+            "cuda_graphs": engine.model_runner.graphs is not None}  # fmt: skip
 
 
 @torch.inference_mode()

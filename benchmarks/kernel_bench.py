@@ -48,7 +48,7 @@ def cpu_decode(args: argparse.Namespace) -> int:
     import time
 
     from worker.kernels import native, reference
-    from worker.kernels.cpu import CpuAttention
+    from worker.kernels.torch_attention import TorchAttention
 
     dtype = getattr(torch, args.dtype)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,7 +86,7 @@ def cpu_decode(args: argparse.Namespace) -> int:
             q, caches[0][0].permute(1, 2, 0, 3), caches[0][1].permute(1, 2, 0, 3), tables, lens32, scale
         )
         times = {}
-        for name, attn in (("torch", CpuAttention(native=False)), ("C", CpuAttention())):
+        for name, attn in (("torch", TorchAttention(native=False)), ("C", TorchAttention())):
             got = attn.paged_decode_attention(q, *caches[0], tables, lens32, scale)
             err = (got.float() - want.float()).abs().max().item()
             if err > 5e-2:

@@ -40,10 +40,10 @@ def main() -> int:
 
     from benchmarks.contenders import MODEL
     from benchmarks.workload import generate
-    from producer.contract import SamplingParams
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
-    from worker.engine.request import EngineRequest
+    from worker.engine.params import GenerationParams
+    from worker.engine.request import EngineError, EngineRequest
 
     cfg = EngineConfig(
         model=MODEL,
@@ -60,21 +60,22 @@ def main() -> int:
         return [
             EngineRequest(
                 request_id=ln["id"],
-                params=SamplingParams(max_new_tokens=ln["max_new_tokens"], temperature=0).resolve(),
+                params=GenerationParams(max_new_tokens=ln["max_new_tokens"], temperature=0),
                 messages=ln["messages"],
             )
             for ln in ls
         ]
 
     engine.generate(reqs(lines[:4]))  # warm-up
-    runner = engine.runner
+    runner = engine.model_runner
     times: dict[str, list[tuple[int, int, float]]] = defaultdict(list)  # phase -> (seqs, tokens, s)
     inner = runner.run
 
     def timed(batch: Any) -> list[int]:
         t = time.perf_counter()
         out = inner(batch)
-        times[batch.phase].append((len(batch.seqs), batch.num_tokens, time.perf_counter() - t))
+        tokens = len(batch.seqs) if batch.phase == "decode" else sum(s.prompt_len for s in batch.seqs)
+        times[batch.phase].append((len(batch.seqs), tokens, time.perf_counter() - t))
         return out
 
     runner.run = timed  # type: ignore[method-assign]
@@ -115,7 +116,7 @@ def main() -> int:
             engine.step()
         print(f"\n== one decode step, {engine.stats().running} sequences")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ns.ops))
-        engine.abort_all("cancelled", "profiling done")
+        engine.abort_all(EngineError("cancelled", "profiling done"))
 
         for r in reqs(lines[:16]):
             engine.add_request(r)
@@ -123,7 +124,7 @@ def main() -> int:
             engine.step()
         print(f"\n== one prefill step, {engine.stats().prompt_tokens} prompt tokens so far")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ns.ops))
-        engine.abort_all("cancelled", "profiling done")
+        engine.abort_all(EngineError("cancelled", "profiling done"))
     return 0
 
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from producer import commands
+from producer import commands, keys
 
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
 EXIT_CODES = """exit status:
   0  success (wait: every request completed)
   1  operational error: Redis unreachable, unknown batch id, ...
@@ -33,9 +31,9 @@ def _cmd(sub: Any, name: str, handler: Handler, help_: str, example: str) -> arg
     )
     p.add_argument(
         "--redis-url",
-        default=os.environ.get("REDIS_URL", DEFAULT_URL),
+        default=keys.redis_url_from_env(),
         help="Redis URL; redis://user:pass@host:port/db and rediss:// (TLS) work "
-        f"(env REDIS_URL, default {DEFAULT_URL})",
+        f"(env {keys.REDIS_URL_ENV}, default {keys.DEFAULT_REDIS_URL})",
     )
     p.set_defaults(handler=handler)
     return p
@@ -78,9 +76,9 @@ def _submit_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--result-ttl",
         type=int,
-        default=7 * 24 * 3600,
+        default=keys.DEFAULT_RESULT_TTL_S,
         metavar="S",
-        help="keep results S s after finishing (7 days)",
+        help=f"keep results S s after finishing (default {keys.DEFAULT_RESULT_TTL_S} = 7 days)",
     )
     p.add_argument("--json", action="store_true", help='print {"batch_id","total","enqueued","invalid"}')
     p.add_argument("--wait", action="store_true", help="then wait and write the results (stdout, or -o)")

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from redis.asyncio import Redis
 
-from producer import store
+from producer import keys, store
 from producer.contract import BatchStatus, Result, SamplingParams
 from producer.submit import InputError, SubmitReport, submit_stream
 
@@ -85,7 +85,7 @@ class BatchqClient:
         queue: str | None = None,
         model: str | None = None,
         skip_invalid: bool = False,
-        result_ttl_s: int = store.DEFAULT_RESULT_TTL_S,
+        result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
         on_created: Callable[[str], None] | None = None,
     ) -> SubmitReport:
         """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input."""

@@ -25,7 +25,8 @@ class _Strict(BaseModel):
 class SamplingParams(_Strict):
     """Per-request generation parameters. Every field is optional: None means "use the batch default".
 
-    `resolve()` merges them over batch defaults into a fully specified `SamplingParams`.
+    `resolve()` merges them over the batch defaults and BUILTIN_DEFAULTS; what is still unset then takes
+    the engine's default.
     Strict types: JSON `true` is not a token count and `"0.5"` is not a temperature.
     """
 
@@ -98,12 +99,6 @@ class SamplingParams(_Strict):
                 merged[k] = v
         return merged
 
-    # Accessors for resolved params (after resolve() every one is set).
-    @property
-    def max_new(self) -> int:
-        assert self.max_new_tokens is not None
-        return self.max_new_tokens
-
 
 def defaults_base(defaults: SamplingParams | None) -> dict[str, Any]:
     """The built-in defaults overridden by the set fields of `defaults` (the batch's defaults)."""
@@ -113,18 +108,10 @@ def defaults_base(defaults: SamplingParams | None) -> dict[str, Any]:
     return base
 
 
-BUILTIN_DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 256,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "stop": [],
-    "stop_token_ids": [],
-    "include_stop_str_in_output": False,
-    "ignore_eos": False,
-}
+# What a request gets when neither its line nor the batch sets it. Only max_new_tokens is resolved here
+# (the queue orders a batch by it); every other unset field takes the engine's neutral default
+# (worker/engine/params.py: temperature 1, no filtering, no penalty, no stop strings, no timeout).
+BUILTIN_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256}
 
 
 class ChatMessage(_Strict):
@@ -159,6 +146,8 @@ class Request(_Strict):
             raise ValueError("prompt must be non-empty")
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages must be a non-empty list")
+        if self.params.max_new_tokens is None:
+            raise ValueError("params.max_new_tokens must be set (submit resolves it)")
         return self
 
 
@@ -196,7 +185,7 @@ class Result(_Strict):
         return orjson.dumps(self.model_dump(mode="json"))
 
     def to_user_json(self) -> bytes:
-        """The JSONL output line of DESIGN.md (no internal fields)."""
+        """The JSONL output line (docs/architecture.md; no internal fields)."""
         return orjson.dumps(self.model_dump(mode="json", exclude={"index", "worker"}))
 
     @classmethod
@@ -225,7 +214,7 @@ class BatchStatus(_Strict):
         return self.completed + self.failed + self.cancelled
 
 
-# ---- Input lines (DESIGN.md "Input"): what a user may write on one JSONL line. ----
+# ---- Input lines (docs/architecture.md, "Input"): what a user may write on one JSONL line. ----
 
 MAX_ID_CHARS = 512
 CHAT_URL = "/v1/chat/completions"

@@ -1,10 +1,22 @@
-"""Every Redis key name and prefix batchq uses, in one place.
+"""Every Redis key name and prefix batchq uses, and the Redis defaults, in one place (arq's constants.py).
 
 arq's own keys (queue zset, `arq:job:*`, `arq:in-progress:*`, `arq:retry:*`, `arq:result:*`) come from
 `arq.constants`; everything batchq adds lives under `batchq:`.
 """
 
 from __future__ import annotations
+
+import os
+
+REDIS_URL_ENV = "REDIS_URL"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_RESULT_TTL_S = 7 * 24 * 3600  # results and batch state are kept this long after a batch ends
+
+
+def redis_url_from_env() -> str:
+    """$REDIS_URL, else DEFAULT_REDIS_URL: the default of every command that connects."""
+    return os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+
 
 PREFIX = "batchq:"
 DEFAULT_QUEUE = "batchq:queue:default"

@@ -1,6 +1,6 @@
 """Batch state in Redis: results, counters, running set, status, cancellation, listing.
 
-The worker calls `write_result`, `mark_running`, `unmark_running` and `is_cancelled`; the producer reads
+The worker calls `write_result`, `mark_running` and `is_cancelled`; the producer reads
 with `get_status` / `iter_results` and cancels with `cancel_batch`. Counters change only in the same Lua
 script that stores a result, so they always equal the results stored.
 """
@@ -19,7 +19,6 @@ from producer import keys
 from producer.contract import BatchStatus, ErrorInfo, Result
 from producer.lua import LuaScript, done
 
-DEFAULT_RESULT_TTL_S = 7 * 24 * 3600
 CHUNK = 500
 DONE_FIELDS = ("completed", "failed", "cancelled")
 CANCEL_FLAG = "cancel_requested"
@@ -96,7 +95,7 @@ def _int(v: Any) -> int:
 
 
 async def write_result(
-    redis: Redis, batch_id: str, result: Result, *, ttl_s: int = DEFAULT_RESULT_TTL_S
+    redis: Redis, batch_id: str, result: Result, *, ttl_s: int = keys.DEFAULT_RESULT_TTL_S
 ) -> bool:
     """Store `result` once (first write wins) and update the batch counters atomically.
 
@@ -126,10 +125,6 @@ async def has_result(redis: Redis, batch_id: str, index: int) -> bool:
 
 async def mark_running(redis: Redis, batch_id: str, index: int) -> None:
     await done(redis.sadd(keys.batch_running(batch_id), str(index)))
-
-
-async def unmark_running(redis: Redis, batch_id: str, index: int) -> None:
-    await done(redis.srem(keys.batch_running(batch_id), str(index)))
 
 
 async def is_cancelled(redis: Redis, batch_id: str) -> bool:

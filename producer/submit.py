@@ -24,7 +24,7 @@ from producer import keys
 from producer.contract import ErrorInfo, Result, SamplingParams, defaults_base
 from producer.jsonl import LineError, ParsedLine, parse_line, read_lines
 from producer.lua import LuaScript
-from producer.store import DEFAULT_RESULT_TTL_S, write_result
+from producer.store import write_result
 
 MAX_REPORTED = 20
 CHUNK_JOBS = 2000
@@ -354,7 +354,7 @@ async def submit_stream(
     model: str | None = None,
     defaults: SamplingParams | None = None,
     skip_invalid: bool = False,
-    result_ttl_s: int = DEFAULT_RESULT_TTL_S,
+    result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
     on_created: Callable[[str], None] | None = None,
 ) -> SubmitReport:
     """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything.

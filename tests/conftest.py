@@ -16,7 +16,7 @@ import pytest_asyncio
 import redis as sync_redis
 from redis.asyncio import Redis
 
-from producer.testing_redis import RedisServer
+from producer.embedded_redis import RedisServer
 
 # Test modules share helpers as `tests.<area>.conftest`; the `pytest` script does not put the repo root on
 # sys.path by itself (only `python -m pytest` does), so do it here, once, for every area.

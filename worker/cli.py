@@ -6,20 +6,51 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic.fields import FieldInfo
 
 from producer import serde
-from worker.config import WorkerConfig, load_config
+from worker.config import ConfigError, WorkerConfig, load_config
+from worker.engine.config import EngineConfig
 
 EPILOG = """\
 examples:
   worker --model smollm2-135m
   worker --model ./my-llama-checkpoint --queue llama --device cuda --kv-watermark 0.85
   worker --config configs/worker.toml --redis-url rediss://user:secret@redis.example:6380/0
+  worker --config my-worker.toml --max-num-seqs 128   # flags override the file's settings
   worker --check --queue llama        # exit 0 if a live, progressing worker serves the queue here
 
 exit status: 0 normal stop, 1 failed check / start-up error, 2 bad arguments or config, 70 stalled engine
 """
+
+
+def _flag_type(annotation: Any) -> tuple[type, tuple[str, ...] | None]:
+    """The argparse type (and choices) of a setting from its annotation: X, X | None, Literal[...]."""
+    args = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
+    if get_origin(annotation) is Literal:
+        return str, tuple(get_args(annotation))
+    inner = args[0]
+    if get_origin(inner) is Literal:
+        return str, tuple(get_args(inner))
+    return inner, None
+
+
+def _add_settings(p: argparse.ArgumentParser, title: str, fields: dict[str, FieldInfo]) -> None:
+    """One flag per setting, named, typed and described by the config model itself."""
+    group = p.add_argument_group(title)
+    for name, info in fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_ = info.description or ""
+        if info.default_factory is None and info.default is not None:
+            help_ = f"{help_} (default {info.default})" if help_ else f"default {info.default}"
+        kind, choices = _flag_type(info.annotation)
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            metavar = None if choices else name.split("_")[-1].upper()
+            group.add_argument(flag, type=kind, choices=choices, default=None, metavar=metavar, help=help_)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,40 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="HF checkpoint dir, .gguf file, hub id, or alias 'smollm2-135m'")
-    p.add_argument("--config", help="TOML settings file (flags override it)")
-    p.add_argument("--redis-url", help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
-    p.add_argument("--queue", help="queue name (one model per queue); default 'default'")
-    p.add_argument("--worker-id", help="default: HOSTNAME:PID")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-watermark", type=float, help="fraction of free GPU memory for the KV pool (0.9)")
-    p.add_argument("--kv-cache-gb", type=float, help="explicit KV pool size in GB (CPU default 1.0)")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--max-num-seqs", type=int, help="max sequences decoded together")
-    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
-    p.add_argument("--repetition-window", type=int, help="loop detection window in tokens (10; 0 = off)")
-    p.add_argument(
-        "--repetition-repeats", type=int, help="windows repeated in a row that end a loop (3; 0 = off)"
-    )
-    p.add_argument("--prefetch", type=int, help="requests held beyond max-num-seqs (default max-num-seqs/2)")
-    p.add_argument("--lease-s", type=float, help="lease on a running request; renewed while alive (30)")
-    p.add_argument("--max-tries", type=int, help="tries before a request fails with an error (3)")
-    p.add_argument("--shutdown-grace-s", type=float, help="SIGTERM: time to finish in-flight work (30)")
-    p.add_argument("--stall-s", type=float, help="exit with status 70 after this long without progress (300)")
-    p.add_argument("--heartbeat-s", type=float)
-    p.add_argument("--log-interval-s", type=float)
-    p.add_argument("--result-ttl-s", type=float, help="how long results are kept (7 days)")
-    p.add_argument("--burst", action="store_true", default=None, help="exit once the queue is empty")
+    p.add_argument("--config", help="TOML settings file (flags override it; see configs/worker.toml)")
     p.add_argument("--check", action="store_true", help="health probe: exit 0 if healthy, else 1")
     p.add_argument("-v", "--verbose", action="store_true")
+    _add_settings(p, "engine settings", dict(EngineConfig.model_fields))
+    worker_fields = {k: v for k, v in WorkerConfig.model_fields.items() if k != "engine"}
+    _add_settings(p, "queue settings", worker_fields)
     return p
 
 
-def _overrides(ns: argparse.Namespace) -> dict[str, object]:
-    skip = {"config", "check", "verbose"}
-    return {k: v for k, v in vars(ns).items() if k not in skip}
+def _settings(ns: argparse.Namespace) -> dict[str, object]:
+    return {k: v for k, v in vars(ns).items() if k not in ("config", "check", "verbose")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,11 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     # arq logs each job's arguments (our prompts) at INFO: keep it to warnings.
     logging.getLogger("arq").setLevel(logging.WARNING)
     try:
-        config_path = ns.config
-        if config_path is None and Path("configs/worker.toml").is_file() and ns.model is None:
-            config_path = "configs/worker.toml"
-        cfg = load_config(config_path, _overrides(ns))
-    except (ValueError, TypeError) as e:
+        cfg = load_config(ns.config, _settings(ns))
+    except ConfigError as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2
     if ns.check:

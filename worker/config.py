@@ -1,87 +1,116 @@
-"""Worker settings: defaults < configs/worker.toml < command-line flags."""
+"""Worker settings, one typed tree: WorkerConfig (queue behaviour) nests EngineConfig (the engine's).
+
+Precedence: the defaults defined on the models < a TOML file given with `--config` < command-line
+flags. The TOML file mirrors the tree: worker settings at the top level, engine settings under
+`[engine]` (configs/worker.toml lists every one). Everything is validated once, by pydantic, and a bad
+key or value is a ConfigError that names it and where it came from (the file, or the flag).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from producer import keys
+from worker.engine.config import EngineConfig
 
 
-@dataclass
-class WorkerConfig:
-    model: str = "smollm2-135m"
-    redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", DEFAULT_REDIS_URL))
-    queue: str = "default"
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
-    # engine
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_gb: float | None = None
-    kv_watermark: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    attention_backend: str = "auto"
-    repetition_window: int = 10
-    repetition_repeats: int = 3
-    # queue behaviour
-    prefetch: int | None = None  # requests held beyond max_num_seqs so the batch never runs dry
-    poll_delay_s: float = 0.2
-    lease_s: float = 30.0
-    max_tries: int = 3
-    shutdown_grace_s: float = 30.0
-    stall_s: float = 300.0
-    heartbeat_s: float = 5.0
-    log_interval_s: float = 10.0
-    result_ttl_s: float = 7 * 24 * 3600.0
-    burst: bool = False  # exit when the queue is empty (tests, one-shot jobs)
+class ConfigError(ValueError):
+    pass
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    redis_url: str = Field(
+        default_factory=keys.redis_url_from_env,
+        description=f"default: ${keys.REDIS_URL_ENV}, else {keys.DEFAULT_REDIS_URL}",
+    )
+    queue: str = Field(default="default", min_length=1, description="queue name (one model per queue)")
+    worker_id: str = Field(default_factory=_default_worker_id, min_length=1, description="default: HOST:PID")
+    prefetch: int | None = Field(
+        default=None,
+        ge=0,
+        description="requests held beyond max_num_seqs (default: max(4, max_num_seqs / 2))",
+    )
+    poll_delay_s: float = Field(default=0.2, gt=0, description="queue poll interval when idle")
+    lease_s: float = Field(
+        default=30.0, gt=0, description="lease on a running request, renewed while alive; a killed "
+        "worker's requests are taken over within it",
+    )  # fmt: skip
+    max_tries: int = Field(default=3, ge=1, description="tries before a request fails with an error")
+    shutdown_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM: time to finish in-flight work")
+    stall_s: float = Field(
+        default=300.0, gt=0, description="exit with status 70 after this long without progress"
+    )
+    heartbeat_s: float = Field(default=5.0, gt=0, description="heartbeat interval")
+    log_interval_s: float = Field(default=10.0, gt=0, description="stats line interval")
+    result_ttl_s: float = Field(
+        default=float(keys.DEFAULT_RESULT_TTL_S), gt=0, description="how long results are kept (7 days)"
+    )
+    burst: bool = Field(default=False, description="exit once the queue is empty (tests, one-shot jobs)")
 
     @property
     def max_jobs(self) -> int:
-        extra = self.prefetch if self.prefetch is not None else max(4, self.max_num_seqs // 2)
-        return self.max_num_seqs + extra
-
-    def validate(self) -> None:
-        checks = {
-            "lease_s": self.lease_s > 0,
-            "max_tries": self.max_tries >= 1,
-            "shutdown_grace_s": self.shutdown_grace_s >= 0,
-            "stall_s": self.stall_s > 0,
-            "max_num_seqs": self.max_num_seqs >= 1,
-            "kv_watermark": 0 < self.kv_watermark <= 1,
-            "block_size": self.block_size >= 1,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"invalid worker setting(s): {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
-            )
+        """Requests held at once: the engine's batch plus a prefetch so it never runs dry."""
+        max_seqs = self.engine.max_num_seqs
+        extra = self.prefetch if self.prefetch is not None else max(4, max_seqs // 2)
+        return max_seqs + extra
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any]) -> WorkerConfig:
-    """Build the config from a TOML file (optional) and explicit overrides (None values are ignored)."""
-    values: dict[str, Any] = {}
-    names = {f.name for f in dataclasses.fields(WorkerConfig)}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file not found: {p}")
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{p}: invalid TOML: {e}") from None
-        table = data.get("worker", data)
-        for key, value in table.items():
-            if key not in names:
-                raise ValueError(f"{p}: unknown setting {key!r} (known: {', '.join(sorted(names))})")
-            values[key] = value
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    cfg = WorkerConfig(**values)
-    cfg.validate()
-    return cfg
+ENGINE_SETTINGS = frozenset(EngineConfig.model_fields)
+WORKER_SETTINGS = frozenset(WorkerConfig.model_fields) - {"engine"}
+assert not ENGINE_SETTINGS & WORKER_SETTINGS, "one flag per setting: names must differ across the tree"
+
+
+def load_config(path: str | Path | None, flags: dict[str, Any]) -> WorkerConfig:
+    """Defaults < the TOML file at `path` (if any) < `flags` (setting name -> value; None = not given)."""
+    tree: dict[str, Any] = _read_toml(Path(path)) if path is not None else {}
+    given = {k: v for k, v in flags.items() if v is not None}
+    engine = tree.get("engine", {})
+    if isinstance(engine, dict):  # anything else is left for validation to name
+        engine = {**engine, **{k: v for k, v in given.items() if k in ENGINE_SETTINGS}}
+    values = {**tree, **{k: v for k, v in given.items() if k not in ENGINE_SETTINGS}, "engine": engine}
+    try:
+        return WorkerConfig.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, path, given)) from None
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+
+
+def _describe(e: ValidationError, path: str | Path | None, flags: dict[str, Any]) -> str:
+    """One line per problem: where the value came from (flag or file and table), the key, what is wrong."""
+    lines = []
+    for err in e.errors():
+        loc = [str(x) for x in err["loc"]]
+        name = loc[-1]
+        in_engine = loc[0] == "engine" and len(loc) > 1
+        if name in flags and (in_engine == (name in ENGINE_SETTINGS)):
+            where = f"--{name.replace('_', '-')}"
+        else:
+            table = "[engine] " if in_engine else ""
+            where = f"{path}: {table}{name}" if path is not None else f"{'.'.join(loc)}"
+        if err["type"] == "extra_forbidden":
+            known = ENGINE_SETTINGS if in_engine else WORKER_SETTINGS | {"engine"}
+            lines.append(f"{where}: unknown setting (known: {', '.join(sorted(known))})")
+        else:
+            lines.append(f"{where} = {err.get('input')!r}: {err['msg']}")
+    return "; ".join(lines)

@@ -20,12 +20,12 @@ log = logging.getLogger("batchq.worker")
 
 
 def snapshot(cfg: WorkerConfig, engine: AsyncEngine) -> dict[str, Any]:
-    s = engine.engine.stats()
+    s = engine.core.stats()
     return {
         "worker_id": cfg.worker_id,
         "host": socket.gethostname(),
         "queue": keys.queue_name(cfg.queue),
-        "model": cfg.model,
+        "model": cfg.engine.model,
         "ts": time.time(),
         "running": s.running,
         "waiting": s.waiting,
@@ -52,12 +52,12 @@ class StatsLogger:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._t = time.monotonic()
-        s = engine.engine.stats()
+        s = engine.core.stats()
         self._tokens, self._steps, self._prefills = s.tokens_generated, s.steps, s.prefill_steps
         self._busy = s.prefill_s + s.decode_s
 
     def line(self, completed: int, failed: int) -> str:
-        s = self.engine.engine.stats()
+        s = self.engine.core.stats()
         now = time.monotonic()
         rate = (s.tokens_generated - self._tokens) / max(now - self._t, 1e-9)
         busy = s.prefill_s + s.decode_s
@@ -90,7 +90,7 @@ def start_watchdog(engine: AsyncEngine, stall_s: float) -> threading.Thread:
         while True:
             time.sleep(min(1.0, stall_s / 4))
             idle = time.monotonic() - engine.last_progress
-            if engine.engine.has_work() and idle > stall_s:
+            if engine.core.has_work() and idle > stall_s:
                 log.error("engine made no progress for %.0fs (stall_s=%.0f): exiting", idle, stall_s)
                 logging.shutdown()
                 os._exit(70)

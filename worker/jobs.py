@@ -19,10 +19,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import keys, store
-from producer.contract import ErrorInfo, Request, Result, Timing, Usage
+from producer.contract import Request, Result
+from worker.adapter import cancelled_result, engine_request, error_result, to_result
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.request import EngineRequest, EngineResult
 
 log = logging.getLogger("batchq.worker")
 
@@ -42,13 +42,12 @@ async def retrying(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @dataclass
-class JobRunner:
-    """State shared by every job of one worker process."""
+class JobHandler:
+    """Runs the jobs of one worker process; holds what they share."""
 
     cfg: WorkerConfig
     engine: AsyncEngine
     redis: Redis
-    model_names: frozenset[str]
     handing_back: bool = False  # set on SIGTERM once the grace period is over
     inflight: dict[str, str] = field(default_factory=dict)  # job id -> batch id
     completed: int = 0
@@ -60,7 +59,7 @@ class JobRunner:
         except ValidationError as e:
             batch_id, index = keys.split_job_id(job_id)
             msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
-            await self._store(batch_id, _error_result(str(index + 1), index, "invalid_request", msg))
+            await self._store(batch_id, error_result(str(index + 1), index, "invalid_request", msg))
             return "invalid"
         if await retrying(store.has_result, self.redis, req.batch_id, req.index):
             return "duplicate"  # ran before (a lease expired while it finished elsewhere): first write won
@@ -69,27 +68,25 @@ class JobRunner:
                 f"request failed {self.cfg.max_tries} times: a worker died or was killed while running it "
                 f"(max_tries={self.cfg.max_tries})"
             )
-            await self._store(req.batch_id, _error_result(req.id, req.index, "max_tries_exceeded", msg, req))
+            await self._store(req.batch_id, error_result(req.id, req.index, "max_tries_exceeded", msg, req))
             return "max_tries"
-        if req.model is not None and req.model not in self.model_names:
-            msg = f"request is for model {req.model!r} but this worker serves {sorted(self.model_names)[0]!r}"
-            await self._store(req.batch_id, _error_result(req.id, req.index, "model_mismatch", msg, req))
+        if req.model is not None and req.model != self.cfg.engine.model:
+            msg = f"request is for model {req.model!r} but this worker serves {self.cfg.engine.model!r}"
+            await self._store(req.batch_id, error_result(req.id, req.index, "model_mismatch", msg, req))
             return "model_mismatch"
         if await retrying(store.is_cancelled, self.redis, req.batch_id):
-            await self._store(req.batch_id, _cancelled_result(req))
+            await self._store(req.batch_id, cancelled_result(req))
             return "cancelled"
         return await self._generate(req, job_id)
 
     async def _generate(self, req: Request, job_id: str) -> str:
         picked_at = time.time()
         await retrying(store.mark_running, self.redis, req.batch_id, req.index)
-        ereq = EngineRequest(
-            request_id=job_id,
-            params=req.params,
-            prompt=req.prompt,
-            messages=[m.model_dump(exclude_none=True) for m in req.messages] if req.messages else None,
-            started_at=time.monotonic(),
-        )
+        try:
+            ereq = engine_request(req, job_id)
+        except ValueError as e:  # the contract admits what the engine refuses: a bug, reported per request
+            await self._store(req.batch_id, error_result(req.id, req.index, "invalid_request", str(e), req))
+            return "invalid"
         self.inflight[job_id] = req.batch_id
         try:
             res = await self.engine.submit(ereq)
@@ -100,10 +97,8 @@ class JobRunner:
             raise
         finally:
             self.inflight.pop(job_id, None)
-        result = _to_result(
-            req, res, queued_s=max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None
-        )
-        result.worker = self.cfg.worker_id
+        queued_s = max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None
+        result = to_result(req, res, queued_s, self.cfg.worker_id)
         await self._store(req.batch_id, result)
         return result.finish_reason
 
@@ -137,37 +132,3 @@ class JobRunner:
                 for job_id, b in list(self.inflight.items()):
                     if b == batch_id:
                         self.engine.cancel(job_id)
-
-
-def _to_result(req: Request, res: EngineResult, queued_s: float | None) -> Result:
-    error = None
-    if res.error_type is not None:
-        error = ErrorInfo(type=res.error_type, message=res.error_message or res.error_type)
-    return Result(
-        id=req.id,
-        index=req.index,
-        text=res.text,
-        finish_reason=res.finish_reason,
-        usage=Usage(
-            prompt_tokens=res.prompt_tokens,
-            completion_tokens=res.completion_tokens,
-            total_tokens=res.prompt_tokens + res.completion_tokens,
-        ),
-        timing=Timing(queued_s=queued_s, ttft_s=res.ttft_s, total_s=res.total_s),
-        error=error,
-        metadata=req.metadata,
-    )
-
-
-def _error_result(rid: str, index: int, etype: str, message: str, req: Request | None = None) -> Result:
-    return Result(
-        id=rid,
-        index=index,
-        finish_reason="error",
-        error=ErrorInfo(type=etype, message=message),
-        metadata=req.metadata if req else None,
-    )
-
-
-def _cancelled_result(req: Request) -> Result:
-    return Result(id=req.id, index=req.index, finish_reason="cancelled", metadata=req.metadata)

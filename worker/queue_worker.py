@@ -23,22 +23,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, WatchError
 
 from producer import keys, serde
-from worker.jobs import REDIS_ERRORS, JobRunner, retrying
+from worker.jobs import REDIS_ERRORS, JobHandler, retrying
 
 log = logging.getLogger("batchq.worker")
 
-ARQ_MAX_TRIES = 1_000_000  # batchq counts tries itself (JobRunner.run)
+ARQ_MAX_TRIES = 1_000_000  # batchq counts tries itself (JobHandler.run)
 JOB_TIMEOUT_S = 30 * 24 * 3600  # per-request timeout_s is enforced by the engine, not by arq
 
 
 async def run_request(ctx: dict[str, Any], payload: Any) -> str:
-    runner: JobRunner = ctx["runner"]
-    return await runner.run(payload, job_id=ctx["job_id"], job_try=ctx["job_try"])
+    handler: JobHandler = ctx["handler"]
+    return await handler.run(payload, job_id=ctx["job_id"], job_try=ctx["job_try"])
 
 
 class QueueWorker(Worker):
-    def __init__(self, runner: JobRunner, **kwargs: Any) -> None:
-        cfg = runner.cfg
+    def __init__(self, handler: JobHandler, **kwargs: Any) -> None:
+        cfg = handler.cfg
         super().__init__(
             functions=[func(run_request, name=keys.JOB_FUNCTION, max_tries=ARQ_MAX_TRIES)],
             queue_name=keys.queue_name(cfg.queue),
@@ -51,7 +51,7 @@ class QueueWorker(Worker):
             poll_delay=cfg.poll_delay_s,
             max_tries=ARQ_MAX_TRIES,
             handle_signals=False,
-            ctx={"runner": runner},
+            ctx={"handler": handler},
             burst=cfg.burst,
             log_results=False,
             # Without these arq falls back to pickle: orjson only, and a pickle is refused.
@@ -59,7 +59,7 @@ class QueueWorker(Worker):
             job_deserializer=serde.job_deserializer,
             **kwargs,
         )
-        self.runner = runner
+        self.handler = handler
         self.in_progress_timeout_s = cfg.lease_s
         self._backoff = 0.0
 
@@ -88,7 +88,7 @@ class QueueWorker(Worker):
         # A job this worker still runs whose lease lapsed while Redis was down is back in reach of every
         # poll: take the lease again instead of starting it twice (the engine refuses a second request
         # under the same id, and arq would drop the first task unobserved).
-        ms = int(self.runner.cfg.lease_s * 1000)
+        ms = int(self.handler.cfg.lease_s * 1000)
         mine = {jid for jid in job_ids if (t := self.tasks.get(jid.decode())) is not None and not t.done()}
         async with self.pool.pipeline(transaction=False) as pipe:
             for jid in job_ids:
@@ -168,7 +168,7 @@ class QueueWorker(Worker):
         job_ids = list(self.tasks)
         if not job_ids:
             return
-        ms = int(self.runner.cfg.lease_s * 1000)
+        ms = int(self.handler.cfg.lease_s * 1000)
         async with self.pool.pipeline(transaction=False) as pipe:
             for jid in job_ids:
                 pipe.pexpire(in_progress_key_prefix + jid, ms)
@@ -184,7 +184,7 @@ class QueueWorker(Worker):
         pending = [t for t in self.tasks.values() if not t.done()]
         if pending:
             log.info("grace period over: handing %d request(s) back to the queue", len(pending))
-            self.runner.handing_back = True
+            self.handler.handing_back = True
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

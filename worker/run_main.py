@@ -20,8 +20,8 @@ import orjson
 import redis
 
 from producer import keys
+from producer.embedded_redis import RedisServer
 from producer.serde import mask_url
-from producer.testing_redis import RedisServer
 
 STATE_DIR = Path(".batchq")
 

@@ -18,9 +18,7 @@ from producer import keys, serde
 from worker import health
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.jobs import REDIS_ERRORS, JobRunner, retrying
+from worker.jobs import REDIS_ERRORS, JobHandler, retrying
 from worker.queue_worker import QueueWorker
 
 log = logging.getLogger("batchq.worker")
@@ -30,24 +28,7 @@ class QueueBindingError(RuntimeError):
     pass
 
 
-def engine_config(cfg: WorkerConfig) -> EngineConfig:
-    return EngineConfig(
-        model=cfg.model,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        block_size=cfg.block_size,
-        kv_cache_gb=cfg.kv_cache_gb,
-        kv_watermark=cfg.kv_watermark,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        attention_backend=cfg.attention_backend,
-        repetition_window=cfg.repetition_window,
-        repetition_repeats=cfg.repetition_repeats,
-    )
-
-
 def connect(cfg: WorkerConfig) -> ArqRedis:
-
     pool = ConnectionPool.from_url(
         cfg.redis_url,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
@@ -68,12 +49,13 @@ async def bind_queue(redis: Redis, cfg: WorkerConfig) -> None:
     """A queue serves one model: the first live worker binds it; a worker for another model refuses to start."""
     key = keys.queue_model(keys.queue_name(cfg.queue))
     ttl = max(60, int(cfg.heartbeat_s * 6))
-    await redis.set(key, cfg.model, nx=True, ex=ttl)
+    model = cfg.engine.model
+    await redis.set(key, model, nx=True, ex=ttl)
     bound = await redis.get(key)
-    if bound is not None and bound.decode() != cfg.model:
+    if bound is not None and bound.decode() != model:
         raise QueueBindingError(
             f"queue {cfg.queue!r} is served by workers of model {bound.decode()!r}; this worker serves "
-            f"{cfg.model!r}. Use another --queue (one queue per model)."
+            f"{model!r}. Use another --queue (one queue per model)."
         )
     await redis.expire(key, ttl)
 
@@ -91,40 +73,35 @@ async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) ->
             log.exception("%s failed", what)
 
 
-async def serve(cfg: WorkerConfig, engine: Engine | None = None) -> int:
+async def serve(cfg: WorkerConfig) -> int:
     t0 = time.monotonic()
-    if engine is None:
-        aengine = await AsyncEngine.load(engine_config(cfg))  # loads on the thread that will step it
-        engine = aengine.engine
-    else:
-        aengine = AsyncEngine(engine)
-        await aengine.start()
-    stats = engine.stats()
+    aengine = await AsyncEngine.load(cfg.engine)  # loads on the thread that will step it
+    stats = aengine.core.stats()
     log.info(
         "model %s loaded in %.1fs; KV pool %d blocks of %d tokens; max_num_seqs=%d max_jobs=%d",
-        cfg.model,
+        cfg.engine.model,
         time.monotonic() - t0,
         stats.kv_blocks_total,
-        cfg.block_size,
-        cfg.max_num_seqs,
+        cfg.engine.block_size,
+        cfg.engine.max_num_seqs,
         cfg.max_jobs,
     )
     redis = connect(cfg)
     await retrying(bind_queue, redis, cfg)  # a worker started before Redis waits for it
-    runner = JobRunner(cfg, aengine, redis, frozenset({cfg.model, engine.model_name}))
-    worker = QueueWorker(runner, redis_pool=redis)
+    handler = JobHandler(cfg, aengine, redis)
+    worker = QueueWorker(handler, redis_pool=redis)
     health.start_watchdog(aengine, cfg.stall_s)
     stats_log = health.StatsLogger(aengine)
 
     async def log_stats() -> None:
-        log.info(stats_log.line(runner.completed, runner.failed))
+        log.info(stats_log.line(handler.completed, handler.failed))
 
     async def heartbeat() -> None:
         await health.beat(redis, cfg, aengine)
         await bind_queue(redis, cfg)
 
     housekeeping = [
-        asyncio.create_task(_every(0.5, runner.poll_cancellations, "cancel poll")),
+        asyncio.create_task(_every(0.5, handler.poll_cancellations, "cancel poll")),
         asyncio.create_task(_every(cfg.lease_s / 3, worker.renew_leases, "lease renewal")),
         asyncio.create_task(_every(cfg.heartbeat_s, heartbeat, "heartbeat")),
         asyncio.create_task(_every(cfg.log_interval_s, log_stats, "stats log")),
@@ -162,7 +139,7 @@ async def serve(cfg: WorkerConfig, engine: Engine | None = None) -> int:
         for t in housekeeping:
             t.cancel()
         await asyncio.gather(*housekeeping, return_exceptions=True)
-        log.info(stats_log.line(runner.completed, runner.failed))
+        log.info(stats_log.line(handler.completed, handler.failed))
         with contextlib.suppress(*REDIS_ERRORS):
             await redis.delete(keys.worker_heartbeat(cfg.worker_id))
             await redis.zrem(keys.WORKERS, cfg.worker_id)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from producer.contract import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.params import GenerationParams
 from worker.engine.sequence import Sequence
 
 
@@ -15,13 +15,11 @@ class CharTokenizer:
 
 
 def make_seq(rid: str, prompt_len: int, max_new: int, **params: object) -> Sequence:
-    resolved = SamplingParams(max_new_tokens=max_new, **params).resolve()
     return Sequence(
         request_id=rid,
-        params=resolved,
+        params=GenerationParams(max_new_tokens=max_new, **params),  # type: ignore[arg-type]
         prompt_ids=[65] * prompt_len,
         max_new_tokens=max_new,
         started_at=0.0,
-        seed=0,
         detokenizer=IncrementalDetokenizer(CharTokenizer()),
     )

@@ -7,19 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from producer.contract import SamplingParams
 from tests.engine.fakes import make_seq
+from tests.tiny_models import build_tiny_checkpoint
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import CudaGraphRunner, bucket, capture_sizes, pad_decode
 from worker.engine.engine import Engine
 from worker.engine.model_runner import ModelRunner
+from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
 from worker.kernels.backend import select_backend
 from worker.models.layers import AttentionMetadata
 from worker.models.loader import load_model
-from worker.models.testing import build_tiny_checkpoint
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BLOCK = 4
@@ -78,6 +78,8 @@ def test_padded_decode_gives_the_real_rows_eager_logits_and_spares_their_kv(tiny
         BLOCK,
         torch.device("cpu"),
         torch.float32,
+        max_model_len=loaded.max_model_len,
+        max_num_seqs=4,
     )
     seqs, tables = _prefilled(runner)
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
@@ -130,7 +132,9 @@ def test_run_stages_a_batch_into_the_static_buffers_and_slices_the_real_rows(tin
     # the static-buffer views, the stale columns of a previous wider batch, the logits slice.
     loaded = load_model(str(tiny_dir), torch.float32, torch.device("cpu"))
     dummy, cpu = 8, torch.device("cpu")
-    runner = ModelRunner(loaded.model, select_backend(cpu), dummy + 1, BLOCK, cpu, torch.float32)
+    runner = ModelRunner(
+        loaded.model, select_backend(cpu), dummy + 1, BLOCK, cpu, torch.float32, loaded.max_model_len, 8
+    )
     seqs, tables = _prefilled(runner)
     graphs = _EagerGraphRunner(loaded.model, runner.backend, runner.kv_caches, BLOCK, dummy, 8, 64, cpu)
     assert graphs.block_tables.shape == (8, 16) and graphs.can_run(2, tables)
@@ -175,7 +179,7 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_graphs(tiny_dir: Pat
             model=str(tiny_dir), device="cuda", dtype="float32", kv_cache_gb=0.01, cuda_graphs=graphs
         )
         engine = Engine.load(cfg)
-        params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True).resolve()
+        params = GenerationParams(max_new_tokens=12, temperature=0, ignore_eos=True)
         reqs = [
             EngineRequest(f"r{i}", params, prompt_token_ids=list(range(3 + i, 40 + 7 * i))) for i in range(n)
         ]

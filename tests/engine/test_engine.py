@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from producer.contract import SamplingParams
+from tests.tiny_models import build_tiny_checkpoint
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
-from worker.models.testing import build_tiny_checkpoint
 
 BLOCK = 4
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK  # 2 x layers x kv_heads x head_dim x float32 bytes x tokens
@@ -38,8 +39,9 @@ def engine_with(ckpt: Path, blocks: int = 2000, **kw: object) -> Engine:
     return engine
 
 
-def params(**kw: object) -> SamplingParams:
-    return SamplingParams(**kw).resolve()  # type: ignore[arg-type]
+def params(**kw: object) -> GenerationParams:
+    kw.setdefault("max_new_tokens", 256)
+    return GenerationParams(**kw)  # type: ignore[arg-type]
 
 
 def workload(n: int) -> list[EngineRequest]:
@@ -96,7 +98,7 @@ def test_seeded_sampling_is_independent_of_batch_composition(ckpt: Path) -> None
     )
     assert mixed[3].token_ids == alone.token_ids
     other_seed = engine_with(ckpt).generate(
-        [EngineRequest("t", p.model_copy(update={"seed": 99}), prompt_token_ids=[10, 11, 12])]
+        [EngineRequest("t", dataclasses.replace(p, seed=99), prompt_token_ids=[10, 11, 12])]
     )
     assert other_seed[0].token_ids != alone.token_ids
 
@@ -134,16 +136,18 @@ def test_request_errors_are_results_not_exceptions(ckpt: Path) -> None:
     huge = engine_with(ckpt, blocks=20).generate([huge_req])[0]
     assert (
         long.finish_reason == "error"
-        and long.error_type == "prompt_too_long"
-        and "64" in (long.error_message or "")
+        and long.error is not None
+        and long.error.type == "prompt_too_long"
+        and "64" in long.error.message
     )
     assert left.finish_reason == "length" and left.prompt_tokens == 60 and left.completion_tokens == 4
     assert (
-        huge.error_type == "kv_capacity"
-        and "25" in (huge.error_message or "")
-        and "20" in (huge.error_message or "")
+        huge.error is not None
+        and huge.error.type == "kv_capacity"
+        and "25" in huge.error.message
+        and "20" in huge.error.message
     )
-    assert none.error_type == "invalid_request"
+    assert none.error is not None and none.error.type == "invalid_request"
     assert near.finish_reason == "length" and near.completion_tokens == 4  # capped at the context end
 
 
@@ -153,8 +157,9 @@ def test_chat_request_without_chat_template_is_invalid(tmp_path: Path) -> None:
     res = engine.generate([EngineRequest("c", params(), messages=[{"role": "user", "content": "hi"}])])[0]
     assert (
         res.finish_reason == "error"
-        and res.error_type == "invalid_request"
-        and "chat template" in (res.error_message or "")
+        and res.error is not None
+        and res.error.type == "invalid_request"
+        and "chat template" in res.error.message
     )
 
 
@@ -166,7 +171,7 @@ def test_timeout_and_cancel_keep_partial_output(ckpt: Path) -> None:
     )
     engine.add_request(EngineRequest("cancel-me", long, prompt_token_ids=[5, 6]))
     engine.add_request(
-        EngineRequest("keep", long.model_copy(update={"max_new_tokens": 12}), prompt_token_ids=[5, 6])
+        EngineRequest("keep", dataclasses.replace(long, max_new_tokens=12), prompt_token_ids=[5, 6])
     )
     results = {r.request_id: r for r in engine.step()}
     assert results["late"].finish_reason == "timeout" and results["late"].completion_tokens == 0

@@ -6,8 +6,8 @@ import pytest
 import torch
 from greedy_parity import check_greedy, hf_greedy
 
-from producer.contract import SamplingParams
 from worker.engine.engine import Engine
+from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ CASES: list[tuple[str, object, int]] = [
 
 
 def request(i: int, kind: str, content: object, max_new: int, **kw: object) -> EngineRequest:
-    p = SamplingParams(temperature=0, max_new_tokens=max_new, **kw).resolve()  # type: ignore[arg-type]
+    p = GenerationParams(temperature=0, max_new_tokens=max_new, **kw)  # type: ignore[arg-type]
     if kind == "chat":
         return EngineRequest(f"r{i}", p, messages=content)  # type: ignore[arg-type]
     return EngineRequest(f"r{i}", p, prompt=content)  # type: ignore[arg-type]
@@ -59,7 +59,7 @@ def test_mixed_batch_matches_hf_greedy(smol_engine: Engine, smol_hf) -> None:  #
     assert max(prompt_lens) > 900 and min(prompt_lens) < 10
     ties = []
     for i, (req, res) in enumerate(zip(reqs, results, strict=True)):
-        ids = smol_engine._tokenize(req)
+        ids = smol_engine.prompts.tokenize(req)
         theirs, logits = hf_greedy(smol_hf, ids, CASES[i][2])
         if res.finish_reason == "repetition":  # HF has no loop rule: compare the prefix we produced
             theirs = theirs[: len(res.token_ids)]
@@ -75,18 +75,16 @@ def test_mixed_batch_matches_hf_greedy(smol_engine: Engine, smol_hf) -> None:  #
 
 def test_prefill_and_decode_logits_match_hf(smol_engine: Engine, smol_hf) -> None:  # type: ignore[no-untyped-def]
     ids = smol_engine.tokenizer(STORY * 2).input_ids
-    smol_engine.add_request(
-        EngineRequest("logits", SamplingParams(max_new_tokens=4).resolve(), prompt_token_ids=ids)
-    )
+    smol_engine.add_request(EngineRequest("logits", GenerationParams(max_new_tokens=4), prompt_token_ids=ids))
     smol_engine._intake()
     batch = smol_engine.scheduler.schedule()
     assert batch is not None and batch.phase == "prefill"
-    prefill = smol_engine.runner.compute_logits(batch)[0]
+    prefill = smol_engine.model_runner.compute_logits(batch)[0]
     nxt = int(prefill.argmax())
     batch.seqs[0].output_ids.append(nxt)
     decode_batch = smol_engine.scheduler.schedule()
     assert decode_batch is not None and decode_batch.phase == "decode"
-    decode = smol_engine.runner.compute_logits(decode_batch)[0]
+    decode = smol_engine.model_runner.compute_logits(decode_batch)[0]
     smol_engine.scheduler.finish(batch.seqs[0])
     del smol_engine._seqs["logits"]
     with torch.no_grad():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fakes import make_seq
 
+from tests.tiny_models import byte_tokenizer
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.stop_rules import StopRules
-from worker.models.testing import byte_tokenizer
 
 EOS = 2
 RULES = StopRules([EOS], repetition_window=10, repetition_repeats=3)

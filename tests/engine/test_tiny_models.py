@@ -12,12 +12,12 @@ import torch
 from greedy_parity import check_greedy, hf_greedy
 from transformers import AutoModelForCausalLM
 
-from producer.contract import SamplingParams
+from tests.tiny_models import build_tiny_checkpoint
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
-from worker.models.testing import build_tiny_checkpoint
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -45,8 +45,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return path, request.param
 
 
-def greedy(max_new: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=max_new).resolve()
+def greedy(max_new: int) -> GenerationParams:
+    return GenerationParams(temperature=0, max_new_tokens=max_new)
 
 
 def test_greedy_matches_hf_generate_in_one_mixed_batch(tiny: tuple[Path, str]) -> None:
@@ -78,13 +78,15 @@ def test_prefill_and_decode_logits_match_hf(tiny: tuple[Path, str]) -> None:
     engine._intake()
     prefill = engine.scheduler.schedule()
     assert prefill is not None and prefill.phase == "prefill"
-    ours = engine.runner.compute_logits(prefill)  # [2, vocab]
+    ours = engine.model_runner.compute_logits(prefill)  # [2, vocab]
     nxt = ours.argmax(-1).tolist()
     for seq, t in zip(prefill.seqs, nxt, strict=True):
         seq.output_ids.append(t)
     decode = engine.scheduler.schedule()
     assert decode is not None and decode.phase == "decode"
-    ours_decode = engine.runner.compute_logits(ScheduledBatch("decode", decode.seqs, decode.block_tables))
+    ours_decode = engine.model_runner.compute_logits(
+        ScheduledBatch("decode", decode.seqs, decode.block_tables)
+    )
     with torch.no_grad():
         for i, p in enumerate(prompts):
             ref = hf(torch.tensor([[*p, nxt[i]]])).logits[0]  # [len + 1, vocab]

@@ -26,7 +26,7 @@ from tests.kernels.test_triton_decode import decode_lengths
 from tests.kernels.test_triton_prefill import prefill_lengths
 from worker.kernels import native as native_kernel
 from worker.kernels import reference
-from worker.kernels.cpu import CpuAttention, causal_tiles, length_groups
+from worker.kernels.torch_attention import TorchAttention, causal_tiles, length_groups
 
 CPU = torch.device("cpu")
 
@@ -49,7 +49,7 @@ def test_decode_matches_reference(case: Case, native: bool, workspace_bytes: int
     cache = build_cache(case, lens, gen, CPU)
     q = random_queries(case, len(lens), gen, CPU)
     scale = 1 / math.sqrt(case.head_dim)
-    attn = CpuAttention(workspace_bytes=workspace_bytes, native=native)
+    attn = TorchAttention(workspace_bytes=workspace_bytes, native=native)
     if native and not native_kernel.supports(q, cache.k_cache):
         # Only a missing compiler may send the C-kernel case to the torch path; a shape must not.
         assert case.dtype not in (torch.float32, torch.bfloat16) or native_kernel.library() is None
@@ -86,7 +86,7 @@ def test_prefill_matches_reference(case: Case, new_kv: bool) -> None:
     kv = {"k": torch.cat(new_k), "v": torch.cat(new_v)} if new_kv else {}
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu_seqlens, cache.context_lens, scale)
 
-    got = CpuAttention().paged_prefill_attention(
+    got = TorchAttention().paged_prefill_attention(
         q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), *args[3:], **kv
     )
 
@@ -104,7 +104,7 @@ def test_write_kv_matches_reference(case: Case) -> None:
     reference.write_kv(k, v, want_k, want_v, slots)
     got_k, got_v = cpu_layout(k_cache), cpu_layout(v_cache)
 
-    CpuAttention.write_kv(k, v, got_k, got_v, slots)
+    TorchAttention.write_kv(k, v, got_k, got_v, slots)
 
     torch.testing.assert_close(got_k, cpu_layout(want_k), atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(got_v, cpu_layout(want_v), atol=0, rtol=0, equal_nan=True)
@@ -127,7 +127,7 @@ def test_decode_plan_is_shared_by_layers_and_rebuilt_when_the_step_changes() -> 
     gen = torch.Generator().manual_seed(42)
     cache = build_cache(case, [40, 300, 7, 129], gen, CPU)
     layer2 = (cache.k_cache * 0.5, cache.v_cache * 2.0)  # same tables, other K/V
-    attn = CpuAttention(native=False)
+    attn = TorchAttention(native=False)
     q = random_queries(case, 4, gen, CPU)
 
     def check(kv: tuple[torch.Tensor, torch.Tensor], lens: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from tests.kernels.paged_cases import GRID, assert_close, build_cache, random_qu
 from tests.kernels.test_cpu_attention import cpu_layout
 from worker.kernels import native as native_kernel
 from worker.kernels import reference
-from worker.kernels.cpu import CpuAttention
+from worker.kernels.torch_attention import TorchAttention
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def _decode_is_right() -> None:
     cache = build_cache(case, [3, 70, 513], gen, torch.device("cpu"))
     q = random_queries(case, 3, gen, torch.device("cpu"))
     scale = 1 / math.sqrt(case.head_dim)
-    got = CpuAttention().paged_decode_attention(
+    got = TorchAttention().paged_decode_attention(
         q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cache.context_lens, scale
     )
     want = reference.paged_decode_attention(

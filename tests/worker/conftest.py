@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from producer import keys
-from producer.testing_redis import RedisServer
+from producer.embedded_redis import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,8 +35,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from tests.tiny_models import tiny_config
     from worker.models.loader import resolve_checkpoint
-    from worker.models.testing import tiny_config
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
     cfg = tiny_config(

@@ -22,6 +22,7 @@ EXAMPLES = ROOT / "configs" / "examples" / "prompts.jsonl"
 
 def test_two_workers_complete_a_batch_with_exact_usage_and_engine_identical_text(server, workers, tmp_path):
     from producer.contract import SamplingParams
+    from worker.adapter import generation_params
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.request import EngineRequest
@@ -54,9 +55,9 @@ def test_two_workers_complete_a_batch_with_exact_usage_and_engine_identical_text
     reqs = []
     for i, x in enumerate(chosen):
         body = x.get("body", x)
-        params = SamplingParams.model_validate(
+        params = generation_params(SamplingParams.model_validate(
             {k: v for k, v in body.items() if k not in ("id", "messages", "prompt", "metadata", "model")}
-        ).resolve()
+        ).resolve())  # fmt: skip
         reqs.append(EngineRequest(request_id=str(i), params=params, prompt=body.get("prompt"),
                                   messages=body.get("messages")))  # fmt: skip
     direct = engine.generate(reqs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import pytest
 from redis.asyncio.client import Pipeline
@@ -12,9 +13,14 @@ from producer import keys
 from producer.client import BatchqClient
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
-from worker.jobs import JobRunner
+from worker.engine.config import EngineConfig
+from worker.jobs import JobHandler
 from worker.queue_worker import QueueWorker
-from worker.service import connect, engine_config
+from worker.service import connect
+
+
+def tiny_engine(model_dir: Path, **settings: int) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **settings)
 
 
 async def test_job_whose_opening_read_meets_an_outage_is_left_to_its_lease(
@@ -24,12 +30,12 @@ async def test_job_whose_opening_read_meets_an_outage_is_left_to_its_lease(
     end quietly (the job stays queued, its lease lapses) instead of dying with an exception that asyncio
     reports as never retrieved. test_faults' Redis-restart test hits this window only by chance; here it
     is forced."""
-    cfg = WorkerConfig(model=str(tiny_model_dir), redis_url=server.url, device="cpu", dtype="float32")
-    aengine = await AsyncEngine.load(engine_config(cfg))
+    cfg = WorkerConfig(engine=tiny_engine(tiny_model_dir), redis_url=server.url)
+    aengine = await AsyncEngine.load(cfg.engine)
     redis = connect(cfg)
     try:
-        runner = JobRunner(cfg, aengine, redis, frozenset({cfg.model}))
-        worker = QueueWorker(runner, redis_pool=redis)
+        handler = JobHandler(cfg, aengine, redis)
+        worker = QueueWorker(handler, redis_pool=redis)
         server.kill()
         with caplog.at_level(logging.WARNING, logger="batchq.worker"):
             await worker.run_job(keys.job_id("b-outage", 0), 0)  # must not raise
@@ -47,17 +53,15 @@ async def test_outage_while_leasing_a_job_neither_ends_the_worker_nor_leaks_its_
     lost under WATCH as a WatchError, which arq's start_jobs let escape (ending the worker's main loop),
     and arq kept the job slot it had counted. The poll must back off like any outage, give the slot back,
     and run the job once Redis is back."""
-    cfg = WorkerConfig(
-        model=str(tiny_model_dir), redis_url=server.url, device="cpu", dtype="float32", max_num_seqs=1
-    )
-    aengine = await AsyncEngine.load(engine_config(cfg))
+    cfg = WorkerConfig(engine=tiny_engine(tiny_model_dir, max_num_seqs=1), redis_url=server.url)
+    aengine = await AsyncEngine.load(cfg.engine)
     redis = connect(cfg)
     try:
         async with BatchqClient.from_url(server.url) as client:
             line = '{"id": "a", "prompt": "hello", "max_new_tokens": 3, "temperature": 0}'
             report = await client.submit_lines([line], queue=cfg.queue)
-        runner = JobRunner(cfg, aengine, redis, frozenset({cfg.model}))
-        worker = QueueWorker(runner, redis_pool=redis)
+        handler = JobHandler(cfg, aengine, redis)
+        worker = QueueWorker(handler, redis_pool=redis)
         pipeline = redis.pipeline
 
         def kill_first_transaction(transaction: bool = True, shard_hint: str | None = None) -> Pipeline:

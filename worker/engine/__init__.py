@@ -1,6 +1,20 @@
-"""The inference engine: scheduler, block manager, model runner, sampler, stop rules, async front end."""
+"""The inference engine, a library of its own: scheduler, block manager, model runner, sampler, stop rules.
+
+It takes its own typed requests and knows nothing of Redis, arq or the JSONL contract. These names
+import no torch; `worker.engine.engine.Engine` (sync) and `worker.engine.async_engine.AsyncEngine`
+load the model.
+"""
 
 from worker.engine.config import EngineConfig
-from worker.engine.request import EngineRequest, EngineResult, EngineStats
+from worker.engine.params import GenerationParams
+from worker.engine.request import EngineError, EngineRequest, EngineResult, EngineStats, FinishReason
 
-__all__ = ["EngineConfig", "EngineRequest", "EngineResult", "EngineStats"]
+__all__ = [
+    "EngineConfig",
+    "EngineError",
+    "EngineRequest",
+    "EngineResult",
+    "EngineStats",
+    "FinishReason",
+    "GenerationParams",
+]

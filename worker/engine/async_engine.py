@@ -20,15 +20,15 @@ from typing import TypeVar
 
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
-from worker.engine.request import EngineRequest, EngineResult
+from worker.engine.request import EngineError, EngineRequest, EngineResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, core: Engine) -> None:
+        self.core = core  # the synchronous engine this class steps on its thread
         self.last_progress = time.monotonic()  # monotonic time of the last completed step (watchdog)
         self._futures: dict[str, asyncio.Future[EngineResult]] = {}
         self._futures_lock = threading.Lock()
@@ -75,7 +75,7 @@ class AsyncEngine:
         with self._futures_lock:
             pending = list(self._futures)
         for rid in pending:
-            self.engine.cancel(rid)
+            self.core.cancel(rid)
         self._stopping = True
         self._wake.set()
         await asyncio.to_thread(thread.join)
@@ -89,30 +89,30 @@ class AsyncEngine:
             if req.request_id in self._futures:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
             self._futures[req.request_id] = fut
-        self.engine.add_request(req)
+        self.core.add_request(req)
         self._wake.set()
         return fut
 
     def cancel(self, request_id: str) -> None:
         """End the request at its next step with finish_reason "cancelled" and its partial text."""
-        self.engine.cancel(request_id)
+        self.core.cancel(request_id)
         self._wake.set()
 
     # ---- loop thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            if not self.engine.has_work():
+            if not self.core.has_work():
                 if self._stopping:
                     return
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
-                results = self.engine.step()
+                results = self.core.step()
             except Exception as exc:  # never let one bad step kill the loop: fail what it held
                 log.exception("engine step failed; failing every request in flight")
-                results = self.engine.abort_all("engine_error", f"{type(exc).__name__}: {exc}")
+                results = self.core.abort_all(EngineError("engine_error", f"{type(exc).__name__}: {exc}"))
             self.last_progress = time.monotonic()
             if results:
                 self._deliver(results)

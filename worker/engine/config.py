@@ -1,57 +1,71 @@
-"""Engine configuration: which model, where it runs, how much KV memory, how big a step may be."""
+"""Engine configuration: which model, where it runs, how much KV memory, how big a step may be.
+
+One pydantic model, validated once when it is built (from code, or nested in the worker's config that
+`worker.config` reads from TOML and flags). Every setting and its default is defined here only.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
-DeviceName = Literal["auto", "cpu", "cuda"]
-DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
-BackendName = Literal["auto", "torch", "triton"]
+from pydantic import BaseModel, ConfigDict, Field
+
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
+SchedulePolicy = Literal["fcfs", "longest_first"]
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 
 
-@dataclass
-class EngineConfig:
-    """Everything `Engine.load` needs. Validated in `__post_init__` so bad settings fail at start-up."""
+class EngineConfig(BaseModel):
+    """Everything `Engine.load` needs. Bad values fail here, at start-up, naming the setting."""
 
-    model: str  # local HF dir | .gguf file | hub id | alias "smollm2-135m"
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (CUDA: bfloat16; CPU: the faster of float32 and bfloat16) | float32 | ...16
-    block_size: int = 16
-    kv_cache_gb: float | None = None  # explicit pool size; CPU default DEFAULT_CPU_KV_CACHE_GB
-    kv_watermark: float = 0.9  # GPU: fraction of device memory usable by weights + activations + KV
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096  # token budget per step
-    attention_backend: str = "auto"  # auto | torch | triton
-    repetition_window: int = 10  # 0 switches loop detection off
-    repetition_repeats: int = 3  # 0 switches loop detection off
-    schedule_policy: str = "longest_first"  # fcfs | longest_first (see scheduler.py)
-    max_model_len: int | None = None  # cap below the model's context length (None: the model's own)
-    num_threads: int | None = None  # torch CPU threads (None: torch's default)
-    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA + Triton backend only)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
-            )
-        if self.schedule_policy not in ("fcfs", "longest_first"):
-            raise ValueError(f"schedule_policy must be fcfs or longest_first, got {self.schedule_policy!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
-        if not 0.0 < self.kv_watermark <= 1.0:
-            raise ValueError(f"kv_watermark must be in (0, 1], got {self.kv_watermark}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.repetition_window < 0 or self.repetition_repeats < 0:
-            raise ValueError("repetition_window and repetition_repeats must be >= 0")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+    model: str = Field(
+        default="smollm2-135m",
+        min_length=1,
+        description="local HF checkpoint dir | .gguf file | hub id | alias 'smollm2-135m'",
+    )
+    device: Device = "auto"
+    dtype: Dtype = Field(
+        default="auto",
+        description="auto: bfloat16 on CUDA; on a CPU bfloat16 where its matmuls run >= 1.3x faster, "
+        "else float32",
+    )
+    attention_backend: AttentionBackendName = Field(
+        default="auto", description="auto: Triton kernels on CUDA where they import, else torch"
+    )
+    block_size: int = Field(default=16, ge=1, description="tokens per KV block")
+    kv_cache_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description=f"explicit KV pool size in GB (default: {DEFAULT_CPU_KV_CACHE_GB} on a CPU; on CUDA "
+        "what kv_watermark leaves)",
+    )
+    kv_watermark: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="CUDA: share of the device's total memory that weights, peak activations and the KV "
+        "pool may use together; the pool gets what is left",
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="sequences decoded together at most")
+    max_num_batched_tokens: int = Field(default=4096, ge=1, description="token budget of one step")
+    repetition_window: int = Field(default=10, ge=0, description="loop detection window in tokens (0: off)")
+    repetition_repeats: int = Field(
+        default=3, ge=0, description="windows repeated in a row that end a loop (0: off)"
+    )
+    schedule_policy: SchedulePolicy = Field(
+        default="longest_first", description="admission order of waiting requests (see scheduler.py)"
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="cap below the model's context length (default: the model's own)"
+    )
+    num_threads: int | None = Field(default=None, ge=1, description="torch CPU threads (default: torch's)")
+    cuda_graphs: bool = Field(default=True, description="capture decode steps as CUDA graphs (CUDA + Triton)")
+
+    def context_len(self, model_context: int) -> int:
+        """The longest sequence (prompt + output) the engine serves: the model's, capped by max_model_len."""
+        return min(model_context, self.max_model_len or model_context)

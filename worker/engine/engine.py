@@ -1,13 +1,14 @@
-"""The synchronous engine: tokenise and validate requests, schedule, run, apply stop rules.
+"""The synchronous engine: take requests, schedule, run the model, apply stop rules, return results.
 
 `step()` is the whole loop body; `generate()` runs it to completion; AsyncEngine runs it on a thread.
 Per-request failures become EngineResults with finish_reason "error", never exceptions.
+The engine is a library: it takes EngineRequests (worker/engine/request.py) and knows nothing of
+Redis, arq or the JSONL contract.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from typing import Any
@@ -16,16 +17,12 @@ import torch
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
+from worker.engine.device import pick_device, pick_dtype
+from worker.engine.kv_pool import size_kv_pool
 from worker.engine.model_runner import ModelRunner
-from worker.engine.request import EngineRequest, EngineResult, EngineStats
-from worker.engine.resources import (
-    bound_onednn_caches,
-    keep_freed_memory,
-    pick_device,
-    pick_dtype,
-    size_kv_pool,
-)
+from worker.engine.prompts import PromptBuilder, RequestError
+from worker.engine.request import EngineError, EngineRequest, EngineResult, EngineStats, FinishReason
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stop_rules import StopRules
@@ -36,27 +33,28 @@ from worker.models.loader import LoadedModel, load_model
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
-    def __init__(self, error_type: str, message: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
-
-
 class Engine:
-    def __init__(self, cfg: EngineConfig, loaded: LoadedModel, runner: ModelRunner, num_blocks: int) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        loaded: LoadedModel,
+        model_runner: ModelRunner,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
         self.cfg = cfg
         self.model_name = loaded.name
         self.checkpoint_dir = loaded.checkpoint_dir  # a local HF dir (the GGUF cache for .gguf inputs)
         self.tokenizer: Any = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.max_model_len = min(loaded.max_model_len, cfg.max_model_len or loaded.max_model_len)
-        self.runner = runner
+        self.max_model_len = max_model_len
+        self.model_runner = model_runner
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
-            self.block_manager,
-            cfg.max_num_seqs,
-            cfg.max_num_batched_tokens,
-            policy="longest_first" if cfg.schedule_policy == "longest_first" else "fcfs",
+            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, policy=cfg.schedule_policy
+        )
+        self.prompts = PromptBuilder(
+            self.tokenizer, loaded.name, loaded.model.spec.vocab_size, max_model_len, self.block_manager
         )
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
         self._lock = threading.Lock()
@@ -85,6 +83,7 @@ class Engine:
             native_kernel.library()  # build the C decode kernel (or warn) now, not in the first decode step
         backend = select_backend(device, cfg.attention_backend)
         num_blocks = size_kv_pool(cfg, loaded.model, dtype, device)
+        max_model_len = cfg.context_len(loaded.max_model_len)
         runner = ModelRunner(
             loaded.model,
             backend,
@@ -92,9 +91,9 @@ class Engine:
             cfg.block_size,
             device,
             dtype,
-            cuda_graphs=cfg.cuda_graphs,
+            max_model_len=max_model_len,
             max_num_seqs=cfg.max_num_seqs,
-            max_model_len=min(loaded.max_model_len, cfg.max_model_len or loaded.max_model_len),
+            cuda_graphs=cfg.cuda_graphs,
         )
         log.info(
             "loaded %s in %.1fs: %s %s, %s attention, %d KV blocks of %d tokens",
@@ -106,7 +105,7 @@ class Engine:
             num_blocks,
             cfg.block_size,
         )
-        return cls(cfg, loaded, runner, num_blocks)
+        return cls(cfg, loaded, runner, num_blocks, max_model_len)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -137,7 +136,7 @@ class Engine:
         if batch is None:
             return results
         t0 = time.monotonic()
-        tokens = self.runner.run(batch)
+        tokens = self.model_runner.run(batch)
         now = time.monotonic()
         self._steps += 1
         if batch.phase == "prefill":
@@ -178,16 +177,28 @@ class Engine:
             decode_s=self._decode_s,
         )
 
-    def abort_all(self, error_type: str, message: str) -> list[EngineResult]:
+    def abort_all(self, error: EngineError) -> list[EngineResult]:
         """Fail every request the engine holds (used after an unexpected internal error)."""
         now = time.monotonic()
         with self._lock:
             pending, self._inbox = self._inbox, []
-        results = [self._error_result(r, error_type, message, now, t) for r, t in pending]
+        results = [_empty_result(r, "error", now, received, error) for r, received in pending]
         for seq in list(self._seqs.values()):
             self.scheduler.finish(seq)
             del self._seqs[seq.request_id]
-            results.append(self._error_result_from_seq(seq, error_type, message, now))
+            results.append(
+                EngineResult(
+                    seq.request_id,
+                    "",
+                    [],
+                    "error",
+                    seq.prompt_len,
+                    len(seq.output_ids),
+                    None,
+                    now - seq.started_at,
+                    error,
+                )
+            )
         return results
 
     # ---- internals --------------------------------------------------------------------------------
@@ -201,12 +212,16 @@ class Engine:
         for req, received in pending:
             if req.request_id in cancelled:
                 cancelled.discard(req.request_id)
-                results.append(self._empty_result(req, "cancelled", now, received))
+                results.append(_empty_result(req, "cancelled", now, received))
                 continue
             try:
-                seq = self._make_sequence(req, received)
+                if req.request_id in self._seqs:
+                    raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
+                seq = self.prompts.sequence(req, received)
             except RequestError as exc:
-                results.append(self._error_result(req, exc.error_type, str(exc), now, received))
+                results.append(
+                    _empty_result(req, "error", now, received, EngineError(exc.error_type, str(exc)))
+                )
                 continue
             self._seqs[seq.request_id] = seq
             self._prompt_tokens += seq.prompt_len
@@ -217,100 +232,16 @@ class Engine:
                 results.append(self._finish(target, "cancelled", now))
         return results
 
-    def _make_sequence(self, req: EngineRequest, received: float) -> Sequence:
-        if req.request_id in self._seqs:
-            raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
-        params = req.params
-        if params.max_new_tokens is None or params.temperature is None:
-            raise RequestError("invalid_request", "params must be resolved (SamplingParams.resolve())")
-        ids = self._tokenize(req)
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            side = params.truncate_prompt
-            if side is None:
-                raise RequestError(
-                    "prompt_too_long",
-                    f"prompt has {len(ids)} tokens; the model context is {limit} "
-                    "(set truncate_prompt to 'left' or 'right' to cut it)",
-                )
-            keep = max(1, limit - params.max_new_tokens)  # leave room for the requested output
-            ids = ids[-keep:] if side == "left" else ids[:keep]
-        max_new = min(params.max_new_tokens, limit - len(ids))
-        need = self.block_manager.blocks_for(len(ids) + max_new)
-        if need > self.block_manager.num_blocks:
-            raise RequestError(
-                "kv_capacity",
-                f"request needs {need} KV blocks ({len(ids)} prompt + {max_new} new tokens, "
-                f"{self.block_manager.block_size} per block) but the whole pool has "
-                f"{self.block_manager.num_blocks} blocks",
-            )
-        return Sequence(
-            request_id=req.request_id,
-            params=params,
-            prompt_ids=ids,
-            max_new_tokens=max_new,
-            started_at=req.started_at if req.started_at is not None else received,
-            seed=params.seed if params.seed is not None else random.getrandbits(63),
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
-        )
-
-    def _tokenize(self, req: EngineRequest) -> list[int]:
-        given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
-        if sum(given) != 1:
-            raise RequestError(
-                "invalid_request", "exactly one of prompt, messages, prompt_token_ids is required"
-            )
-        if req.prompt_token_ids is not None:
-            ids = list(req.prompt_token_ids)
-            vocab = self.runner.model.spec.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise RequestError("invalid_request", f"prompt_token_ids must lie in [0, {vocab})")
-        elif req.messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise RequestError("invalid_request", f"model {self.model_name!r} has no chat template")
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    req.messages, tokenize=False, add_generation_prompt=True
-                )
-            except Exception as exc:  # a template error is the request's fault, not the engine's
-                raise RequestError("invalid_request", f"chat template failed: {exc}") from exc
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = self.tokenizer(req.prompt).input_ids
-        if not ids:
-            raise RequestError("invalid_request", "the prompt is empty after tokenisation")
-        return list(ids)
-
-    def _finish(self, seq: Sequence, reason: Any, now: float) -> EngineResult:
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> EngineResult:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         return seq.to_result(now)
 
-    @staticmethod
-    def _empty_result(req: EngineRequest, reason: Any, now: float, received: float) -> EngineResult:
-        start = req.started_at if req.started_at is not None else received
-        return EngineResult(req.request_id, "", [], reason, 0, 0, None, now - start)
 
-    def _error_result(
-        self, req: EngineRequest, error_type: str, message: str, now: float, received: float
-    ) -> EngineResult:
-        res = self._empty_result(req, "error", now, received)
-        res.error_type, res.error_message = error_type, message
-        return res
-
-    @staticmethod
-    def _error_result_from_seq(seq: Sequence, error_type: str, message: str, now: float) -> EngineResult:
-        total = now - seq.started_at
-        return EngineResult(
-            seq.request_id,
-            "",
-            [],
-            "error",
-            seq.prompt_len,
-            len(seq.output_ids),
-            None,
-            total,
-            error_type,
-            message,
-        )
+def _empty_result(
+    req: EngineRequest, reason: FinishReason, now: float, received: float, error: EngineError | None = None
+) -> EngineResult:
+    """A result for a request that never became a sequence (cancelled before it ran, or refused)."""
+    start = req.started_at if req.started_at is not None else received
+    return EngineResult(req.request_id, "", [], reason, 0, 0, None, now - start, error)

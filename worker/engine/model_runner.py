@@ -1,12 +1,15 @@
 """Runs one scheduled batch through the model: builds packed inputs, owns the KV pool, samples.
 
 The runner never decides anything: it gets block tables from the scheduler and returns token ids.
-One host sync per step (the sampled ids' .tolist()).
+Each phase builds its inputs in its own function (`prefill_inputs`, `decode_inputs`) into one
+`StepInputs`, which the forward pass takes whatever the phase. One host sync per step (the sampled
+ids' .tolist()).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +17,7 @@ from torch import Tensor
 
 from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch
+from worker.engine.sequence import Sequence
 from worker.kernels.backend import AttentionBackend
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import KVCache, LlamaFamilyModel
@@ -24,9 +28,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(model: LlamaFamilyModel, dtype: torch.dtype) -> int:
-    s = model.spec
-    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype.itemsize
+@dataclass
+class StepInputs:
+    """One forward pass's packed inputs, whatever the phase."""
+
+    input_ids: Tensor  # [T] int64
+    positions: Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_index: Tensor  # [B]: the row in T of each sequence's last token (the one sampled from)
 
 
 class ModelRunner:
@@ -38,9 +47,9 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        max_model_len: int,
+        max_num_seqs: int,
         cuda_graphs: bool = False,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -59,9 +68,8 @@ class ModelRunner:
         if use_graphs:
             from worker.engine.cuda_graphs import CudaGraphRunner
 
-            max_len = max_model_len or int(model.rotary.cos.shape[0])
             self.graphs = CudaGraphRunner(
-                model, backend, self.kv_caches, block_size, num_blocks, max_num_seqs, max_len, device
+                model, backend, self.kv_caches, block_size, num_blocks, max_num_seqs, max_model_len, device
             )
 
     def _tensor(self, data: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> Tensor:
@@ -76,23 +84,11 @@ class ModelRunner:
         blocks = block_tables[seq_index, positions // self.block_size].long()
         return blocks * self.block_size + positions % self.block_size
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """-> input_ids [T], positions [T], metadata, index of each sequence's last token in T [B]."""
-        block_tables = self._block_table_tensor(batch.block_tables)
-        if batch.phase == "decode":
-            input_ids = self._tensor([s.last_token for s in batch.seqs])
-            context = [s.num_tokens for s in batch.seqs]
-            positions = self._tensor(context) - 1
-            seq_index = torch.arange(len(batch.seqs), device=self.device)
-            meta = AttentionMetadata(
-                phase="decode",
-                slot_mapping=self._slots(block_tables, seq_index, positions),
-                block_tables=block_tables,
-                context_lens=self._tensor(context, torch.int32),
-            )
-            return input_ids, positions, meta, seq_index
-        lens = [s.prompt_len for s in batch.seqs]
-        input_ids = self._tensor([t for s in batch.seqs for t in s.prompt_ids])
+    def prefill_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
+        """Every sequence's whole prompt, packed without padding."""
+        block_tables = self._block_table_tensor(tables)
+        lens = [s.prompt_len for s in seqs]
+        input_ids = self._tensor([t for s in seqs for t in s.prompt_ids])
         lens_t = self._tensor(lens)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=self.device)
         cu[1:] = lens_t.cumsum(0)
@@ -108,7 +104,22 @@ class ModelRunner:
             context_lens=lens_t.to(torch.int32),
             cu_seqlens_q=cu.to(torch.int32),
         )
-        return input_ids, positions, meta, cu[1:] - 1
+        return StepInputs(input_ids, positions, meta, cu[1:] - 1)
+
+    def decode_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
+        """Every sequence's last sampled token, at the position after its cached context."""
+        block_tables = self._block_table_tensor(tables)
+        input_ids = self._tensor([s.last_token for s in seqs])
+        context = [s.num_tokens for s in seqs]
+        positions = self._tensor(context) - 1
+        seq_index = torch.arange(len(seqs), device=self.device)
+        meta = AttentionMetadata(
+            phase="decode",
+            slot_mapping=self._slots(block_tables, seq_index, positions),
+            block_tables=block_tables,
+            context_lens=self._tensor(context, torch.int32),
+        )
+        return StepInputs(input_ids, positions, meta, seq_index)
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> Tensor:
@@ -118,25 +129,27 @@ class ModelRunner:
             return g.run(
                 [s.last_token for s in batch.seqs], [s.num_tokens for s in batch.seqs], batch.block_tables
             )
-        input_ids, positions, meta, last = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches, self.backend)  # [T, hidden]
-        return self.model.compute_logits(hidden[last])
+        if batch.phase == "prefill":
+            step = self.prefill_inputs(batch.seqs, batch.block_tables)
+        else:
+            step = self.decode_inputs(batch.seqs, batch.block_tables)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
+        return self.model.compute_logits(hidden[step.logits_index])  # hidden: [T, hidden]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
         logits = self.compute_logits(batch)
         seqs = batch.seqs
         sampling = SamplingBatch(
-            temperatures=[float(s.params.temperature or 0.0) for s in seqs],
-            top_ks=[int(s.params.top_k or 0) for s in seqs],
-            top_ps=[float(s.params.top_p if s.params.top_p is not None else 1.0) for s in seqs],
-            min_ps=[float(s.params.min_p or 0.0) for s in seqs],
-            repetition_penalties=[float(s.params.repetition_penalty or 1.0) for s in seqs],
+            temperatures=[s.params.temperature for s in seqs],
+            top_ks=[s.params.top_k for s in seqs],
+            top_ps=[s.params.top_p for s in seqs],
+            min_ps=[s.params.min_p for s in seqs],
+            repetition_penalties=[s.params.repetition_penalty for s in seqs],
             seen_token_ids=[
-                s.prompt_ids + s.output_ids if (s.params.repetition_penalty or 1.0) != 1.0 else []
-                for s in seqs
+                s.prompt_ids + s.output_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs
             ],
-            seeds=[s.seed for s in seqs],
+            seeds=[s.params.seed for s in seqs],
             steps=[len(s.output_ids) for s in seqs],
         )
         tokens: list[int] = self.sampler(logits, sampling).tolist()

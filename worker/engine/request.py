@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from producer.contract import FinishReason, SamplingParams
+from worker.engine.params import GenerationParams
+
+FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancelled", "error"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineRequest:
     """One generation request. Exactly one of prompt / messages / prompt_token_ids is set.
 
-    `params` must be resolved (`SamplingParams.resolve()`), so every field is set.
-    `started_at` is time.monotonic() when the worker picked it up; timeout_s counts from there
-    (default: the moment the engine receives it).
+    `messages` are chat messages ({"role", "content"}, rendered with the model's chat template).
+    `started_at` is time.monotonic() when the caller picked the request up; timeout_s counts from
+    there (default: the moment the engine receives it).
     """
 
     request_id: str
-    params: SamplingParams
+    params: GenerationParams
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     started_at: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
+class EngineError:
+    type: str  # invalid_request, prompt_too_long, kv_capacity, engine_error, ...
+    message: str
+
+
+@dataclass(frozen=True)
 class EngineResult:
     request_id: str
     text: str
@@ -33,13 +41,12 @@ class EngineResult:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    ttft_s: float | None
+    ttft_s: float | None  # None when no token was generated
     total_s: float
-    error_type: str | None = None
-    error_message: str | None = None
+    error: EngineError | None = None  # set exactly when finish_reason is "error"
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
     running: int
     waiting: int
@@ -48,6 +55,6 @@ class EngineStats:
     tokens_generated: int
     prompt_tokens: int
     steps: int
-    prefill_steps: int = 0
-    prefill_s: float = 0.0  # time in the model for prefill steps
-    decode_s: float = 0.0  # time in the model for decode steps
+    prefill_steps: int
+    prefill_s: float  # time in the model for prefill steps
+    decode_s: float  # time in the model for decode steps

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from worker.engine.block_manager import BlockManager
+from worker.engine.config import SchedulePolicy
 from worker.engine.sequence import Sequence
 
 Phase = Literal["prefill", "decode"]
-Policy = Literal["fcfs", "longest_first"]
 
 
 @dataclass
@@ -35,12 +35,6 @@ class ScheduledBatch:
     seqs: list[Sequence]
     block_tables: list[list[int]]  # one per seq, physical block ids
 
-    @property
-    def num_tokens(self) -> int:
-        if self.phase == "decode":
-            return len(self.seqs)
-        return sum(s.prompt_len for s in self.seqs)
-
 
 class Scheduler:
     def __init__(
@@ -48,10 +42,8 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        policy: Policy = "fcfs",
+        policy: SchedulePolicy = "fcfs",
     ) -> None:
-        if policy not in ("fcfs", "longest_first"):
-            raise ValueError(f"scheduling policy must be fcfs or longest_first, got {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from producer.contract import FinishReason, SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.request import EngineResult
+from worker.engine.params import GenerationParams
+from worker.engine.request import EngineResult, FinishReason
 
 SequenceStatus = Literal["waiting", "running", "finished"]
 
@@ -15,11 +15,10 @@ SequenceStatus = Literal["waiting", "running", "finished"]
 @dataclass
 class Sequence:
     request_id: str
-    params: SamplingParams  # resolved
+    params: GenerationParams
     prompt_ids: list[int]
     max_new_tokens: int  # params.max_new_tokens capped at max_model_len - prompt length
     started_at: float  # monotonic; timeout_s counts from here
-    seed: int  # per-request RNG seed (a random one when params.seed is None)
     detokenizer: IncrementalDetokenizer
     output_ids: list[int] = field(default_factory=list)
     text: str = ""

@@ -1,4 +1,4 @@
-"""Stop rules, applied after each new token in DESIGN.md's priority order. Pure Python.
+"""Stop rules, applied after each new token in priority order (docs/architecture.md). Pure Python.
 
 1. timeout  2. length (max_new_tokens, never one more)  3. stop string / stop token id
 4. EOS (every EOS id; ignore_eos continues)  5. repetition loop (same window N times in a row).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from producer.contract import FinishReason
+from worker.engine.request import FinishReason
 from worker.engine.sequence import Sequence
 
 
@@ -19,8 +19,7 @@ class StopRules:
         self.repeats = repetition_repeats
 
     def timed_out(self, seq: Sequence, now: float) -> bool:
-        timeout = seq.params.timeout_s
-        return timeout is not None and now - seq.started_at > timeout
+        return now - seq.started_at > seq.params.timeout_s
 
     def append_token(self, seq: Sequence, token: int, now: float) -> FinishReason | None:
         """Add one sampled token to `seq` (ids and clean text); return why it must finish, if it must."""
@@ -29,7 +28,7 @@ class StopRules:
             seq.first_token_at = now
         params = seq.params
         is_eos = token in self.eos_token_ids
-        is_stop_id = token in (params.stop_token_ids or ())
+        is_stop_id = token in params.stop_token_ids
         # The final EOS / stop token is counted but never rendered (it is usually a special token).
         new_text = (
             "" if (is_eos and not params.ignore_eos) or is_stop_id else seq.detokenizer.step(seq.output_ids)
@@ -52,9 +51,8 @@ class StopRules:
 
     def _cut_at_stop_string(self, seq: Sequence, prev_len: int) -> bool:
         """Search only text that could contain a match ending in the new characters; cut there."""
-        stops = seq.params.stop or []
         best: tuple[int, str] | None = None
-        for s in stops:
+        for s in seq.params.stop:
             start = max(0, prev_len - len(s) + 1)
             idx = seq.text.find(s, start)
             if idx != -1 and (best is None or idx < best[0]):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from worker.kernels import reference
-from worker.kernels.cpu import CpuAttention
+from worker.kernels.torch_attention import TorchAttention
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,9 @@ class AttentionBackend:
 
 
 def torch_backend() -> AttentionBackend:
-    cpu = CpuAttention()
+    attn = TorchAttention()
     return AttentionBackend(
-        "torch", cpu.kv_cache_shape, cpu.write_kv, cpu.paged_decode_attention, cpu.paged_prefill_attention
+        "torch", attn.kv_cache_shape, attn.write_kv, attn.paged_decode_attention, attn.paged_prefill_attention
     )
 
 

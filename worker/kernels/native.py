@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from worker.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -65,8 +67,6 @@ def _cpu_features() -> str:
 
 
 def _build(cc: str) -> Path:
-    from worker.models.loader import cache_dir
-
     flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
@@ -130,7 +130,7 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
 def paged_decode(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
 ) -> Tensor | None:
-    """cpu.CpuAttention.paged_decode_attention's contract, caches [KVH, NB, BS, D] (check `supports`
+    """torch_attention.TorchAttention.paged_decode_attention's contract, caches [KVH, NB, BS, D] (check `supports`
     first). -> [batch, heads, head_dim] in q's dtype, or None if the kernel could not allocate its
     scratch memory."""
     lib = library()

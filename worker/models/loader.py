@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from worker.cache_dir import cache_dir
 from worker.models.layers import RotaryTable
 from worker.models.llama import DecoderSpec, LlamaFamilyModel
 
@@ -44,10 +45,6 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     checkpoint_dir: str  # a local HF directory (the GGUF cache for .gguf inputs) or the hub id
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHQ_CACHE_DIR") or Path.home() / ".cache" / "batchq")
 
 
 def smollm2_gguf_path() -> Path:

@@ -1,4 +1,4 @@
-"""Start-up decisions: the CPU dtype that `auto` picks."""
+"""Start-up decisions: the CPU dtype that `auto` picks, and the CPU allocator and oneDNN settings."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from worker.engine import resources
-from worker.engine.resources import pick_dtype
+from worker.engine import device
+from worker.engine.device import pick_dtype
 
 CPU = torch.device("cpu")
 
@@ -27,7 +27,7 @@ def test_auto_takes_bfloat16_on_cpu_only_where_its_matmuls_are_clearly_faster(
     monkeypatch: pytest.MonkeyPatch, f32: float, bf16: float, want: torch.dtype
 ) -> None:
     rates = {torch.float32: f32, torch.bfloat16: bf16}
-    monkeypatch.setattr(resources, "gemm_flops", lambda dtype, **_: rates[dtype])
+    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates[dtype])
     assert pick_dtype("auto", CPU) == want
     assert pick_dtype("float32", CPU) == torch.float32 and pick_dtype("bfloat16", CPU) == torch.bfloat16
 
@@ -35,13 +35,13 @@ def test_auto_takes_bfloat16_on_cpu_only_where_its_matmuls_are_clearly_faster(
 def test_gemm_probe_measures_this_machine() -> None:
     # The real probe, small: both dtypes run and give a plausible rate (above 1 GFLOP/s, below 100 TFLOP/s).
     for dtype in (torch.float32, torch.bfloat16):
-        assert 1e9 < resources.gemm_flops(dtype, n=256, reps=2) < 1e14
+        assert 1e9 < device.gemm_flops(dtype, n=256, reps=2) < 1e14
 
 
 # Runs in a fresh interpreter: oneDNN reads its cache capacity once, at the process's first matmul.
 _GROWTH = """
 import random, sys, torch
-from worker.engine.resources import bound_onednn_caches, keep_freed_memory
+from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
 if sys.argv[1] == "bounded":
     bound_onednn_caches()
 keep_freed_memory()
@@ -84,7 +84,7 @@ def test_bf16_matmul_kernel_caches_stay_bounded_under_ever_new_shapes() -> None:
 
 _FAULTS = """
 import resource, sys, torch
-from worker.engine.resources import keep_freed_memory
+from worker.engine.cpu_tuning import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory(), "mallopt refused"
 def faults():

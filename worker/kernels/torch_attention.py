@@ -1,4 +1,5 @@
-"""The CPU attention path: paged attention in torch (decode in C where native.py can build it).
+"""The torch attention backend: paged attention in torch ops, on any device (the CPU path, and CUDA when
+Triton is unavailable or not asked for); on the CPU, decode runs in C where native.py can build it.
 
 Cache layout (one layer): k_cache, v_cache: [kv_heads, num_blocks, block_size, head_dim], kv-head
 outermost (reference.py and the Triton kernels use [num_blocks, block_size, kv_heads, head_dim]).
@@ -114,11 +115,12 @@ def causal_tiles(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> 
     return out.view(q_len, h, d)
 
 
-class CpuAttention:
+class TorchAttention:
     """write_kv / paged_decode_attention / paged_prefill_attention over the kv-head-major layout.
 
     One instance per model runner: it owns the gather workspace, grown on demand up to WORKSPACE_BYTES.
-    Decode runs the C kernel (native.py) where it builds and handles the shapes, unless native=False.
+    On the CPU, decode runs the C kernel (native.py) where it builds and handles the shapes, unless
+    native=False.
     """
 
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES, native: bool = True) -> None:

@@ -1,0 +1,73 @@
+"""The one place where the wire contract (producer/contract.py) and the engine's own types meet.
+
+A queued Request becomes an EngineRequest with fully resolved GenerationParams; an EngineResult becomes
+the stored Result. Fields a request leaves unset take the engine's defaults (GenerationParams);
+max_new_tokens is always set (submit resolves it, and the contract's Request checks it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from producer.contract import ErrorInfo, Request, Result, SamplingParams, Timing, Usage
+from worker.engine.params import GenerationParams
+from worker.engine.request import EngineRequest, EngineResult
+
+# Contract fields with another type in the engine; every other field keeps its name and value.
+_TUPLES = ("stop", "stop_token_ids")
+_NOT_PARAMS = ("n",)  # checked by the contract (n=1 only), nothing for the engine to do
+
+
+def generation_params(params: SamplingParams) -> GenerationParams:
+    """The engine's parameters for a request: the fields it sets, the engine's defaults for the rest."""
+    given: dict[str, Any] = params.model_dump(exclude_none=True, exclude=set(_NOT_PARAMS))
+    for k in _TUPLES:
+        if k in given:
+            given[k] = tuple(given[k])
+    return GenerationParams(**given)
+
+
+def engine_request(req: Request, request_id: str) -> EngineRequest:
+    """`request_id` is the job id (unique across batches); the request's clock starts now."""
+    return EngineRequest(
+        request_id=request_id,
+        params=generation_params(req.params),
+        prompt=req.prompt,
+        messages=[m.model_dump(exclude_none=True) for m in req.messages] if req.messages else None,
+        started_at=time.monotonic(),
+    )
+
+
+def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id: str) -> Result:
+    error = None if res.error is None else ErrorInfo(type=res.error.type, message=res.error.message)
+    return Result(
+        id=req.id,
+        index=req.index,
+        text=res.text,
+        finish_reason=res.finish_reason,
+        usage=Usage(
+            prompt_tokens=res.prompt_tokens,
+            completion_tokens=res.completion_tokens,
+            total_tokens=res.prompt_tokens + res.completion_tokens,
+        ),
+        timing=Timing(queued_s=queued_s, ttft_s=res.ttft_s, total_s=res.total_s),
+        error=error,
+        metadata=req.metadata,
+        worker=worker_id,
+    )
+
+
+def error_result(rid: str, index: int, etype: str, message: str, req: Request | None = None) -> Result:
+    """A request that never reached the engine (invalid payload, too many tries, wrong model)."""
+    return Result(
+        id=rid,
+        index=index,
+        finish_reason="error",
+        error=ErrorInfo(type=etype, message=message),
+        metadata=req.metadata if req else None,
+    )
+
+
+def cancelled_result(req: Request) -> Result:
+    return Result(id=req.id, index=req.index, finish_reason="cancelled", metadata=req.metadata)

@@ -1,0 +1,62 @@
+"""Which device and dtype the engine runs on, decided once at start-up."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from worker.engine.config import Device, Dtype
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: Device) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return torch.device(name)
+
+
+# auto on CPU takes bfloat16 only where its matmuls are clearly faster than float32 (AMX, Zen 4): on
+# CPUs that merely convert bf16 (AVX512-BF16 without AMX) bf16 GEMMs are slower and float32 is exact.
+BF16_MIN_SPEEDUP = 1.3
+
+
+def gemm_flops(dtype: torch.dtype, n: int = 1024, reps: int = 4) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` on the CPU (one warm-up, best of `reps`)."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def cpu_auto_dtype() -> torch.dtype:
+    """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32 here, else float32."""
+    if not torch.backends.mkldnn.is_available():
+        return torch.float32
+    f32, bf16 = gemm_flops(torch.float32), gemm_flops(torch.bfloat16)
+    choice = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * f32 else torch.float32
+    log.info(
+        "dtype auto: CPU matmul %.0f GFLOP/s float32, %.0f bfloat16 -> %s",
+        f32 / 1e9,
+        bf16 / 1e9,
+        str(choice).removeprefix("torch."),
+    )
+    return choice
+
+
+def pick_dtype(name: Dtype, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA; on CPU the faster of float32 and bfloat16 (see cpu_auto_dtype)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else cpu_auto_dtype()
+    return _DTYPES[name]

@@ -1,0 +1,71 @@
+"""KV pool sizing: how many blocks of block_size tokens the engine's cache holds, decided at load."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from worker.kernels.backend import torch_backend
+from worker.models.layers import AttentionMetadata
+from worker.models.llama import LlamaFamilyModel
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(model: LlamaFamilyModel, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv heads x head dim x dtype bytes."""
+    s = model.spec
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype.itemsize
+
+
+@torch.inference_mode()
+def _peak_activation_bytes(cfg: EngineConfig, model: LlamaFamilyModel, device: torch.device) -> int:
+    """Run a dummy prefill of one full token budget (with a one-block scratch cache) and measure its peak."""
+    s = model.spec
+    dtype = model.lm_head.weight.dtype
+    t = min(cfg.max_num_batched_tokens, model.rotary.cos.shape[0])
+    nblk = -(-t // cfg.block_size)
+    backend = torch_backend()
+    shape = backend.kv_cache_shape(nblk, cfg.block_size, s.num_kv_heads, s.head_dim)
+    caches = [(torch.empty(shape, dtype=dtype, device=device),) * 2 for _ in range(s.num_layers)]
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(t, dtype=torch.long, device=device)
+    pos = torch.arange(t, device=device)
+    meta = AttentionMetadata(
+        phase="prefill",
+        slot_mapping=pos,
+        block_tables=torch.arange(nblk, dtype=torch.int32, device=device).unsqueeze(0),
+        context_lens=torch.tensor([t], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=device),
+    )
+    hidden = model(ids, pos, meta, caches, backend)
+    model.compute_logits(hidden[-cfg.max_num_seqs :])
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del caches, hidden
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+def size_kv_pool(cfg: EngineConfig, model: LlamaFamilyModel, dtype: torch.dtype, device: torch.device) -> int:
+    """Number of KV blocks: explicit kv_cache_gb, else (GPU) free memory × watermark after weights and
+    peak activations, else (CPU) DEFAULT_CPU_KV_CACHE_GB."""
+    block_bytes = kv_bytes_per_token(model, dtype) * cfg.block_size
+    if cfg.kv_cache_gb is not None:
+        budget = int(cfg.kv_cache_gb * 1024**3)
+    elif device.type == "cuda":
+        peak = _peak_activation_bytes(cfg, model, device)
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cfg.kv_watermark) - used - peak
+        log.info(
+            "GPU %.1f GiB total, %.1f used, %.2f activation peak", total / 2**30, used / 2**30, peak / 2**30
+        )
+    else:
+        budget = int(DEFAULT_CPU_KV_CACHE_GB * 1024**3)
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"no room for the KV cache: budget {budget} bytes, one block needs {block_bytes}")
+    return int(num_blocks)

@@ -1,0 +1,60 @@
+"""What one request asks of the engine: fully resolved generation parameters, no "unset" values.
+
+The engine's own type: it knows nothing of the JSONL contract. The worker translates a wire request
+into these in one place (worker/adapter.py); a library caller builds them directly. The defaults are
+the neutral values (no filtering, no penalty, no stop strings, no timeout); only max_new_tokens must
+always be given.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Literal
+
+TruncateSide = Literal["error", "left", "right"]
+SEED_LIMIT = 2**63
+
+
+def random_seed() -> int:
+    return random.getrandbits(63)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """Sampling, stop and time limits of one request. Validated on construction (ValueError)."""
+
+    max_new_tokens: int  # hard cap on generated tokens
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # 1.0: off
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0.0: off
+    repetition_penalty: float = 1.0  # 1.0: off
+    seed: int = field(default_factory=random_seed)  # same seed, same tokens, whatever shares the batch
+    stop: tuple[str, ...] = ()  # text is cut before the first match
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    timeout_s: float = math.inf  # wall-clock budget from the request's start
+    truncate_prompt: TruncateSide = "error"  # a prompt longer than the context: fail, or cut a side
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_new_tokens": self.max_new_tokens >= 1,
+            "temperature": math.isfinite(self.temperature) and self.temperature >= 0.0,
+            "top_p": 0.0 < self.top_p <= 1.0,
+            "top_k": self.top_k >= 0,
+            "min_p": 0.0 <= self.min_p < 1.0,
+            "repetition_penalty": math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "seed": 0 <= self.seed < SEED_LIMIT,
+            "stop": all(isinstance(s, str) and s for s in self.stop),
+            "stop_token_ids": all(t >= 0 for t in self.stop_token_ids),
+            "timeout_s": self.timeout_s > 0.0,
+            "truncate_prompt": self.truncate_prompt in ("error", "left", "right"),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(
+                "invalid generation parameter(s): " + ", ".join(f"{k}={getattr(self, k)!r}" for k in bad)
+            )
