@@ -4,8 +4,9 @@ What changes from plain arq, and why:
 - The in-progress key is a lease of `lease_s` (not job timeout + 10 s) that live workers renew, so a
   SIGKILLed worker's requests are re-run within seconds.
 - Redis errors in the poll loop are logged and retried with backoff instead of ending the worker.
-- Before starting jobs, ids already leased elsewhere are filtered with one pipelined round trip, and a
-  Redis outage while leasing a job neither leaks its job slot nor ends the worker.
+- Before starting jobs, ids already leased elsewhere are filtered with one pipelined round trip; when
+  other workers hold the whole page the poll read, the next page is read, so added workers find work.
+- A Redis outage while leasing a job neither leaks its job slot nor ends the worker.
 - Tries are counted by the job itself (arq's own limit is set out of reach) so that a request which
   keeps killing workers ends in a recorded error result rather than vanishing.
 """
@@ -29,6 +30,7 @@ log = logging.getLogger("batchq.worker")
 
 ARQ_MAX_TRIES = 1_000_000  # batchq counts tries itself (JobHandler.run)
 JOB_TIMEOUT_S = 30 * 24 * 3600  # per-request timeout_s is enforced by the engine, not by arq
+MAX_SCAN = 10_000  # queue ids one poll reads at most while looking past leased ones
 
 
 async def run_request(ctx: dict[str, Any], payload: Any) -> str:
@@ -44,7 +46,8 @@ class QueueWorker(Worker):
             queue_name=keys.queue_name(cfg.queue),
             max_jobs=cfg.max_jobs,
             # arq reads max_jobs * 5 ids a poll by default; each costs an EXISTS, which on a small
-            # machine takes CPU from the engine. The head of the queue is all a worker needs.
+            # machine takes CPU from the engine. A page of max_jobs ids, and the next one only when
+            # other workers hold all of it (start_jobs).
             queue_read_limit=cfg.max_jobs,
             job_timeout=JOB_TIMEOUT_S,
             keep_result=0,
@@ -76,18 +79,41 @@ class QueueWorker(Worker):
             self._backoff = 0.0
 
     async def start_jobs(self, job_ids: list[bytes]) -> None:
-        """Lease and start the polled jobs that no live worker holds.
+        """Lease and start polled jobs that no live worker holds, reading past the leased head.
 
-        Replaces arq's start_jobs, which on a Redis outage mid-start leaked the job slot it had taken (its
-        counter and semaphore: a few outages and the worker never polled again) and let the WatchError
-        that redis-py raises for a connection lost under WATCH end the worker's main loop. Here a slot is
-        released on every path that starts no task, and a lost connection is an outage like any other.
+        Replaces arq's start_jobs, which (1) on a Redis outage mid-start leaked the job slot it had
+        taken (a few outages and the worker never polled again) and let the WatchError that redis-py
+        raises for a connection lost under WATCH end the worker's main loop; and (2) only looked at the
+        `queue_read_limit` ids a poll read: jobs stay in the queue while they run, so with one worker
+        holding the head of the queue, a second saw only leased ids and sat idle while the rest of the
+        batch waited. Here every path that starts no task gives its slot back, a lost connection is an
+        outage like any other, and a poll whose page held no free job reads the next page.
         """
-        if not job_ids:
-            return
-        # A job this worker still runs whose lease lapsed while Redis was down is back in reach of every
-        # poll: take the lease again instead of starting it twice (the engine refuses a second request
-        # under the same id, and arq would drop the first task unobserved).
+        offset = 0
+        while job_ids:
+            for jid in await self._unleased(job_ids):
+                if not await self._start_one(jid.decode()):
+                    return  # every job slot is taken
+            if self.job_counter >= self.max_jobs or len(job_ids) < self.queue_read_limit:
+                return
+            offset += len(job_ids)
+            if offset >= MAX_SCAN:
+                return
+            job_ids = await self.pool.zrangebyscore(
+                self.queue_name,
+                min=float("-inf"),
+                max=timestamp_ms(),
+                start=offset,
+                num=self.queue_read_limit,
+            )
+
+    async def _unleased(self, job_ids: list[bytes]) -> list[bytes]:
+        """The ids no worker holds a lease on, in one round trip.
+
+        A job this worker still runs whose lease lapsed while Redis was down is back in reach of every
+        poll: its lease is taken again here instead of starting it twice (the engine refuses a second
+        request under the same id, and arq would drop the first task unobserved).
+        """
         ms = int(self.handler.cfg.lease_s * 1000)
         mine = {jid for jid in job_ids if (t := self.tasks.get(jid.decode())) is not None and not t.done()}
         async with self.pool.pipeline(transaction=False) as pipe:
@@ -97,21 +123,23 @@ class QueueWorker(Worker):
                 else:
                     pipe.exists(in_progress_key_prefix + jid.decode())
             leased = await pipe.execute()
-        for jid, busy in zip(job_ids, leased, strict=True):
-            if jid in mine or busy:
-                continue
-            await self.sem.acquire()
-            if self.job_counter >= self.max_jobs:
+        return [jid for jid, busy in zip(job_ids, leased, strict=True) if jid not in mine and not busy]
+
+    async def _start_one(self, job_id: str) -> bool:
+        """Take a job slot and try to start `job_id` in it; False when no slot is free."""
+        await self.sem.acquire()
+        if self.job_counter >= self.max_jobs:
+            self.sem.release()
+            return False
+        self.job_counter += 1
+        started = False
+        try:
+            started = await self._lease_and_start(job_id, int(self.handler.cfg.lease_s * 1000))
+        finally:
+            if not started:
+                self.job_counter -= 1
                 self.sem.release()
-                return
-            self.job_counter += 1
-            started = False
-            try:
-                started = await self._lease_and_start(jid.decode(), ms)
-            finally:
-                if not started:
-                    self.job_counter -= 1
-                    self.sem.release()
+        return True
 
     async def _lease_and_start(self, job_id: str, lease_ms: int) -> bool:
         """Take the job's lease in one WATCH/MULTI and start its task; False when another worker won it."""

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from arq.constants import in_progress_key_prefix
 from redis.asyncio.client import Pipeline
 
 from producer import keys
@@ -94,6 +95,32 @@ async def test_outage_while_leasing_a_job_neither_ends_the_worker_nor_leaks_its_
         async with BatchqClient.from_url(server.url) as client:
             results = [r async for r in client.results(report.batch_id)]
         assert [(r.id, r.finish_reason, r.usage.completion_tokens) for r in results] == [("a", "length", 3)]
+    finally:
+        await aengine.stop()
+        await redis.aclose()
+
+
+async def test_a_worker_reads_past_the_jobs_other_workers_hold(server, tiny_model_dir) -> None:
+    """Jobs stay queued while they run, so the head of the queue is what the first worker leased. A second
+    worker that read only one page (max_jobs ids) saw nothing but leased jobs and sat idle while the rest
+    of the batch waited: it must read on to the free ones."""
+    cfg = WorkerConfig(
+        engine=tiny_engine(tiny_model_dir, max_num_seqs=2), redis_url=server.url, prefetch=0, lease_s=60.0
+    )
+    aengine = await AsyncEngine.load(cfg.engine)
+    redis = connect(cfg)
+    try:
+        async with BatchqClient.from_url(server.url) as client:
+            lines = [f'{{"prompt": "item {i}", "max_new_tokens": 2, "temperature": 0}}' for i in range(10)]
+            await client.submit_lines(lines, queue=cfg.queue)
+        queued = [jid.decode() for jid in await redis.zrange(keys.queue_name(cfg.queue), 0, -1)]
+        for jid in queued[:5]:  # another worker runs the first five
+            await redis.psetex(in_progress_key_prefix + jid, 60_000, b"1")
+        worker = QueueWorker(JobHandler(cfg, aengine, redis), redis_pool=redis)
+        assert worker.queue_read_limit == cfg.max_jobs == 2
+        await worker._poll_iteration()
+        assert sorted(worker.tasks) == sorted(queued[5:7])
+        await asyncio.gather(*worker.tasks.values())
     finally:
         await aengine.stop()
         await redis.aclose()
