@@ -11,7 +11,7 @@ PROMPTS ?= configs/examples/prompts.jsonl
 OUT ?= results.jsonl
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest run bench gpu-check clean
+.PHONY: install test test-fast lint typecheck pytest pytest-fast hooks run bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,17 @@ pytest: $(STAMP)
 	$(VENV)/bin/pytest -q -ra
 
 test: lint typecheck pytest
+
+# Everything not marked slow (no real SmolLM2 model, no worker processes): about a minute on 2 cores.
+pytest-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -ra -m "not slow"
+
+test-fast: lint typecheck pytest-fast
+
+# ruff and mypy as git pre-commit hooks (.pre-commit-config.yaml)
+hooks: $(STAMP)
+	$(PIP) install -q 'pre-commit>=3'
+	$(VENV)/bin/pre-commit install
 
 run: $(STAMP)
 	$(PY) -m worker.run_main --prompts $(PROMPTS) --output $(OUT)

@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server child process. `.url`, `.port`, `.start()`, `.stop()`, `.kill()`, `.restart()`."""
+    """A redis-server child process. `.url`, `.port`, `.start()`, `.stop()`, `.kill()`."""
 
     def __init__(self, *, appendonly: bool = True, appendfsync: str = "always", data_dir: str | None = None):
         self.port = free_port()
@@ -102,10 +102,6 @@ class RedisServer:
         if self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None
-
-    def restart(self) -> RedisServer:
-        self.kill()
-        return self.start()
 
     def close(self) -> None:
         self.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
@@ -14,7 +14,7 @@ T = TypeVar("T")
 
 async def done(value: Awaitable[T] | T) -> T:
     """redis-py types each command as sync-or-async; on a redis.asyncio client it is always awaitable."""
-    return await value  # type: ignore[misc]
+    return await cast(Awaitable[T], value)
 
 
 class LuaScript:
@@ -28,7 +28,3 @@ class LuaScript:
         except NoScriptError:
             await redis.script_load(self.source)
             return await done(redis.evalsha(self.sha, len(keys), *keys, *args))
-
-    async def load(self, redis: Redis) -> None:
-        """Load before pipelining EVALSHA calls, where a NoScriptError cannot be retried per call."""
-        await redis.script_load(self.source)

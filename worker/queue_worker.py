@@ -63,7 +63,6 @@ class QueueWorker(Worker):
             **kwargs,
         )
         self.handler = handler
-        self.in_progress_timeout_s = cfg.lease_s
         self._backoff = 0.0
 
     async def _poll_iteration(self) -> None:
@@ -151,7 +150,7 @@ class QueueWorker(Worker):
                 score = await pipe.zscore(self.queue_name, job_id)
                 if ongoing or not score or score > timestamp_ms():
                     return False  # running elsewhere, finished, or re-enqueued for later
-                pipe.multi()
+                pipe.multi()  # type: ignore[no-untyped-call]
                 pipe.psetex(in_progress_key, lease_ms, b"1")
                 await pipe.execute()
         except WatchError as e:

@@ -186,16 +186,19 @@ def test_timeout_and_cancel_keep_partial_output(ckpt: Path) -> None:
 
 
 async def test_async_engine_keeps_the_event_loop_responsive(ckpt: Path) -> None:
-    engine = engine_with(ckpt)
-    real_step = engine.step
+    def loader(cfg: EngineConfig) -> Engine:
+        engine = Engine.load(cfg)
+        real_step = engine.step
 
-    def slow_step() -> list[EngineResult]:
-        time.sleep(0.2)  # stands in for a long forward pass
-        return real_step()
+        def slow_step() -> list[EngineResult]:
+            time.sleep(0.2)  # stands in for a long forward pass
+            return real_step()
 
-    engine.step = slow_step  # type: ignore[method-assign]
-    aeng = AsyncEngine(engine)
-    await aeng.start()
+        engine.step = slow_step  # type: ignore[method-assign]
+        return engine
+
+    cfg = EngineConfig(dtype="float32", model=str(ckpt), block_size=BLOCK, kv_cache_gb=0.01)
+    aeng = await AsyncEngine.load(cfg, loader=loader)
     fut = aeng.submit(
         EngineRequest("a", params(temperature=0, max_new_tokens=4, ignore_eos=True), prompt_token_ids=[5, 6])
     )

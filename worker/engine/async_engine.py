@@ -58,15 +58,6 @@ class AsyncEngine:
         threading.Thread(target=run, name="batchq-engine", daemon=True).start()
         return await loaded
 
-    async def start(self) -> None:
-        """Start the step loop for an engine loaded elsewhere (tests; prefer `load`)."""
-        if self._thread is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="batchq-engine", daemon=True)
-        self._thread.start()
-
     async def stop(self) -> None:
         """Stop the loop thread; requests still in flight are cancelled with their partial text."""
         thread = self._thread

@@ -42,7 +42,7 @@ def gemm_flops(dtype: torch.dtype, n: int = 1024, reps: int = 4) -> float:
 
 def cpu_auto_dtype() -> torch.dtype:
     """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32 here, else float32."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return torch.float32
     f32, bf16 = gemm_flops(torch.float32), gemm_flops(torch.bfloat16)
     choice = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * f32 else torch.float32

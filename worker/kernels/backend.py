@@ -48,7 +48,8 @@ def torch_backend() -> AttentionBackend:
 
 def _prefill_from_cache(mod: ModuleType) -> Callable[..., Tensor]:
     def prefill(*args: object, k: Tensor | None = None, v: Tensor | None = None) -> Tensor:
-        return mod.paged_prefill_attention(*args)
+        out: Tensor = mod.paged_prefill_attention(*args)
+        return out
 
     return prefill
 
