@@ -198,7 +198,11 @@ async def status(client: BatchqClient, args: argparse.Namespace) -> int:
     print(f"batch      {s.batch_id}  ({s.state})")
     print(f"requests   total {s.total}  queued {s.queued}  running {s.running}")
     print(f"finished   completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}")
-    print(f"tokens     prompt {s.prompt_tokens}  completion {s.completion_tokens}")
+    print(
+        f"tokens     prompt {s.prompt_tokens} (prefix cache {s.cached_prompt_tokens})  "
+        f"completion {s.completion_tokens}"
+    )
+    print(f"cache      {s.from_result_cache} results from the result cache")
     print(f"created    {when(s.created_at)}   finished {when(s.finished_at)}")
     return OK
 

@@ -151,10 +151,15 @@ class Request(_Strict):
         return self
 
 
+class PromptTokensDetails(_Strict):
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the worker's prefix cache (not computed)
+
+
 class Usage(_Strict):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class Timing(_Strict):
@@ -180,6 +185,7 @@ class Result(_Strict):
     error: ErrorInfo | None = None
     metadata: dict[str, Any] | None = None
     worker: str | None = None
+    cached: bool = False  # answered from the result cache: the stored answer of an identical request
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(mode="json"))
@@ -204,6 +210,8 @@ class BatchStatus(_Strict):
     cancelled: int
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served from workers' prefix caches
+    from_result_cache: int = 0  # results answered from the result cache
     created_at: float
     finished_at: float | None = None
     queue: str | None = None

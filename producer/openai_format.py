@@ -45,6 +45,7 @@ def openai_line(result: Result, *, chat: bool, batch_id: str, model: str, create
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,
                 "total_tokens": usage.total_tokens or usage.prompt_tokens + usage.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
             },
         },
     }

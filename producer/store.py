@@ -39,12 +39,15 @@ def counter_for(finish_reason: str) -> str:
 
 
 # KEYS: meta, results, running, chat. ARGV: index, result json, counter, prompt_tokens, completion_tokens,
-# now, fallback ttl. The batch's own result_ttl_s (set at submit) wins over the caller's fallback.
+# now, fallback ttl, cached prompt tokens, 1 if answered from the result cache. The batch's own
+# result_ttl_s (set at submit) wins over the caller's fallback.
 _WRITE_RESULT = LuaScript("""
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5])
+if ARGV[8] ~= '0' then redis.call('HINCRBY', KEYS[1], 'cached_prompt_tokens', ARGV[8]) end
+if ARGV[9] ~= '0' then redis.call('HINCRBY', KEYS[1], 'from_result_cache', 1) end
 redis.call('SREM', KEYS[3], ARGV[1])
 local m = redis.call('HMGET', KEYS[1], 'total', 'completed', 'failed', 'cancelled', 'finished_at',
                      'result_ttl_s')
@@ -115,6 +118,8 @@ async def write_result(
         result.usage.completion_tokens,
         repr(time.time()),
         ttl_s,
+        result.usage.prompt_tokens_details.cached_tokens,
+        int(result.cached),
     ]
     return bool(await _WRITE_RESULT(redis, keys_, args))
 
@@ -151,6 +156,8 @@ def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
         cancelled=_int(m.get("cancelled")),
         prompt_tokens=_int(m.get("prompt_tokens")),
         completion_tokens=_int(m.get("completion_tokens")),
+        cached_prompt_tokens=_int(m.get("cached_prompt_tokens")),
+        from_result_cache=_int(m.get("from_result_cache")),
         created_at=float(m.get("created_at") or 0.0),
         finished_at=float(finished) if finished else None,
         queue=_str(m["queue"]) if m.get("queue") else None,

@@ -55,6 +55,7 @@ class StatsLogger:
         s = engine.core.stats()
         self._tokens, self._steps, self._prefills = s.tokens_generated, s.steps, s.prefill_steps
         self._busy = s.prefill_s + s.decode_s
+        self._prompt, self._cached = s.prompt_tokens, s.cached_prompt_tokens
 
     def line(self, completed: int, failed: int) -> str:
         s = self.engine.core.stats()
@@ -65,6 +66,8 @@ class StatsLogger:
         # rules, detokenising, waiting for work, and whatever else competes for the CPU)
         busy_pct = 100.0 * (busy - self._busy) / max(now - self._t, 1e-9)
         steps, prefills = s.steps - self._steps, s.prefill_steps - self._prefills
+        cached = s.cached_prompt_tokens - self._cached
+        computed = s.prompt_tokens - self._prompt - cached
         self._t, self._tokens, self._steps, self._prefills, self._busy = (
             now,
             s.tokens_generated,
@@ -72,11 +75,13 @@ class StatsLogger:
             s.prefill_steps,
             busy,
         )
+        self._prompt, self._cached = s.prompt_tokens, s.cached_prompt_tokens
         kv_pct = 100.0 * s.kv_blocks_used / max(s.kv_blocks_total, 1)
         return (
             f"throughput={rate:.1f} tok/s running={s.running} waiting={s.waiting} "
             f"kv={s.kv_blocks_used}/{s.kv_blocks_total} ({kv_pct:.0f}%) steps={steps} "
-            f"(prefill {prefills}) model busy={busy_pct:.0f}% done={completed} failed={failed}"
+            f"(prefill {prefills}) prompt tokens computed={computed} cached={cached} "
+            f"model busy={busy_pct:.0f}% done={completed} failed={failed}"
         )
 
 

@@ -66,7 +66,7 @@ def run_checked(engine: Engine, reqs: list[EngineRequest]) -> list[EngineResult]
         engine.block_manager.check_invariants()
         stats = engine.stats()
         assert stats.kv_blocks_used <= stats.kv_blocks_total
-        assert engine.block_manager.num_reserved <= engine.block_manager.num_blocks
+        assert engine.block_manager.num_committed <= engine.block_manager.num_blocks
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
     return [done[r.request_id] for r in reqs]
 

@@ -128,7 +128,7 @@ def test_submit_status_wait_results_round_trip(redis_url: str, tmp_path: Path) -
         ("c1", "answer 0", "eos"),
         ("t1", "answer 1", "length"),
     ]
-    assert set(rows[0]) == {"id", "text", "finish_reason", "usage", "timing", "error", "metadata"}
+    assert set(rows[0]) == {"id", "text", "finish_reason", "usage", "timing", "error", "metadata", "cached"}
 
     oa = [orjson.loads(x) for x in cli(redis_url, "results", "b1", "--format", "openai").stdout.splitlines()]
     chat, text = (r["response"]["body"] for r in oa)

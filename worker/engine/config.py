@@ -53,6 +53,9 @@ class EngineConfig(BaseModel):
     )
     max_num_seqs: int = Field(default=64, ge=1, description="sequences decoded together at most")
     max_num_batched_tokens: int = Field(default=4096, ge=1, description="token budget of one step")
+    prefix_cache: bool = Field(
+        default=True, description="reuse the K/V of prompt blocks already computed (automatic prefix caching)"
+    )
     repetition_window: int = Field(default=10, ge=0, description="loop detection window in tokens (0: off)")
     repetition_repeats: int = Field(
         default=3, ge=0, description="windows repeated in a row that end a loop (0: off)"

@@ -49,7 +49,10 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = max_model_len
         self.model_runner = model_runner
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        # The prefix cache's chain hashes are salted with what else decides K/V: model, weights, dtype.
+        kv_dtype = model_runner.kv_caches[0][0].dtype
+        salt = f"{loaded.name}\0{loaded.checkpoint_dir}\0{kv_dtype}".encode()
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, salt)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, policy=cfg.schedule_policy
         )
@@ -67,6 +70,7 @@ class Engine:
         self._decode_s = 0.0
         self._tokens_generated = 0
         self._prompt_tokens = 0
+        self._cached_prompt_tokens = 0
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> Engine:
@@ -142,10 +146,14 @@ class Engine:
         if batch.phase == "prefill":
             self._prefill_steps += 1
             self._prefill_s += now - t0
+            self._prompt_tokens += sum(s.prompt_len for s in batch.seqs)
+            self._cached_prompt_tokens += sum(s.num_cached_tokens for s in batch.seqs)
         else:
             self._decode_s += now - t0
         self._tokens_generated += len(tokens)
+        bm = self.block_manager
         for seq, token in zip(batch.seqs, tokens, strict=True):
+            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)  # K/V written
             reason = self.stop_rules.append_token(seq, token, now)
             if reason is not None:
                 results.append(self._finish(seq, reason, now))
@@ -171,6 +179,7 @@ class Engine:
             kv_blocks_total=self.block_manager.num_blocks,
             tokens_generated=self._tokens_generated,
             prompt_tokens=self._prompt_tokens,
+            cached_prompt_tokens=self._cached_prompt_tokens,
             steps=self._steps,
             prefill_steps=self._prefill_steps,
             prefill_s=self._prefill_s,
@@ -224,7 +233,6 @@ class Engine:
                 )
                 continue
             self._seqs[seq.request_id] = seq
-            self._prompt_tokens += seq.prompt_len
             self.scheduler.add(seq)
         for rid in cancelled:
             target = self._seqs.get(rid)

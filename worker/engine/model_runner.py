@@ -85,10 +85,10 @@ class ModelRunner:
         return blocks * self.block_size + positions % self.block_size
 
     def prefill_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
-        """Every sequence's whole prompt, packed without padding."""
+        """Every sequence's prompt after its cached prefix, packed without padding."""
         block_tables = self._block_table_tensor(tables)
-        lens = [s.prompt_len for s in seqs]
-        input_ids = self._tensor([t for s in seqs for t in s.prompt_ids])
+        lens = [s.prompt_len - s.num_cached_tokens for s in seqs]  # tokens computed now
+        input_ids = self._tensor([t for s in seqs for t in s.prompt_ids[s.num_cached_tokens :]])
         lens_t = self._tensor(lens)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=self.device)
         cu[1:] = lens_t.cumsum(0)
@@ -96,12 +96,13 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(
             torch.arange(len(lens), device=self.device), lens_t, output_size=sum(lens)
         )
-        positions = torch.arange(sum(lens), device=self.device) - cu[:-1][seq_index]
+        start = self._tensor([s.num_cached_tokens for s in seqs])  # [B] first position computed
+        positions = torch.arange(sum(lens), device=self.device) - cu[:-1][seq_index] + start[seq_index]
         meta = AttentionMetadata(
             phase="prefill",
             slot_mapping=self._slots(block_tables, seq_index, positions),
             block_tables=block_tables,
-            context_lens=lens_t.to(torch.int32),
+            context_lens=self._tensor([s.prompt_len for s in seqs], torch.int32),
             cu_seqlens_q=cu.to(torch.int32),
         )
         return StepInputs(input_ids, positions, meta, cu[1:] - 1)

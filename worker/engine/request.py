@@ -44,6 +44,7 @@ class EngineResult:
     ttft_s: float | None  # None when no token was generated
     total_s: float
     error: EngineError | None = None  # set exactly when finish_reason is "error"
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     tokens_generated: int
-    prompt_tokens: int
+    prompt_tokens: int  # of the requests prefilled so far
+    cached_prompt_tokens: int  # of prompt_tokens, served from the prefix cache (not computed)
     steps: int
     prefill_steps: int
     prefill_s: float  # time in the model for prefill steps

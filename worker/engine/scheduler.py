@@ -1,10 +1,14 @@
 """Admission and batching. Pure Python: owns the block manager, hands the runner typed batches.
 
-Admission rule: a waiting request (FIFO, the head blocks the rest) is admitted when
-    sum over running of ceil((prompt + max_new_tokens) / block_size) + its own need <= pool blocks,
-the running count stays <= max_num_seqs, and the prompts admitted this step fit the token budget
-(a single prompt larger than the budget is admitted alone so it cannot starve). Reserving the worst
-case means no sequence is ever preempted and the pool never runs out.
+Admission rule: a waiting request (in order; the head blocks the rest) is admitted when
+    blocks held by running requests + blocks they may still allocate
+        + the blocks it newly takes (ceil((prompt + max_new_tokens) / block_size), less the cached
+          prefix blocks that running requests already hold) <= pool blocks,
+the running count stays <= max_num_seqs, and the prompt tokens it must compute (after its cached
+prefix) fit this step's token budget (a single prompt larger than the budget is admitted alone so it
+cannot starve). Reserving the worst case means no sequence is ever preempted and the pool never runs
+out. A request whose next prompt block another request admitted in this step is about to compute
+waits one step, so that it finds that block cached instead of computing it twice.
 
 Admission order: "fcfs" (arrival order) or "longest_first" (largest max_new_tokens first, then arrival).
 For batch work longest_first keeps the batch full to the end: long generations start early and short
@@ -22,7 +26,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Literal
 
-from worker.engine.block_manager import BlockManager
+from worker.engine.block_manager import BlockHash, BlockManager
 from worker.engine.config import SchedulePolicy
 from worker.engine.sequence import Sequence
 
@@ -85,21 +89,30 @@ class Scheduler:
         bm = self.block_manager
         admitted: list[Sequence] = []
         tokens = 0
+        computing: set[BlockHash] = set()  # prompt blocks this step's prefills compute
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.blocks_needed(seq)
-            if not bm.can_reserve(need):
+            if seq.prompt_hashes is None:
+                seq.prompt_hashes = bm.prompt_hashes(seq.prompt_ids)
+            hits = bm.match_prefix(seq.prompt_hashes)
+            if len(hits) < len(seq.prompt_hashes) and seq.prompt_hashes[len(hits)] in computing:
                 break
-            if admitted and tokens + seq.prompt_len > self.max_num_batched_tokens:
+            need = self.blocks_needed(seq)
+            if not bm.can_admit(need, hits):
+                break
+            cached = len(hits) * bm.block_size
+            if admitted and tokens + seq.prompt_len - cached > self.max_num_batched_tokens:
                 break
             self.waiting.pop(0)
             del self._order[seq.request_id]
-            bm.reserve(seq.request_id, need)
+            bm.admit(seq.request_id, need, hits, seq.prompt_hashes)
             bm.ensure_capacity(seq.request_id, seq.prompt_len)
+            seq.num_cached_tokens = cached
             seq.status = "running"
             self.running.append(seq)
             admitted.append(seq)
-            tokens += seq.prompt_len
+            computing.update(seq.prompt_hashes[len(hits) :])
+            tokens += seq.prompt_len - cached
         return admitted
 
     def _batch(self, phase: Phase, seqs: list[Sequence]) -> ScheduledBatch:

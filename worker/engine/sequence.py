@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from worker.engine.block_manager import BlockHash
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineResult, FinishReason
@@ -25,6 +26,8 @@ class Sequence:
     status: SequenceStatus = "waiting"
     first_token_at: float | None = None
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
+    prompt_hashes: list[BlockHash] | None = None  # chain hashes of the prompt's full blocks (scheduler)
 
     @property
     def prompt_len(self) -> int:
@@ -53,6 +56,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len,
             completion_tokens=len(self.output_ids),
+            cached_tokens=self.num_cached_tokens,
             ttft_s=ttft,
             total_s=now - self.started_at,
         )
