@@ -209,6 +209,40 @@ def _fit(tokenizer: Any, messages: list[dict[str, str]], target: int) -> list[di
     return msgs
 
 
+FEWSHOT_LABELS = ["positive", "negative", "neutral", "mixed"]
+
+
+def fewshot(n: int = 1000, seed: int = 0, examples: int = 14) -> list[dict[str, Any]]:
+    """A few-shot labeling batch: one instruction with `examples` worked examples (a system message of
+    ~600 templated tokens, the same in every request), then a short item (20-80 tokens) to label with
+    1-8 new tokens, greedy. The shape of an offline labeling job, where the prefix cache matters."""
+    rng = random.Random(seed)
+    shots = []
+    for k in range(examples):
+        shots.append(f"Review: {_text(rng, 32)}\nLabel: {FEWSHOT_LABELS[k % len(FEWSHOT_LABELS)]}")
+    system = (
+        "You label customer reviews by their overall sentiment. Answer with exactly one label: "
+        + ", ".join(FEWSHOT_LABELS)
+        + ". Mixed means clearly positive and clearly negative points together.\n\nExamples:\n\n"
+        + "\n\n".join(shots)
+    )
+    out = []
+    for i in range(n):
+        item = _text(rng, rng.randint(14, 60))
+        out.append(
+            {
+                "id": f"fs-{i:05d}",
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Review: {item}"},
+                ],
+                "max_new_tokens": rng.randint(1, 8),
+                "temperature": 0,
+            }
+        )
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description="Write the standard benchmark workload as JSONL.")
     p.add_argument("-n", type=int, default=256)

@@ -80,6 +80,11 @@ def _submit_opts(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"keep results S s after finishing (default {keys.DEFAULT_RESULT_TTL_S} = 7 days)",
     )
+    p.add_argument(
+        "--no-result-cache",
+        action="store_true",
+        help="compute every request afresh, even where workers hold the answer of an identical one",
+    )
     p.add_argument("--json", action="store_true", help='print {"batch_id","total","enqueued","invalid"}')
     p.add_argument("--wait", action="store_true", help="then wait and write the results (stdout, or -o)")
     p.add_argument(

@@ -86,9 +86,12 @@ class BatchqClient:
         model: str | None = None,
         skip_invalid: bool = False,
         result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
+        result_cache: bool = True,
         on_created: Callable[[str], None] | None = None,
     ) -> SubmitReport:
-        """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input."""
+        """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input.
+
+        result_cache=False: every request is computed afresh, even where workers hold its answer."""
         opts: dict[str, Any] = dict(
             batch_id=batch_id,
             queue=queue,
@@ -96,6 +99,7 @@ class BatchqClient:
             defaults=defaults,
             skip_invalid=skip_invalid,
             result_ttl_s=result_ttl_s,
+            result_cache=result_cache,
             on_created=on_created,
         )
         if not isinstance(path_or_stdin, str | Path):

@@ -155,6 +155,7 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
             model=args.model,
             skip_invalid=args.skip_invalid,
             result_ttl_s=args.result_ttl,
+            result_cache=not args.no_result_cache,
             on_created=created.append,
         )
     except (asyncio.CancelledError, RedisError):

@@ -137,6 +137,7 @@ class Request(_Strict):
     metadata: dict[str, Any] | None = None
     model: str | None = None
     enqueued_at: float = 0.0
+    result_cache: bool = True  # False: compute afresh even when the result cache holds the answer
 
     @model_validator(mode="after")
     def _one_input(self) -> Request:

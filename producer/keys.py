@@ -78,6 +78,12 @@ def queue_clock(queue: str) -> str:
     return f"{PREFIX}queue-clock:{queue}"
 
 
+def result_cache(digest: str) -> str:
+    """string with TTL: a determined request's stored answer, keyed by a digest of what decides it
+    (worker/result_cache.py)."""
+    return f"{PREFIX}result-cache:{digest}"
+
+
 def batch_chat(batch_id: str) -> str:
     """bitmap: bit `index` is 1 when the request was a chat request (OpenAI output needs the object type)."""
     return f"{PREFIX}batch:{batch_id}:chat"

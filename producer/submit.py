@@ -76,6 +76,7 @@ def validate_to_spool(
     *,
     defaults: SamplingParams | None,
     model: str | None,
+    result_cache: bool = True,
 ) -> None:
     """Pass 1. Spool records: b"R" + (b"c"|b"p") + 3 hex digits of queue order (see queue_order) +
     request JSON, or b"E" + error JSON; one per line."""
@@ -93,6 +94,8 @@ def validate_to_spool(
             if first == line_no:
                 if parsed.body_model and not report.body_model:
                     report.body_model = parsed.body_model
+                if not result_cache:
+                    parsed.record["result_cache"] = False
                 kind = b"Rc" if parsed.chat else b"Rp"
                 order = b"%03x" % queue_order(parsed.record["params"]["max_new_tokens"])
                 write(kind + order + dumps(parsed.record) + b"\n")
@@ -355,6 +358,7 @@ async def submit_stream(
     defaults: SamplingParams | None = None,
     skip_invalid: bool = False,
     result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
+    result_cache: bool = True,
     on_created: Callable[[str], None] | None = None,
 ) -> SubmitReport:
     """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything.
@@ -365,7 +369,7 @@ async def submit_stream(
     report = SubmitReport(batch_id=check_batch_id(batch_id) if batch_id else new_batch_id())
     qname = keys.queue_name(queue)
     with tempfile.TemporaryFile(prefix="batchq-spool-") as spool:
-        validate_to_spool(stream, spool, report, defaults=defaults, model=model)
+        validate_to_spool(stream, spool, report, defaults=defaults, model=model, result_cache=result_cache)
         if report.total == 0:
             raise InputError("input is empty: no request lines")
         if report.invalid and not skip_invalid:

@@ -59,6 +59,15 @@ class WorkerConfig(BaseModel):
         default=float(keys.DEFAULT_RESULT_TTL_S), gt=0, description="how long results are kept (7 days)"
     )
     burst: bool = Field(default=False, description="exit once the queue is empty (tests, one-shot jobs)")
+    result_cache: bool = Field(
+        default=True,
+        description="answer a determined request (greedy, or seeded) from the stored answer of an identical one",
+    )
+    result_cache_ttl_s: float = Field(
+        default=float(keys.DEFAULT_RESULT_TTL_S),
+        gt=0,
+        description="how long cached answers are kept (7 days)",
+    )
 
     @property
     def max_jobs(self) -> int:

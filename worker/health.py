@@ -57,7 +57,7 @@ class StatsLogger:
         self._busy = s.prefill_s + s.decode_s
         self._prompt, self._cached = s.prompt_tokens, s.cached_prompt_tokens
 
-    def line(self, completed: int, failed: int) -> str:
+    def line(self, completed: int, failed: int, from_cache: int) -> str:
         s = self.engine.core.stats()
         now = time.monotonic()
         rate = (s.tokens_generated - self._tokens) / max(now - self._t, 1e-9)
@@ -81,7 +81,7 @@ class StatsLogger:
             f"throughput={rate:.1f} tok/s running={s.running} waiting={s.waiting} "
             f"kv={s.kv_blocks_used}/{s.kv_blocks_total} ({kv_pct:.0f}%) steps={steps} "
             f"(prefill {prefills}) prompt tokens computed={computed} cached={cached} "
-            f"model busy={busy_pct:.0f}% done={completed} failed={failed}"
+            f"model busy={busy_pct:.0f}% done={completed} (result cache {from_cache}) failed={failed}"
         )
 
 

@@ -18,6 +18,9 @@ from producer import keys, serde
 from worker import health
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
+from worker.engine.engine import Engine
+from worker.engine.prompts import tokenize
+from worker.engine.request import EngineRequest
 from worker.jobs import REDIS_ERRORS, JobHandler, retrying
 from worker.queue_worker import QueueWorker
 
@@ -26,6 +29,16 @@ log = logging.getLogger("batchq.worker")
 
 class QueueBindingError(RuntimeError):
     pass
+
+
+def worker_tokenizer(engine: Engine) -> Callable[[EngineRequest], list[int]]:
+    """The engine's tokenisation, with a tokenizer of the worker's own: jobs tokenise on the event loop
+    (for the result cache's key) while the engine thread uses its own instance."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint_dir)
+    vocab, name = engine.prompts.vocab_size, engine.model_name
+    return lambda req: tokenize(tokenizer, req, vocab, name)
 
 
 def connect(cfg: WorkerConfig) -> ArqRedis:
@@ -88,13 +101,13 @@ async def serve(cfg: WorkerConfig) -> int:
     )
     redis = connect(cfg)
     await retrying(bind_queue, redis, cfg)  # a worker started before Redis waits for it
-    handler = JobHandler(cfg, aengine, redis)
+    handler = JobHandler(cfg, aengine, redis, prompt_ids=worker_tokenizer(aengine.core))
     worker = QueueWorker(handler, redis_pool=redis)
     health.start_watchdog(aengine, cfg.stall_s)
     stats_log = health.StatsLogger(aengine)
 
     async def log_stats() -> None:
-        log.info(stats_log.line(handler.completed, handler.failed))
+        log.info(stats_log.line(handler.completed, handler.failed, handler.from_cache))
 
     async def heartbeat() -> None:
         await health.beat(redis, cfg, aengine)
@@ -139,7 +152,7 @@ async def serve(cfg: WorkerConfig) -> int:
         for t in housekeeping:
             t.cancel()
         await asyncio.gather(*housekeeping, return_exceptions=True)
-        log.info(stats_log.line(handler.completed, handler.failed))
+        log.info(stats_log.line(handler.completed, handler.failed, handler.from_cache))
         with contextlib.suppress(*REDIS_ERRORS):
             await redis.delete(keys.worker_heartbeat(cfg.worker_id))
             await redis.zrem(keys.WORKERS, cfg.worker_id)

@@ -19,6 +19,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
 from worker.engine.device import pick_device, pick_dtype
+from worker.engine.fingerprint import engine_fingerprint, weights_digest
 from worker.engine.kv_pool import size_kv_pool
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prompts import PromptBuilder, RequestError
@@ -60,6 +61,16 @@ class Engine:
             self.tokenizer, loaded.name, loaded.model.spec.vocab_size, max_model_len, self.block_manager
         )
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
+        self.fingerprint = engine_fingerprint(
+            weights_digest(loaded.model),
+            kv_dtype=str(kv_dtype),
+            device=model_runner.device.type,
+            attention=model_runner.backend.name,
+            native_decode=model_runner.device.type == "cpu" and native_kernel.library() is not None,
+            eos=sorted(self.eos_token_ids),
+            repetition=[cfg.repetition_window, cfg.repetition_repeats],
+            max_model_len=max_model_len,
+        )
         self._lock = threading.Lock()
         self._inbox: list[tuple[EngineRequest, float]] = []
         self._cancelled: set[str] = set()

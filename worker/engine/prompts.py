@@ -69,27 +69,29 @@ class PromptBuilder:
         )
 
     def tokenize(self, req: EngineRequest) -> list[int]:
-        given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
-        if sum(given) != 1:
-            raise RequestError(
-                "invalid_request", "exactly one of prompt, messages, prompt_token_ids is required"
-            )
-        if req.prompt_token_ids is not None:
-            ids = list(req.prompt_token_ids)
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise RequestError("invalid_request", f"prompt_token_ids must lie in [0, {self.vocab_size})")
-        elif req.messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise RequestError("invalid_request", f"model {self.model_name!r} has no chat template")
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    req.messages, tokenize=False, add_generation_prompt=True
-                )
-            except Exception as exc:  # a template error is the request's fault, not the engine's
-                raise RequestError("invalid_request", f"chat template failed: {exc}") from exc
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = self.tokenizer(req.prompt).input_ids
-        if not ids:
-            raise RequestError("invalid_request", "the prompt is empty after tokenisation")
-        return list(ids)
+        return tokenize(self.tokenizer, req, self.vocab_size, self.model_name)
+
+
+def tokenize(tokenizer: Any, req: EngineRequest, vocab_size: int, model_name: str) -> list[int]:
+    """The prompt's token ids: a raw prompt as the tokenizer encodes it, messages through the chat
+    template (generation prompt added), token ids checked against the vocabulary."""
+    given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
+    if sum(given) != 1:
+        raise RequestError("invalid_request", "exactly one of prompt, messages, prompt_token_ids is required")
+    if req.prompt_token_ids is not None:
+        ids = list(req.prompt_token_ids)
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise RequestError("invalid_request", f"prompt_token_ids must lie in [0, {vocab_size})")
+    elif req.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("invalid_request", f"model {model_name!r} has no chat template")
+        try:
+            text = tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template error is the request's fault, not the engine's
+            raise RequestError("invalid_request", f"chat template failed: {exc}") from exc
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer(req.prompt).input_ids
+    if not ids:
+        raise RequestError("invalid_request", "the prompt is empty after tokenisation")
+    return list(ids)
