@@ -176,6 +176,7 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
     )
     print(
         f"batch {report.batch_id}: {report.total} requests, {report.enqueued} enqueued now, "
+        f"{report.cached} answered from the result cache, "
         f"{report.invalid} invalid",
         file=sys.stderr,
     )

@@ -80,8 +80,14 @@ def queue_clock(queue: str) -> str:
 
 def result_cache(digest: str) -> str:
     """string with TTL: a determined request's stored answer, keyed by a digest of what decides it
-    (worker/result_cache.py)."""
+    (producer/result_cache.py)."""
     return f"{PREFIX}result-cache:{digest}"
+
+
+def queue_fingerprint(queue: str) -> str:
+    """string with TTL: the engine fingerprint of the workers serving `queue`, set by each worker at
+    start-up and with every heartbeat; submit keys its result-cache lookups with it."""
+    return f"{PREFIX}queue-fingerprint:{queue}"
 
 
 def batch_chat(batch_id: str) -> str:

@@ -1,8 +1,10 @@
 """Submitting a JSONL stream as a batch, in two passes with bounded memory.
 
 Pass 1 validates every line and writes normalised requests to a temporary spool file, so an invalid file
-enqueues nothing. Pass 2 creates the batch and enqueues from the spool in chunks, writing arq's job format
-directly (arq's enqueue_job costs a round trip plus a WATCH per job: far too slow for big files).
+enqueues nothing; a request whose output is determined gets its result-cache key there. Pass 2 creates
+the batch and goes through the spool in chunks: it answers the requests whose answer the result cache
+holds (producer/result_cache.py) at once and enqueues the rest, writing arq's job format directly (arq's
+enqueue_job costs a round trip plus a WATCH per job: far too slow for big files).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from arq.constants import job_key_prefix, result_key_prefix
 from redis.asyncio import Redis
 
 from producer import keys
-from producer.contract import ErrorInfo, Result, SamplingParams, defaults_base
+from producer.contract import ErrorInfo, Result, SamplingParams, Timing, defaults_base
 from producer.jsonl import LineError, ParsedLine, parse_line, read_lines
-from producer.lua import LuaScript
+from producer.lua import LuaScript, done
+from producer.result_cache import CachedAnswer, request_key
 from producer.store import write_result
 
 MAX_REPORTED = 20
+NO_KEY = b"-" * 64  # a spool record without a result-cache key
+JSON_AT = 5 + len(NO_KEY)  # where a spooled request's JSON starts
 CHUNK_JOBS = 2000
 CHUNK_BYTES = 8 * 1024 * 1024
 _BATCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -46,6 +51,7 @@ class SubmitReport:
     batch_id: str
     total: int = 0
     enqueued: int = 0
+    cached: int = 0  # answered from the result cache at submit, never enqueued
     invalid: int = 0
     body_model: str | None = None  # the first OpenAI body.model seen, recorded in the batch meta
     errors: list[LineError] = field(default_factory=list)  # the first MAX_REPORTED bad lines
@@ -55,6 +61,7 @@ class SubmitReport:
             "batch_id": self.batch_id,
             "total": self.total,
             "enqueued": self.enqueued,
+            "cached": self.cached,
             "invalid": self.invalid,
         }
 
@@ -76,10 +83,12 @@ def validate_to_spool(
     *,
     defaults: SamplingParams | None,
     model: str | None,
+    fingerprint: str | None = None,
     result_cache: bool = True,
 ) -> None:
-    """Pass 1. Spool records: b"R" + (b"c"|b"p") + 3 hex digits of queue order (see queue_order) +
-    request JSON, or b"E" + error JSON; one per line."""
+    """Pass 1. Spool records: b"R" + (b"c"|b"p") + 3 hex digits of queue order (see queue_order) + the
+    64 hex digits of its result-cache key (NO_KEY when it has none) + request JSON, or b"E" + error
+    JSON; one per line. `fingerprint`: the queue's workers' (None: no lookups)."""
     seen: dict[str, int] = {}  # ids only, never prompts: memory stays small for multi-GB files
     base = defaults_base(defaults)
     batch_id, write, dumps = report.batch_id, spool.write, orjson.dumps
@@ -94,11 +103,16 @@ def validate_to_spool(
             if first == line_no:
                 if parsed.body_model and not report.body_model:
                     report.body_model = parsed.body_model
+                rec = parsed.record
                 if not result_cache:
-                    parsed.record["result_cache"] = False
+                    rec["result_cache"] = False
+                key = None
+                if fingerprint is not None:
+                    key = request_key(fingerprint, rec["prompt"], rec["messages"], rec["params"])
                 kind = b"Rc" if parsed.chat else b"Rp"
-                order = b"%03x" % queue_order(parsed.record["params"]["max_new_tokens"])
-                write(kind + order + dumps(parsed.record) + b"\n")
+                order = b"%03x" % queue_order(rec["params"]["max_new_tokens"])
+                digest = NO_KEY if key is None else key.rpartition(":")[2].encode()
+                write(kind + order + digest + dumps(rec) + b"\n")
                 index += 1
                 continue
             parsed = [LineError(line_no, "id", f"duplicate id {rid!r} (first on line {first})")]
@@ -266,6 +280,14 @@ class _Chunk:
         self.payloads: list[bytes] = []
         self.size = 0
 
+    def add(self, rec: bytes, payload: bytes) -> bool:
+        """Add a spooled request as its job payload; True when the chunk is full."""
+        self.kinds.append(rec[1:2])
+        self.orders.append(rec[2:5])
+        self.payloads.append(payload)
+        self.size += len(payload)
+        return len(self.payloads) >= CHUNK_JOBS or self.size >= CHUNK_BYTES
+
     def args(self, prefix: bytes, et: bytes, fresh: bool) -> list[bytes | int]:
         kinds, orders = b"".join(self.kinds), b"".join(self.orders)
         return [prefix, self.first, et, kinds, orders, int(fresh), *self.payloads]
@@ -284,10 +306,59 @@ return ms
 """)
 
 
+def _groups(records: Iterator[tuple[int, bytes]], size: int) -> Iterator[list[tuple[int, bytes]]]:
+    group: list[tuple[int, bytes]] = []
+    for item in records:
+        group.append(item)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+async def _cached_answers(redis: Redis, group: list[tuple[int, bytes]]) -> dict[int, CachedAnswer]:
+    """The result cache's answers for the group's keyed requests, in one round trip."""
+    keyed = [(i, rec[5:JSON_AT]) for i, rec in group if rec[:1] == b"R" and rec[5:JSON_AT] != NO_KEY]
+    if not keyed:
+        return {}
+    raws = await done(redis.mget([keys.result_cache(d.decode()) for _, d in keyed]))
+    return {
+        i: CachedAnswer.from_json(raw) for (i, _), raw in zip(keyed, raws, strict=True) if raw is not None
+    }
+
+
+async def _answer(
+    redis: Redis, batch_id: str, group: list[tuple[int, bytes]], answers: dict[int, CachedAnswer]
+) -> int:
+    """Store the cached answers as the group's results (never enqueued); returns how many were stored."""
+    chat = keys.batch_chat(batch_id)
+    writes = []
+    async with redis.pipeline(transaction=False) as pipe:
+        for index, rec in group:
+            answer = answers.get(index)
+            if answer is None:
+                continue
+            req = orjson.loads(rec[JSON_AT:])
+            result = answer.result(req["id"], index, req.get("metadata"), timing=Timing(), worker=None)
+            writes.append(write_result(redis, batch_id, result))
+            if rec[1:2] == b"c":
+                pipe.setbit(chat, index, 1)  # the OpenAI output needs to know it was a chat request
+        await pipe.execute()
+    return sum(await asyncio.gather(*writes))
+
+
+def _invalid(rid: str, index: int, reason: str) -> Result:
+    return Result(
+        id=rid, index=index, finish_reason="error", error=ErrorInfo(type="invalid_request", message=reason)
+    )
+
+
 async def enqueue_spool(
     redis: Redis, spool: IO[bytes], report: SubmitReport, *, queue: str, fresh: bool = False
 ) -> None:
-    """Pass 2: enqueue valid requests and record invalid ones as failed results.
+    """Pass 2: enqueue valid requests, answer the ones the result cache holds, record invalid ones as
+    failed results.
 
     `fresh`: create_batch created the batch just now (not a resubmission), so no job of it can exist yet.
 
@@ -314,30 +385,23 @@ async def enqueue_spool(
 
     chunk: _Chunk | None = None
     try:
-        for index, rec in _spool_records(spool):
-            if rec[:1] == b"E":
-                if chunk is not None:
+        for group in _groups(_spool_records(spool), CHUNK_JOBS):
+            answers = await _cached_answers(redis, group)
+            for index, rec in group:
+                if rec[:1] == b"E" or index in answers:
+                    if chunk is not None:
+                        await send(chunk)
+                        chunk = None
+                    if rec[:1] == b"E":
+                        err = orjson.loads(rec[1:])
+                        await write_result(redis, bid, _invalid(err["id"], index, err["reason"]))
+                    continue
+                chunk = chunk or _Chunk(index)
+                if chunk.add(rec, head + rec[JSON_AT:-1] + enq_at + tail):
                     await send(chunk)
                     chunk = None
-                err = orjson.loads(rec[1:])
-                result = Result(
-                    id=err["id"],
-                    index=index,
-                    finish_reason="error",
-                    error=ErrorInfo(type="invalid_request", message=err["reason"]),
-                )
-                await write_result(redis, bid, result)
-                continue
-            if chunk is None:
-                chunk = _Chunk(index)
-            payload = head + rec[5:-1] + enq_at + tail
-            chunk.kinds.append(rec[1:2])
-            chunk.orders.append(rec[2:5])
-            chunk.payloads.append(payload)
-            chunk.size += len(payload)
-            if len(chunk.payloads) >= CHUNK_JOBS or chunk.size >= CHUNK_BYTES:
-                await send(chunk)
-                chunk = None
+            if answers:
+                report.cached += await _answer(redis, bid, group, answers)
         if chunk is not None:
             await send(chunk)
         if in_flight is not None:
@@ -364,12 +428,25 @@ async def submit_stream(
     """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything.
 
     `on_created(batch_id)` is called once the batch exists, before its jobs are enqueued: from then on an
-    interrupted submit is finished by submitting again with the same batch id.
+    interrupted submit is finished by submitting again with the same batch id. Requests whose answer the
+    result cache holds are answered now and never enqueued (result_cache=False: none are).
     """
     report = SubmitReport(batch_id=check_batch_id(batch_id) if batch_id else new_batch_id())
     qname = keys.queue_name(queue)
+    fingerprint = None
+    if result_cache:  # the fingerprint of the workers serving this queue, if any ever published one
+        raw = await done(redis.get(keys.queue_fingerprint(qname)))
+        fingerprint = raw.decode() if raw is not None else None
     with tempfile.TemporaryFile(prefix="batchq-spool-") as spool:
-        validate_to_spool(stream, spool, report, defaults=defaults, model=model, result_cache=result_cache)
+        validate_to_spool(
+            stream,
+            spool,
+            report,
+            defaults=defaults,
+            model=model,
+            fingerprint=fingerprint,
+            result_cache=result_cache,
+        )
         if report.total == 0:
             raise InputError("input is empty: no request lines")
         if report.invalid and not skip_invalid:

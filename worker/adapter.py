@@ -13,7 +13,6 @@ from typing import Any
 from producer.contract import ErrorInfo, PromptTokensDetails, Request, Result, SamplingParams, Timing, Usage
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
-from worker.result_cache import CachedAnswer
 
 # Contract fields with another type in the engine; every other field keeps its name and value.
 _TUPLES = ("stop", "stop_token_ids")
@@ -57,28 +56,6 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         error=error,
         metadata=req.metadata,
         worker=worker_id,
-    )
-
-
-def cached_result(
-    req: Request, answer: CachedAnswer, queued_s: float | None, total_s: float, worker_id: str
-) -> Result:
-    """A result-cache hit: the stored answer, with the usage of the run that computed it."""
-    return Result(
-        id=req.id,
-        index=req.index,
-        text=answer.text,
-        finish_reason=answer.finish_reason,
-        usage=Usage(
-            prompt_tokens=answer.prompt_tokens,
-            completion_tokens=answer.completion_tokens,
-            total_tokens=answer.prompt_tokens + answer.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=answer.cached_tokens),
-        ),
-        timing=Timing(queued_s=queued_s, ttft_s=None, total_s=total_s),
-        metadata=req.metadata,
-        worker=worker_id,
-        cached=True,
     )
 
 

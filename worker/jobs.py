@@ -8,7 +8,6 @@ store.write_result's first write wins.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,13 +21,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import keys, store
-from producer.contract import Request, Result
-from worker.adapter import cached_result, cancelled_result, engine_request, error_result, to_result
+from producer.contract import Request, Result, Timing
+from worker.adapter import cancelled_result, engine_request, error_result, to_result
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.prompts import RequestError
-from worker.engine.request import EngineRequest
-from worker.result_cache import ResultCache, output_key
+from worker.result_cache import ResultCache, key_of
 
 log = logging.getLogger("batchq.worker")
 
@@ -56,9 +53,6 @@ class JobHandler:
     cfg: WorkerConfig
     engine: AsyncEngine
     redis: Redis
-    # The prompt's token ids, computed on the event loop with the worker's own tokenizer (the engine
-    # thread has its own): the result cache's key needs them. None: the result cache is off.
-    prompt_ids: Callable[[EngineRequest], list[int]] | None = None
     handing_back: bool = False  # set on SIGTERM once the grace period is over
     inflight: dict[str, str] = field(default_factory=dict)  # job id -> batch id
     completed: int = 0
@@ -66,7 +60,7 @@ class JobHandler:
     from_cache: int = 0
 
     def __post_init__(self) -> None:
-        self.result_cache = ResultCache(self.redis, self.cfg.result_cache_ttl_s)
+        self.result_cache = ResultCache(self.redis, self.engine.core.fingerprint, self.cfg.result_cache_ttl_s)
 
     async def run(self, payload: Any, job_id: str, job_try: int) -> str:
         try:
@@ -102,15 +96,16 @@ class JobHandler:
         except ValueError as e:  # the contract admits what the engine refuses: a bug, reported per request
             await self._store(req.batch_id, error_result(req.id, req.index, "invalid_request", str(e), req))
             return "invalid"
-        key, ereq = self._cache_key(req, ereq)
+        key = key_of(self.result_cache.fingerprint, req) if self.cfg.result_cache else None
         queued_s = max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None
         if key is not None and req.result_cache:
             answer = await retrying(self.result_cache.get, key)
             if answer is not None:
-                total_s = time.time() - picked_at
-                await self._store(
-                    req.batch_id, cached_result(req, answer, queued_s, total_s, self.cfg.worker_id)
+                timing = Timing(queued_s=queued_s, total_s=time.time() - picked_at)
+                result = answer.result(
+                    req.id, req.index, req.metadata, timing=timing, worker=self.cfg.worker_id
                 )
+                await self._store(req.batch_id, result)
                 self.from_cache += 1
                 return answer.finish_reason
         self.inflight[job_id] = req.batch_id
@@ -131,18 +126,6 @@ class JobHandler:
             except REDIS_ERRORS as e:  # the result is stored; only a later rerun loses the shortcut
                 log.warning("result cache not updated (%s)", type(e).__name__)
         return result.finish_reason
-
-    def _cache_key(self, req: Request, ereq: EngineRequest) -> tuple[str | None, EngineRequest]:
-        """The result-cache key (None: not cacheable, or the cache is off) and the request to run, its
-        prompt already tokenised when that was done for the key."""
-        if self.prompt_ids is None or not self.cfg.result_cache:
-            return None, ereq
-        try:
-            ids = self.prompt_ids(ereq)
-        except RequestError:
-            return None, ereq  # the engine reports it as this request's error
-        key = output_key(self.engine.core.fingerprint, ids, ereq.params, seeded=req.params.seed is not None)
-        return key, dataclasses.replace(ereq, prompt=None, messages=None, prompt_token_ids=ids)
 
     async def _hand_back(self, req: Request, job_id: str) -> None:
         try:

@@ -18,9 +18,6 @@ from producer import keys, serde
 from worker import health
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.engine import Engine
-from worker.engine.prompts import tokenize
-from worker.engine.request import EngineRequest
 from worker.jobs import REDIS_ERRORS, JobHandler, retrying
 from worker.queue_worker import QueueWorker
 
@@ -29,16 +26,6 @@ log = logging.getLogger("batchq.worker")
 
 class QueueBindingError(RuntimeError):
     pass
-
-
-def worker_tokenizer(engine: Engine) -> Callable[[EngineRequest], list[int]]:
-    """The engine's tokenisation, with a tokenizer of the worker's own: jobs tokenise on the event loop
-    (for the result cache's key) while the engine thread uses its own instance."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(engine.checkpoint_dir)
-    vocab, name = engine.prompts.vocab_size, engine.model_name
-    return lambda req: tokenize(tokenizer, req, vocab, name)
 
 
 def connect(cfg: WorkerConfig) -> ArqRedis:
@@ -101,7 +88,9 @@ async def serve(cfg: WorkerConfig) -> int:
     )
     redis = connect(cfg)
     await retrying(bind_queue, redis, cfg)  # a worker started before Redis waits for it
-    handler = JobHandler(cfg, aengine, redis, prompt_ids=worker_tokenizer(aengine.core))
+    handler = JobHandler(cfg, aengine, redis)
+    if cfg.result_cache:
+        await retrying(handler.result_cache.publish, keys.queue_name(cfg.queue))
     worker = QueueWorker(handler, redis_pool=redis)
     health.start_watchdog(aengine, cfg.stall_s)
     stats_log = health.StatsLogger(aengine)
@@ -112,6 +101,8 @@ async def serve(cfg: WorkerConfig) -> int:
     async def heartbeat() -> None:
         await health.beat(redis, cfg, aengine)
         await bind_queue(redis, cfg)
+        if cfg.result_cache:
+            await handler.result_cache.publish(keys.queue_name(cfg.queue))
 
     housekeeping = [
         asyncio.create_task(_every(0.5, handler.poll_cancellations, "cancel poll")),

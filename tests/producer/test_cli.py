@@ -108,7 +108,13 @@ def test_submit_status_wait_results_round_trip(redis_url: str, tmp_path: Path) -
         redis_url, "submit", str(path), "--batch-id", "b1", "--json", "--temperature", "0", "--stop", "x"
     )
     assert out.returncode == 0, out.stderr
-    assert orjson.loads(out.stdout) == {"batch_id": "b1", "total": 2, "enqueued": 2, "invalid": 0}
+    assert orjson.loads(out.stdout) == {
+        "batch_id": "b1",
+        "total": 2,
+        "enqueued": 2,
+        "cached": 0,
+        "invalid": 0,
+    }
 
     assert cli(redis_url, "wait", "b1", "--timeout", "0.3").returncode == 3
     asyncio.run(finish(redis_url, "b1", [ok(0, "c1"), ok(1, "t1", "length")]))

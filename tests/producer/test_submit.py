@@ -226,3 +226,43 @@ async def test_a_fresh_batch_that_meets_an_existing_job_key_falls_back_to_checki
     assert await redis.zrange(keys.DEFAULT_QUEUE, 0, -1) == [b"b1:0"]
     assert await redis.get(job_key_prefix + "b1:1") == b"{}"
     assert await redis.getbit(keys.batch_chat("b1"), 1) == 1
+
+
+async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_enqueued(
+    redis: Redis,
+) -> None:
+    from producer.result_cache import CachedAnswer, request_key
+
+    fp = "0123456789abcdef" * 2
+    await redis.set(keys.queue_fingerprint(keys.queue_name("q")), fp)  # what a worker of the queue publishes
+    lines = (
+        b'{"id": "chat", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "metadata": {"k": 1}}\n'
+        b'{"id": "text", "prompt": "two", "temperature": 0.5, "seed": 9}\n'
+        b'{"id": "new", "prompt": "three", "temperature": 0}\n'
+        b'{"id": "free", "prompt": "four", "temperature": 0.5}\n'
+    )
+    params = {"max_new_tokens": 256, "temperature": 0.0}
+    chat_key = request_key(fp, None, [{"role": "user", "content": "hi"}], params)
+    text_key = request_key(fp, "two", None, {"max_new_tokens": 256, "temperature": 0.5, "seed": 9})
+    assert chat_key and text_key
+    answer = CachedAnswer(
+        text="hello", finish_reason="eos", prompt_tokens=5, completion_tokens=2, cached_tokens=3
+    )
+    await redis.set(chat_key, answer.to_json())
+    await redis.set(text_key, answer.model_copy(update={"text": "2"}).to_json())
+
+    report = await submit_stream(redis, io.BytesIO(lines), batch_id="rc", queue="q")  # type: ignore[arg-type]
+    assert (report.total, report.cached, report.enqueued) == (4, 2, 2)
+    assert await redis.zrange(keys.queue_name("q"), 0, -1) == [b"rc:2", b"rc:3"]
+    status = await store.get_status(redis, "rc")
+    assert (status.completed, status.from_result_cache, status.state) == (2, 2, "running")
+    assert (status.prompt_tokens, status.cached_prompt_tokens, status.completion_tokens) == (10, 6, 4)
+    got = [(r, chat) async for r, chat in store.iter_results(redis, "rc")]
+    assert [(r.id, r.text, r.cached, chat) for r, chat in got] == [
+        ("chat", "hello", True, True),
+        ("text", "2", True, False),
+    ]
+    assert got[0][0].metadata == {"k": 1} and got[0][0].usage.prompt_tokens_details.cached_tokens == 3
+
+    again = await submit_stream(redis, io.BytesIO(lines), batch_id="rc2", queue="q", result_cache=False)  # type: ignore[arg-type]
+    assert (again.cached, again.enqueued) == (0, 4)

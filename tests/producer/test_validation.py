@@ -9,7 +9,7 @@ import pytest
 
 from producer.contract import Request, SamplingParams
 from producer.jsonl import MAX_LINE_BYTES
-from producer.submit import SubmitReport, validate_to_spool
+from producer.submit import JSON_AT, SubmitReport, validate_to_spool
 
 
 def validate(data: bytes, defaults: SamplingParams | None = None) -> tuple[SubmitReport, list[bytes]]:
@@ -22,7 +22,9 @@ def validate(data: bytes, defaults: SamplingParams | None = None) -> tuple[Submi
 def requests(data: bytes, defaults: SamplingParams | None = None) -> list[Request]:
     report, recs = validate(data, defaults)
     assert report.invalid == 0, [str(e) for e in report.errors]
-    return [Request.model_validate(orjson.loads(r[5:])) for r in recs]  # b"R" + kind + order + JSON
+    return [
+        Request.model_validate(orjson.loads(r[JSON_AT:])) for r in recs
+    ]  # b"R" + kind + order + key + JSON
 
 
 def errors(data: bytes) -> list[str]:

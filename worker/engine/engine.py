@@ -19,7 +19,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
 from worker.engine.device import pick_device, pick_dtype
-from worker.engine.fingerprint import engine_fingerprint, weights_digest
+from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.kv_pool import size_kv_pool
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prompts import PromptBuilder, RequestError
@@ -63,6 +63,7 @@ class Engine:
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
         self.fingerprint = engine_fingerprint(
             weights_digest(loaded.model),
+            tokenizer=tokenizer_digest(self.tokenizer),
             kv_dtype=str(kv_dtype),
             device=model_runner.device.type,
             attention=model_runner.backend.name,

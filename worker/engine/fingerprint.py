@@ -1,13 +1,15 @@
-"""What decides an engine's outputs, in one digest: weights, dtype, numerics, output-shaping settings.
+"""What decides an engine's outputs, in one digest: weights, dtype, numerics, output-shaping settings,
+and the tokenizer and chat template that turn a request's text into tokens.
 
-Two engines with the same fingerprint give the same tokens for the same prompt and parameters
-(greedy, or sampled with a seed), so a result computed by one may answer a request sent to the
-other: the worker's result cache is keyed by it.
+Two engines with the same fingerprint give the same text for the same request (greedy, or sampled
+with a seed), so a result computed by one may answer a request sent to the other: the result cache
+(producer/result_cache.py) is keyed by it.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import orjson
 import torch
@@ -33,6 +35,21 @@ def weights_digest(model: nn.Module) -> str:
         sample = flat[::step][:SAMPLES_PER_TENSOR].float().cpu().contiguous()
         h.update(f"{name}\0{tuple(t.shape)}\0{t.dtype}\0".encode())
         h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A digest of the tokenizer (vocabulary, merges, normalisation, special tokens) and chat template."""
+    h = hashlib.blake2b(digest_size=16)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # a fast tokenizer serialises all of itself
+        h.update(backend.to_str().encode())
+    else:
+        h.update(orjson.dumps(sorted(tokenizer.get_vocab().items())))
+    h.update(str(getattr(tokenizer, "chat_template", None) or "").encode())
+    h.update(
+        orjson.dumps(getattr(tokenizer, "special_tokens_map", {}), default=str, option=orjson.OPT_SORT_KEYS)
+    )
     return h.hexdigest()
 
 

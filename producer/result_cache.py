@@ -1,0 +1,85 @@
+"""The result cache's keys and stored answers, shared by the producer (lookups at submit) and the workers.
+
+A request's output is determined when it is greedy (temperature 0) or sampled with a seed the user gave;
+anything else (an unset temperature samples at the engine's default of 1) is never cached. Its key is
+sha256 of:
+- the engine fingerprint of the workers that serve the queue (worker/engine/fingerprint.py: weights,
+  dtype, numerics version, device, attention path, output-shaping settings, tokenizer and chat template);
+- the request's prompt or messages, as the worker receives them;
+- every resolved parameter that can change the output: greedy decoding ignores seed, top_p, top_k and
+  min_p, and timeout_s never counts.
+The request text (with the tokenizer and chat template in the fingerprint) rather than its token ids:
+the producer has no tokenizer, and with the key computable here a rerun batch is answered at submit
+time, without enqueuing a job or needing a live worker. Workers publish their fingerprint per queue
+(keys.queue_fingerprint) and look up again when a job runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict
+
+from producer import keys
+from producer.contract import FinishReason, PromptTokensDetails, Result, Timing, Usage
+
+_NEVER = frozenset({"timeout_s", "n"})  # parameters that cannot change the output
+_GREEDY_IGNORES = frozenset({"seed", "top_p", "top_k", "min_p"})  # greedy takes the argmax before them
+CACHEABLE: frozenset[str] = frozenset({"eos", "stop", "length", "repetition"})  # ended on their own
+
+
+def request_key(
+    fingerprint: str, prompt: str | None, messages: list[dict[str, Any]] | None, params: dict[str, Any]
+) -> str | None:
+    """The cache key of a request with resolved wire `params` (None values = unset), or None when its
+    output is not determined."""
+    greedy = params.get("temperature") == 0
+    if not greedy and params.get("seed") is None:
+        return None
+    drop = _NEVER | _GREEDY_IGNORES if greedy else _NEVER
+    fields = {k: v for k, v in params.items() if v is not None and k not in drop}
+    msgs = None if messages is None else [{k: v for k, v in m.items() if v is not None} for m in messages]
+    blob = orjson.dumps([fingerprint, prompt, msgs, fields], option=orjson.OPT_SORT_KEYS)
+    return keys.result_cache(hashlib.sha256(blob).hexdigest())
+
+
+class CachedAnswer(BaseModel):
+    """What the cache keeps of a computed result: its answer and the usage of the run that computed it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.model_dump())
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> CachedAnswer:
+        return cls.model_validate(orjson.loads(raw))
+
+    def result(
+        self, rid: str, index: int, metadata: dict[str, Any] | None, *, timing: Timing, worker: str | None
+    ) -> Result:
+        """The stored answer as request `rid`'s result: cached, with the original usage."""
+        return Result(
+            id=rid,
+            index=index,
+            text=self.text,
+            finish_reason=self.finish_reason,
+            usage=Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                total_tokens=self.prompt_tokens + self.completion_tokens,
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            ),
+            timing=timing,
+            metadata=metadata,
+            worker=worker,
+            cached=True,
+        )
