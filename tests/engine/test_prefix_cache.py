@@ -12,6 +12,8 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
+from worker.kernels import native as native_kernel
+from worker.kernels.cascade import MIN_SHARED_TOKENS
 
 BLOCK = 4
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK  # 2 x layers x kv_heads x head_dim x float32 bytes x tokens
@@ -48,6 +50,28 @@ def shared_prefix_workload(seed: int, n: int) -> list[EngineRequest]:
         )  # fmt: skip
         reqs.append(EngineRequest(f"r{i}", params, prompt_token_ids=prompt))
     return reqs
+
+
+def test_a_long_shared_prefix_decodes_the_same_through_cascade_attention(ckpt: Path) -> None:
+    """Sequences sharing over MIN_SHARED_TOKENS of cached prefix decode through the cascade path; their
+    tokens equal the cache-off run's, where every sequence attends over its own blocks."""
+    rng = random.Random(5)
+    prefix = [rng.randint(3, 250) for _ in range(MIN_SHARED_TOKENS + 3 * BLOCK + 2)]
+    reqs = [
+        EngineRequest(
+            f"r{i}", GenerationParams(max_new_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True),
+            prompt_token_ids=prefix + [rng.randint(3, 250) for _ in range(rng.randint(1, 9))],
+        )
+        for i in range(10)
+    ]  # fmt: skip
+    off = run_checked(engine_with(ckpt, 400, prefix_cache=False), reqs)
+    cached = engine_with(ckpt, 400, prefix_cache=True)
+    on = run_checked(cached, reqs)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert all(r.cached_tokens >= MIN_SHARED_TOKENS for r in on[1:])
+    attn = cached.model_runner.backend.paged_decode_attention.__self__  # type: ignore[attr-defined]
+    if native_kernel.library() is not None:  # cascade decode rides on the C kernel
+        assert attn._cascade.shared_steps >= 5, "the shared prefix never went through cascade attention"
 
 
 def run_checked(engine: Engine, reqs: list[EngineRequest]) -> list[EngineResult]:

@@ -45,6 +45,7 @@ FLAGS = [
     "-ffp-contract=fast",
     "-shared",
     "-fPIC",
+    "-lm",
 ]
 X86_FLAGS = ["-mprefer-vector-width=512"]  # where AVX-512 exists, use all of it (ignored elsewhere)
 
@@ -109,7 +110,7 @@ def library() -> ctypes.CDLL | None:
         return None
     fn = lib.batchq_paged_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 10
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 10
     return lib
 
 
@@ -128,26 +129,34 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
 
 
 def paged_decode(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    lse: Tensor | None = None,
 ) -> Tensor | None:
-    """torch_attention.TorchAttention.paged_decode_attention's contract, caches [KVH, NB, BS, D] (check `supports`
-    first). -> [batch, heads, head_dim] in q's dtype, or None if the kernel could not allocate its
-    scratch memory."""
+    """torch_attention.TorchAttention.paged_decode_attention's contract, caches [KVH, NB, BS, D] (check
+    `supports` first). -> [batch, heads, head_dim] in q's dtype (float32 when `lse` is given), or None
+    if the kernel could not allocate its scratch memory. `lse`: a contiguous float32 [batch, heads] that
+    receives each row's log-sum-exp of its scaled scores (to merge with attention over other keys)."""
     lib = library()
     assert lib is not None
     b, h, d = q.shape
     kvh, nb, bs, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+    assert lse is None or (lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == (b, h))
     qs = (q.float() * scale).contiguous()
     out = torch.empty(b, h, d, dtype=torch.float32)
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     max_len = max(int(lens.max()), 1) if b else 1
     rc = lib.batchq_paged_decode(
-        qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
-        lens.data_ptr(), b, h, kvh, d, bs, nb, tables.shape[1], max_len,
-        int(k_cache.dtype == torch.bfloat16), torch.get_num_threads(),
+        qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        None if lse is None else lse.data_ptr(), tables.data_ptr(), lens.data_ptr(), b, h, kvh, d, bs, nb,
+        tables.shape[1], max_len, int(k_cache.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         return None
-    return out.to(q.dtype)
+    return out if lse is not None else out.to(q.dtype)

@@ -3,7 +3,7 @@
    Built and loaded by worker/kernels/native.py (cc -O3 -march=native -fopenmp). Vector loops use
    GCC/Clang vector extensions, threads come from torch's OpenMP pool.
 
-   Cache layout (one layer), as in cpu.py: k, v [kv_heads, num_blocks, block_size, head_dim].
+   Cache layout (one layer), as in torch_attention.py: k, v [kv_heads, num_blocks, block_size, head_dim].
    One task = one (sequence, kv head): its G = heads / kv_heads query rows share every K/V row read.
    Per task: scores = q . k for each context token (K read once), softmax in float32, then
    out = sum_t p_t v_t (V read once). The torch path instead copies every block into a workspace
@@ -61,7 +61,7 @@ static inline float hsum(v16 x) {
 typedef struct {
     const float *q;
     const void *k, *v;
-    float *out;
+    float *out, *lse;
     const int32_t *block_tables, *context_lens;
     int batch, heads, kv_heads, head_dim, block_size, num_blocks, width, max_len;
 } Job;
@@ -102,6 +102,7 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
         const float inv = 1.0f / sum;
 #pragma omp simd
         for (int t = 0; t < n; t++) s[t] *= inv;
+        if (job->lse != NULL) job->lse[(size_t)b * job->heads + (size_t)kh * g_count + g] = mx + logf(sum);
     }
     for (int i = 0; i < g_count * nv; i++) acc[i] = (v16){0};
     for (int t = 0; t < n; t++) {
@@ -133,14 +134,17 @@ static void task(const Job *job, int b, int kh, float *scores, int bf16) {
     task_body(job, b, kh, scores, g_count, d, bf16);
 }
 
-/* Returns 0, or -1 when a thread could not allocate its scores and its tasks never ran (the caller
+/* lse: NULL, or [batch, heads] floats that receive each row's log-sum-exp of its (scaled) scores, which
+   lets the caller merge this attention with another over other keys (cascade attention).
+   Returns 0, or -1 when a thread could not allocate its scores and its tasks never ran (the caller
    then falls back to torch). Threads come from OpenMP: native.py links the libgomp that torch already
    loaded, so this reuses torch's thread pool (a second pool would fight its spinning threads for the
    cores). */
-int batchq_paged_decode(const float *q, const void *k, const void *v, float *out, const int32_t *block_tables,
-                        const int32_t *context_lens, int batch, int heads, int kv_heads, int head_dim,
-                        int block_size, int num_blocks, int width, int max_len, int bf16, int threads) {
-    const Job job = {q, k, v, out, block_tables, context_lens, batch, heads, kv_heads, head_dim,
+int batchq_paged_decode(const float *q, const void *k, const void *v, float *out, float *lse,
+                        const int32_t *block_tables, const int32_t *context_lens, int batch, int heads,
+                        int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
+                        int bf16, int threads) {
+    const Job job = {q, k, v, out, lse, block_tables, context_lens, batch, heads, kv_heads, head_dim,
                      block_size, num_blocks, width, max_len};
     const int tasks = batch * kv_heads, g_count = heads / kv_heads;
     int failed = 0;

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from worker.kernels import native as native_kernel
+from worker.kernels.cascade import CascadePlanner, cascade_decode
 
 MAX_GROUP = 64  # sequences per padded group
 WORKSPACE_BYTES = 64 << 20  # per K and per V; a group that needs more is split
@@ -128,6 +129,7 @@ class TorchAttention:
         self.native = native
         self._ws: dict[str, Tensor] = {}
         self._plan: _DecodePlan | None = None
+        self._cascade = CascadePlanner()
 
     kv_cache_shape = staticmethod(kv_cache_shape)
 
@@ -214,7 +216,11 @@ class TorchAttention:
         own longest context, so a few long contexts do not make every short one pay for their padding.
         """
         if self.native and native_kernel.supports(q, k_cache):
-            out = native_kernel.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+            shared = self._cascade.plan(block_tables, context_lens, k_cache.shape[2])
+            if shared.groups:
+                out = cascade_decode(q, k_cache, v_cache, shared, scale)
+            else:
+                out = native_kernel.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
             if out is not None:
                 return out
         b, h, d = q.shape
