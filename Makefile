@@ -55,6 +55,7 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/fewshot_bench.py
 
 gpu-check:
 	bash benchmarks/gpu_check.sh

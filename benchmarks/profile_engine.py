@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--policy", default="longest_first")
+    p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument(
         "--ops", type=int, default=0, help="print the top N ops of one prefill and one decode step"
     )
@@ -52,6 +53,7 @@ def main() -> int:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         schedule_policy=ns.policy,
+        prefix_cache=not ns.no_prefix_cache,
     )
     engine = Engine.load(cfg)
     lines = generate(ns.n, tokenizer=engine.tokenizer)
