@@ -162,6 +162,15 @@ class Usage(_Strict):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
+    @classmethod
+    def counted(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
 
 class Timing(_Strict):
     queued_s: float | None = None

@@ -23,7 +23,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from producer import keys
-from producer.contract import FinishReason, PromptTokensDetails, Result, Timing, Usage
+from producer.contract import FinishReason, Result, Timing, Usage
 
 _NEVER = frozenset({"timeout_s", "n"})  # parameters that cannot change the output
 _GREEDY_IGNORES = frozenset({"seed", "top_p", "top_k", "min_p"})  # greedy takes the argmax before them
@@ -72,12 +72,7 @@ class CachedAnswer(BaseModel):
             index=index,
             text=self.text,
             finish_reason=self.finish_reason,
-            usage=Usage(
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=self.completion_tokens,
-                total_tokens=self.prompt_tokens + self.completion_tokens,
-                prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
-            ),
+            usage=Usage.counted(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
             timing=timing,
             metadata=metadata,
             worker=worker,

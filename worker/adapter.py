@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from producer.contract import ErrorInfo, PromptTokensDetails, Request, Result, SamplingParams, Timing, Usage
+from producer.contract import ErrorInfo, Request, Result, SamplingParams, Timing, Usage
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
 
@@ -46,12 +46,7 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         index=req.index,
         text=res.text,
         finish_reason=res.finish_reason,
-        usage=Usage(
-            prompt_tokens=res.prompt_tokens,
-            completion_tokens=res.completion_tokens,
-            total_tokens=res.prompt_tokens + res.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=res.cached_tokens),
-        ),
+        usage=Usage.counted(res.prompt_tokens, res.completion_tokens, res.cached_tokens),
         timing=Timing(queued_s=queued_s, ttft_s=res.ttft_s, total_s=res.total_s),
         error=error,
         metadata=req.metadata,

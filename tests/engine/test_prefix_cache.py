@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.test_engine import run_checked
 from tests.tiny_models import build_tiny_checkpoint
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
-from worker.engine.request import EngineRequest, EngineResult
+from worker.engine.request import EngineRequest
 from worker.kernels import native as native_kernel
 from worker.kernels.cascade import MIN_SHARED_TOKENS
 
@@ -72,17 +73,6 @@ def test_a_long_shared_prefix_decodes_the_same_through_cascade_attention(ckpt: P
     attn = cached.model_runner.backend.paged_decode_attention.__self__  # type: ignore[attr-defined]
     if native_kernel.library() is not None:  # cascade decode rides on the C kernel
         assert attn._cascade.shared_steps >= 5, "the shared prefix never went through cascade attention"
-
-
-def run_checked(engine: Engine, reqs: list[EngineRequest]) -> list[EngineResult]:
-    for r in reqs:
-        engine.add_request(r)
-    done: dict[str, EngineResult] = {}
-    while engine.has_work():
-        for res in engine.step():
-            done[res.request_id] = res
-        engine.block_manager.check_invariants()
-    return [done[r.request_id] for r in reqs]
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
