@@ -73,7 +73,7 @@ def main() -> int:
     times: dict[str, list[tuple[int, int, float]]] = defaultdict(list)  # phase -> (seqs, tokens, s)
     inner = runner.run
 
-    def timed(batch: Any) -> list[int]:
+    def timed(batch: Any) -> Any:
         t = time.perf_counter()
         out = inner(batch)
         tokens = len(batch.seqs) if batch.phase == "decode" else sum(s.prompt_len for s in batch.seqs)

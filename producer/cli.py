@@ -68,6 +68,16 @@ def _submit_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--timeout", type=float, metavar="S", dest="timeout_s", help="per-request wall-clock budget"
     )
+    g.add_argument(
+        "--choices", metavar="A,B,C", help="the answer is exactly one of these labels, each scored"
+    )
+    g.add_argument("--choices-file", metavar="FILE", help="labels, one per line (labels with commas)")
+    g.add_argument("--json-schema", metavar="FILE", help="the output is JSON that satisfies this JSON Schema")
+    g.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+    g.add_argument(
+        "--logprobs", action="store_true", default=None, help="report each token's log-probability"
+    )
+    g.add_argument("--top-logprobs", type=int, metavar="K", help="and the K most likely alternatives (0-20)")
     p.add_argument(
         "--skip-invalid",
         action="store_true",

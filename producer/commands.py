@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from contextlib import nullcontext
+from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
@@ -38,6 +39,9 @@ _DEFAULT_FIELDS = (
     "repetition_penalty",
     "seed",
     "stop",
+    "regex",
+    "logprobs",
+    "top_logprobs",
 )
 
 
@@ -89,15 +93,42 @@ async def run(handler: Callable[..., Coroutine[Any, Any, int]], args: argparse.N
 
 
 def _defaults(args: argparse.Namespace) -> SamplingParams:
-    values = {f: getattr(args, f) for f in (*_DEFAULT_FIELDS, "timeout_s") if getattr(args, f) is not None}
+    values: dict[str, Any] = {
+        f: getattr(args, f) for f in (*_DEFAULT_FIELDS, "timeout_s") if getattr(args, f) is not None
+    }
+    values.update(_labeling_defaults(args))
     try:
         return SamplingParams.model_validate(values)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
-        flag = (
-            "--timeout" if first["loc"][0] == "timeout_s" else "--" + str(first["loc"][0]).replace("_", "-")
-        )
-        raise InputError(f"{flag}: {first['msg']}") from None
+        where = str(first["loc"][0]) if first["loc"] else "batch defaults"
+        flag = "--timeout" if where == "timeout_s" else "--" + where.replace("_", "-")
+        raise InputError(f"{flag}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def _labeling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """--choices / --choices-file / --json-schema as batch defaults (a file is read here, once)."""
+    out: dict[str, Any] = {}
+    if args.choices is not None:
+        out["choices"] = [c.strip() for c in args.choices.split(",")]
+    if args.choices_file is not None:
+        if "choices" in out:
+            raise InputError("--choices and --choices-file: give one")
+        lines = Path(args.choices_file).read_text(encoding="utf-8").splitlines()
+        out["choices"] = [line.strip() for line in lines if line.strip()]
+    if args.json_schema is not None:
+        path = Path(args.json_schema)
+        try:
+            schema = orjson.loads(path.read_bytes())
+        except orjson.JSONDecodeError as e:
+            raise InputError(f"--json-schema {path}: not JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise InputError(f"--json-schema {path}: a JSON Schema is an object")
+        out["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": path.stem[:64] or "schema", "schema": schema},
+        }
+    return out
 
 
 def _open_out(path: str | None) -> Any:

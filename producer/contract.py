@@ -12,6 +12,9 @@ import orjson
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
+MIN_CHOICES, MAX_CHOICES = 2, 256
+MAX_LABEL_CHARS = 512
+MAX_TOP_LOGPROBS = 20
 
 FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancelled", "error"]
 BatchState = Literal["queued", "running", "completed", "cancelled"]
@@ -20,6 +23,43 @@ TruncateSide = Literal["left", "right"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=False)
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`: a named JSON Schema the output must satisfy."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+
+    name: str = Field(default="schema", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only allowed with it")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` shape; folded into choices / regex / response_format on validation."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+
+    choice: list[str] | None = None
+    regex: str | None = None
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
 
 
 class SamplingParams(_Strict):
@@ -52,6 +92,15 @@ class SamplingParams(_Strict):
     timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     truncate_prompt: TruncateSide | None = None
     n: int | None = None
+    # Labeling outputs. At most one output constraint: choices, response_format (json) or regex.
+    choices: list[str] | None = Field(default=None, validation_alias=AliasChoices("choices", "guided_choice"))
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(
+        default=None, min_length=1, validation_alias=AliasChoices("regex", "guided_regex")
+    )
+    structured_outputs: StructuredOutputs | None = None  # input only: folded into the three above
+    logprobs: bool | int | None = None  # OpenAI's bool, or vLLM's top-k count
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -79,6 +128,50 @@ class SamplingParams(_Strict):
             raise ValueError("only n=1 is supported")
         return v
 
+    @model_validator(mode="after")
+    def _labeling_outputs(self) -> SamplingParams:
+        if self.structured_outputs is not None:
+            self._fold_structured_outputs(self.structured_outputs)
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):  # vLLM: logprobs=k
+            k = self.logprobs
+            if not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"logprobs as a count must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+            if self.top_logprobs is not None and self.top_logprobs != k:
+                raise ValueError(f"logprobs={k} and top_logprobs={self.top_logprobs} disagree")
+            self.logprobs, self.top_logprobs = True, k
+        if self.top_logprobs and self.logprobs is not True:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.response_format is not None and self.response_format.type == "text":
+            self.response_format = None  # plain text is no constraint
+        if self.choices is not None:
+            _check_choices(self.choices)
+        given = [k for k in ("choices", "response_format", "regex") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one of choices, response_format and regex, got {', '.join(given)}"
+            )
+        return self
+
+    def _fold_structured_outputs(self, so: StructuredOutputs) -> None:
+        given = [
+            (k, v)
+            for k, v in (("choice", so.choice), ("regex", so.regex), ("json", so.json_))
+            if v is not None
+        ]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of choice, regex, json")
+        if self.choices is not None or self.response_format is not None or self.regex is not None:
+            raise ValueError("structured_outputs and choices/response_format/regex are given together")
+        if so.choice is not None:
+            self.choices = list(so.choice)
+        elif so.regex is not None:
+            self.regex = so.regex
+        else:
+            self.response_format = ResponseFormat.model_validate(
+                {"type": "json_schema", "json_schema": {"schema": so.json_}}
+            )
+        self.structured_outputs = None
+
     def resolve(self, defaults: SamplingParams | None = None) -> SamplingParams:
         """Fill every unset field from `defaults`, then from the built-in defaults."""
         return SamplingParams.model_validate(self.params_over(defaults_base(defaults)))
@@ -93,10 +186,17 @@ class SamplingParams(_Strict):
         """
         merged = dict(base)
         fields = self.__dict__
+        if (
+            fields["choices"] is not None
+            or fields["response_format"] is not None
+            or fields["regex"] is not None
+        ):
+            for k in _CONSTRAINTS:  # a line's output constraint replaces the batch's as a whole
+                merged.pop(k, None)
         for k in _RESOLVED_FIELDS:
             v = fields[k]
             if v is not None:
-                merged[k] = v
+                merged[k] = v.model_dump(by_alias=True, exclude_none=True) if isinstance(v, BaseModel) else v
         return merged
 
 
@@ -104,8 +204,22 @@ def defaults_base(defaults: SamplingParams | None) -> dict[str, Any]:
     """The built-in defaults overridden by the set fields of `defaults` (the batch's defaults)."""
     base = dict(BUILTIN_DEFAULTS)
     if defaults is not None:
-        base.update(defaults.model_dump(exclude_none=True))
+        base.update(defaults.model_dump(by_alias=True, exclude_none=True, exclude={"structured_outputs"}))
     return base
+
+
+def _check_choices(choices: list[str]) -> None:
+    if not MIN_CHOICES <= len(choices) <= MAX_CHOICES:
+        raise ValueError(f"choices needs {MIN_CHOICES} to {MAX_CHOICES} labels, got {len(choices)}")
+    seen: set[str] = set()
+    for label in choices:
+        if not label:
+            raise ValueError("choices must be non-empty strings")
+        if len(label) > MAX_LABEL_CHARS:
+            raise ValueError(f"a choice is longer than {MAX_LABEL_CHARS} characters: {label[:40]!r}...")
+        if label in seen:
+            raise ValueError(f"choices must be distinct: {label!r} appears twice")
+        seen.add(label)
 
 
 # What a request gets when neither its line nor the batch sets it. Only max_new_tokens is resolved here
@@ -183,6 +297,35 @@ class ErrorInfo(_Strict):
     message: str
 
 
+class LabelScore(_Strict):
+    """A `choices` label's score: logprob = sum of the log-probabilities of its tokens (the label tokenised
+    alone) teacher-forced after the prompt, plus the log-probability of the model's first EOS token right
+    after them; prob = softmax of the logprobs over the request's labels."""
+
+    label: str
+    logprob: float
+    prob: float
+
+
+class TopLogprob(_Strict):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(_Strict):
+    """OpenAI's chat logprobs entry for one generated token."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(_Strict):
+    content: list[TokenLogprob] | None = None
+
+
 class Result(_Strict):
     """One result per request; written once, first write wins."""
 
@@ -196,13 +339,20 @@ class Result(_Strict):
     metadata: dict[str, Any] | None = None
     worker: str | None = None
     cached: bool = False  # answered from the result cache: the stored answer of an identical request
+    label_scores: list[LabelScore] | None = None  # `choices` requests: one per label, in request order
+    logprobs: ChoiceLogprobs | None = None  # `logprobs` requests: one entry per generated token
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(mode="json"))
 
     def to_user_json(self) -> bytes:
-        """The JSONL output line (docs/architecture.md; no internal fields)."""
-        return orjson.dumps(self.model_dump(mode="json", exclude={"index", "worker"}))
+        """The JSONL output line (docs/architecture.md; no internal fields, no labeling fields not asked for)."""
+        exclude = {"index", "worker"}
+        if self.label_scores is None:
+            exclude.add("label_scores")
+        if self.logprobs is None:
+            exclude.add("logprobs")
+        return orjson.dumps(self.model_dump(mode="json", exclude=exclude))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Result:
@@ -280,4 +430,6 @@ class OpenAIBatchLine(_Strict):
         return self
 
 
-_RESOLVED_FIELDS = tuple(k for k in SamplingParams.model_fields if k != "n")  # n is checked, never kept
+# n is checked, never kept; structured_outputs is folded into the constraint fields on validation.
+_RESOLVED_FIELDS = tuple(k for k in SamplingParams.model_fields if k not in ("n", "structured_outputs"))
+_CONSTRAINTS = ("choices", "response_format", "regex")

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from producer import keys
-from producer.contract import Result
+from producer.contract import Result, TokenLogprob
 
 # OpenAI knows only "stop" and "length": a timeout or a repetition cut truncates output like a length limit.
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "repetition": "length"}
@@ -25,11 +25,13 @@ def openai_line(result: Result, *, chat: bool, batch_id: str, model: str, create
         }
         return orjson.dumps(line)
     choice: dict[str, Any] = {"index": 0}
+    content = result.logprobs.content if result.logprobs is not None else None
     if chat:
         choice["message"] = {"role": "assistant", "content": result.text}
+        choice["logprobs"] = None if content is None else {"content": [t.model_dump() for t in content]}
     else:
         choice["text"] = result.text
-        choice["logprobs"] = None
+        choice["logprobs"] = None if content is None else _completion_logprobs(content)
     choice["finish_reason"] = _FINISH[result.finish_reason]
     usage = result.usage
     line["response"] = {
@@ -51,3 +53,17 @@ def openai_line(result: Result, *, chat: bool, batch_id: str, model: str, create
     }
     line["error"] = None
     return orjson.dumps(line)
+
+
+def _completion_logprobs(content: list[TokenLogprob]) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, and each position's top alternatives as a dict."""
+    offsets, at = [], 0
+    for t in content:
+        offsets.append(at)
+        at += len(t.token)
+    return {
+        "tokens": [t.token for t in content],
+        "token_logprobs": [t.logprob for t in content],
+        "top_logprobs": [{c.token: c.logprob for c in t.top_logprobs} for t in content],
+        "text_offset": offsets,
+    }

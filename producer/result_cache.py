@@ -23,7 +23,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from producer import keys
-from producer.contract import FinishReason, Result, Timing, Usage
+from producer.contract import ChoiceLogprobs, FinishReason, LabelScore, Result, Timing, Usage
 
 _NEVER = frozenset({"timeout_s", "n"})  # parameters that cannot change the output
 _GREEDY_IGNORES = frozenset({"seed", "top_p", "top_k", "min_p"})  # greedy takes the argmax before them
@@ -55,9 +55,11 @@ class CachedAnswer(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    label_scores: list[LabelScore] | None = None
+    logprobs: ChoiceLogprobs | None = None
 
     def to_json(self) -> bytes:
-        return orjson.dumps(self.model_dump())
+        return orjson.dumps(self.model_dump(exclude_none=True))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> CachedAnswer:
@@ -77,4 +79,6 @@ class CachedAnswer(BaseModel):
             metadata=metadata,
             worker=worker,
             cached=True,
+            label_scores=self.label_scores,
+            logprobs=self.logprobs,
         )

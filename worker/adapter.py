@@ -10,22 +10,49 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from producer.contract import ErrorInfo, Request, Result, SamplingParams, Timing, Usage
-from worker.engine.params import GenerationParams
-from worker.engine.request import EngineRequest, EngineResult
+import orjson
+
+from producer.contract import (
+    ChoiceLogprobs,
+    ErrorInfo,
+    LabelScore,
+    Request,
+    Result,
+    SamplingParams,
+    Timing,
+    TopLogprob,
+    Usage,
+)
+from producer.contract import TokenLogprob as ContractTokenLogprob
+from worker.engine.params import NO_CONSTRAINT, Constraint, GenerationParams
+from worker.engine.request import EngineRequest, EngineResult, TokenLogprob
 
 # Contract fields with another type in the engine; every other field keeps its name and value.
-_TUPLES = ("stop", "stop_token_ids")
-_NOT_PARAMS = ("n",)  # checked by the contract (n=1 only), nothing for the engine to do
+_TUPLES = ("stop", "stop_token_ids", "choices")
+_CONSTRAINT = ("response_format", "regex")  # -> the engine's one `constraint`
+# n is checked by the contract (n=1 only); structured_outputs is folded into the constraint fields there.
+_NOT_PARAMS = ("n", "structured_outputs")
 
 
 def generation_params(params: SamplingParams) -> GenerationParams:
     """The engine's parameters for a request: the fields it sets, the engine's defaults for the rest."""
-    given: dict[str, Any] = params.model_dump(exclude_none=True, exclude=set(_NOT_PARAMS))
+    given: dict[str, Any] = params.model_dump(exclude_none=True, exclude={*_NOT_PARAMS, *_CONSTRAINT})
     for k in _TUPLES:
         if k in given:
             given[k] = tuple(given[k])
+    given["constraint"] = constraint(params)
     return GenerationParams(**given)
+
+
+def constraint(params: SamplingParams) -> Constraint:
+    """response_format (json_object: any JSON object) or regex as the engine's grammar constraint."""
+    fmt = params.response_format
+    if fmt is not None:
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {"type": "object"}
+        return Constraint("json_schema", orjson.dumps(schema).decode())  # key order kept: it orders the output
+    if params.regex is not None:
+        return Constraint("regex", params.regex)
+    return NO_CONSTRAINT
 
 
 def engine_request(req: Request, request_id: str) -> EngineRequest:
@@ -51,7 +78,14 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         error=error,
         metadata=req.metadata,
         worker=worker_id,
+        label_scores=None if res.label_scores is None else [LabelScore(**vars(s)) for s in res.label_scores],
+        logprobs=None if res.logprobs is None else ChoiceLogprobs(content=[_token(t) for t in res.logprobs]),
     )
+
+
+def _token(t: TokenLogprob) -> ContractTokenLogprob:
+    top = [TopLogprob(token=c.token, logprob=c.logprob, bytes=c.bytes) for c in t.top]
+    return ContractTokenLogprob(token=t.token, logprob=t.logprob, bytes=t.bytes, top_logprobs=top)
 
 
 def error_result(rid: str, index: int, etype: str, message: str, req: Request | None = None) -> Result:

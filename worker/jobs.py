@@ -122,7 +122,7 @@ class JobHandler:
         await self._store(req.batch_id, result)
         if key is not None:
             try:
-                await self.result_cache.put(key, res)
+                await self.result_cache.put(key, result)
             except REDIS_ERRORS as e:  # the result is stored; only a later rerun loses the shortcut
                 log.warning("result cache not updated (%s)", type(e).__name__)
         return result.finish_reason

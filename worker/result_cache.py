@@ -11,16 +11,17 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from producer import keys
-from producer.contract import Request
+from producer.contract import Request, Result
 from producer.lua import done
 from producer.result_cache import CACHEABLE, CachedAnswer, request_key
-from worker.engine.request import EngineResult
 
 
 def key_of(fingerprint: str, req: Request) -> str | None:
     """The request's cache key, as submit computes it from the same request (None: not determined)."""
     messages = [m.model_dump(exclude_none=True) for m in req.messages] if req.messages is not None else None
-    return request_key(fingerprint, req.prompt, messages, req.params.model_dump(exclude_none=True))
+    return request_key(
+        fingerprint, req.prompt, messages, req.params.model_dump(by_alias=True, exclude_none=True)
+    )
 
 
 class ResultCache:
@@ -33,15 +34,17 @@ class ResultCache:
         raw = await done(self.redis.get(key))
         return None if raw is None else CachedAnswer.from_json(raw)
 
-    async def put(self, key: str, res: EngineResult) -> None:
+    async def put(self, key: str, res: Result) -> None:
         if res.finish_reason not in CACHEABLE:
             return
         answer = CachedAnswer(
             text=res.text,
             finish_reason=res.finish_reason,
-            prompt_tokens=res.prompt_tokens,
-            completion_tokens=res.completion_tokens,
-            cached_tokens=res.cached_tokens,
+            prompt_tokens=res.usage.prompt_tokens,
+            completion_tokens=res.usage.completion_tokens,
+            cached_tokens=res.usage.prompt_tokens_details.cached_tokens,
+            label_scores=res.label_scores,
+            logprobs=res.logprobs,
         )
         await done(self.redis.set(key, answer.to_json(), ex=self.ttl_s))
 

@@ -62,7 +62,7 @@ def _prefilled(runner: ModelRunner) -> tuple[list[Sequence], list[list[int]]]:
     for s in seqs:
         s.prompt_ids = torch.randint(3, 200, (s.prompt_len,), generator=gen).tolist()
     tables = [[0, 1], [2, 3, 4]]
-    for s, tok in zip(seqs, runner.run(ScheduledBatch("prefill", seqs, tables)), strict=True):
+    for s, tok in zip(seqs, runner.run(ScheduledBatch("prefill", seqs, tables)).tokens, strict=True):
         s.output_ids.append(tok)
     return seqs, tables
 

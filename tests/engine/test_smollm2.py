@@ -109,3 +109,22 @@ def test_finish_reasons_on_real_text(smol_engine: Engine) -> None:
     assert kept.finish_reason == "stop" and kept.text == "The capital of France is Paris"
     assert loop.finish_reason == "repetition" and loop.completion_tokens < 60
     assert eos.ttft_s is not None and 0 < eos.ttft_s <= eos.total_s
+
+
+def test_logprobs_and_label_scores_equal_hf_on_the_real_model(smol_engine: Engine, smol_hf) -> None:  # type: ignore[no-untyped-def]
+    from tests.engine.test_labeling import check_token_logprobs, hf_label_logprob
+
+    msgs = chat("Is this review positive or negative? 'The battery died after two days.' Answer in one word.")
+    labels = ("positive", "negative", "neutral", "pos")
+    reqs = [
+        EngineRequest("lp", GenerationParams(max_new_tokens=8, temperature=0.0, logprobs=True, top_logprobs=4), messages=msgs),
+        EngineRequest("ch", GenerationParams(max_new_tokens=1, temperature=0.0, choices=labels), messages=msgs),
+    ]  # fmt: skip
+    lp, ch = smol_engine.generate(reqs)
+    prompt = smol_engine.prompts.tokenize(reqs[0])
+    check_token_logprobs(smol_engine, smol_hf, prompt, lp, 4)
+    assert ch.label_scores is not None
+    eos = smol_engine.eos_token_ids[0]
+    for score, ids in zip(ch.label_scores, smol_engine.prompts.label_ids(labels), strict=True):
+        assert abs(score.logprob - hf_label_logprob(smol_hf, prompt, ids, eos)) < 1e-4, score
+    assert ch.text == max(ch.label_scores, key=lambda s: s.logprob).label

@@ -119,6 +119,33 @@ def test_missing_id_defaults_to_the_line_number() -> None:
             "line 1: body.stream: unknown field",
         ),
         (b'{"custom_id": "a", "url": "/v1/completions"}', "line 1: body: required field is missing"),
+        (b'{"prompt": "x", "choices": ["a", "a"]}', "line 1: choices must be distinct: 'a' appears twice"),
+        (b'{"prompt": "x", "choices": ["a"]}', "line 1: choices needs 2 to 256 labels, got 1"),
+        (b'{"prompt": "x", "choices": ["a", ""]}', "line 1: choices must be non-empty strings"),
+        (b'{"prompt": "x", "guided_choice": "ab"}', "line 1: guided_choice: Input should be a valid list"),
+        (b'{"prompt": "x", "choices": ["a", "b"], "regex": "a"}', "line 1: give at most one of choices"),
+        (
+            b'{"prompt": "x", "response_format": {"type": "json_schema"}}',
+            "line 1: response_format: json_schema is",
+        ),
+        (
+            b'{"prompt": "x", "response_format": {"type": "yaml"}}',
+            "line 1: response_format.type: Input should be",
+        ),
+        (b'{"prompt": "x", "top_logprobs": 3}', "line 1: top_logprobs needs logprobs: true"),
+        (
+            b'{"prompt": "x", "logprobs": true, "top_logprobs": 21}',
+            "line 1: top_logprobs: Input should be less",
+        ),
+        (
+            b'{"prompt": "x", "structured_outputs": {"grammar": "x"}}',
+            "line 1: structured_outputs.grammar: unknown",
+        ),
+        (
+            b'{"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "y"}], '
+            b'"structured_outputs": {"choice": ["p", "p"]}}}',
+            "line 1: body: choices must be distinct",
+        ),
     ],
 )
 def test_each_bad_line_names_line_field_and_reason(line: bytes, expected: str) -> None:
@@ -171,3 +198,23 @@ def test_a_line_over_the_limit_is_refused_without_stopping_validation() -> None:
 def test_only_the_first_20_bad_lines_are_kept_but_all_are_counted() -> None:
     report, _ = validate(b"nope\n" * 50 + b'{"prompt": "fine"}\n')
     assert len(report.errors) == 20 and report.invalid == 50 and report.total == 51
+
+
+def test_labeling_fields_in_every_spelling_become_one_resolved_form() -> None:
+    lines = (
+        b'{"prompt": "a", "guided_choice": ["x", "y"]}\n'
+        b'{"prompt": "b", "structured_outputs": {"choice": ["x", "y"]}}\n'
+        b'{"prompt": "c", "guided_regex": "[a-z]+", "logprobs": 4}\n'
+        b'{"url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "d"}], '
+        b'"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}}}\n'
+        b'{"prompt": "e", "response_format": {"type": "text"}, "logprobs": true, "top_logprobs": 2}\n'
+    )
+    a, b, c, d, e = requests(
+        lines, SamplingParams(regex="[0-9]+")
+    )  # a line's constraint replaces the batch's
+    assert a.params.choices == b.params.choices == ["x", "y"] and a.params.regex is None
+    assert (c.params.regex, c.params.logprobs, c.params.top_logprobs) == ("[a-z]+", True, 4)
+    assert d.params.response_format is not None and d.params.response_format.json_schema is not None
+    assert d.params.response_format.json_schema.schema_ == {"type": "object"} and d.params.regex is None
+    assert e.params.response_format is None and e.params.regex == "[0-9]+"  # text is no constraint
+    assert (e.params.logprobs, e.params.top_logprobs) == (True, 2)

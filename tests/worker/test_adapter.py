@@ -12,9 +12,11 @@ from worker.adapter import engine_request, generation_params
 from worker.engine.params import GenerationParams
 
 
-def test_every_contract_parameter_has_an_engine_field_of_the_same_name() -> None:
-    contract = set(SamplingParams.model_fields) - {"n"}  # n=1 is all the contract admits
-    assert contract == {f.name for f in dataclasses.fields(GenerationParams)}
+def test_every_contract_parameter_has_an_engine_field() -> None:
+    # n=1 is all the contract admits; structured_outputs folds into choices / regex / response_format,
+    # and those two become the engine's one grammar constraint.
+    contract = set(SamplingParams.model_fields) - {"n", "structured_outputs", "response_format", "regex"}
+    assert contract | {"constraint"} == {f.name for f in dataclasses.fields(GenerationParams)}
 
 
 def test_unset_parameters_take_the_engines_defaults() -> None:

@@ -28,7 +28,10 @@ def test_two_workers_complete_a_batch_with_exact_usage_and_engine_identical_text
     from worker.engine.request import EngineRequest
 
     lines = [orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines() if x.strip()]
-    chosen = lines[:6] + lines[25:29] + lines[-7:-3]  # sentiment, topics, generation with stops
+    by_id = {x.get("id") or x.get("custom_id"): x for x in lines}
+    wanted = [f"sent-00{i}" for i in range(1, 7)] + [f"topic-00{i}" for i in range(1, 5)]
+    wanted += [f"gen-00{i}" for i in range(1, 5)]  # sentiment, topics, generation with stops
+    chosen = [by_id[i] for i in wanted]
     for x in chosen:
         x.pop("seed", None)
         x["temperature"] = 0
@@ -162,3 +165,47 @@ def test_worker_refuses_a_queue_bound_to_another_model(server, workers, tiny_mod
     w = workers(server.url, str(tiny_model_dir), name="a")
     assert w.wait(120) == 1
     assert "is served by workers of model 'some-other-model'" in w.full_log()
+
+
+def test_labeling_outputs_end_to_end_with_openai_format(server, workers, tiny_model_dir, tmp_path):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    lines = [
+        {"id": "choice", "prompt": "Is it spam?", "choices": ["spam", "ham", "unsure"], "temperature": 0},
+        {"custom_id": "json", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Answer in JSON"}], "max_tokens": 40, "temperature": 0,
+                  "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}},
+        {"id": "lp", "prompt": "Hello", "max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": True,
+         "top_logprobs": 2},
+        {"id": "regex", "prompt": "Rate it", "guided_regex": "[1-5] stars", "max_new_tokens": 20, "temperature": 0},
+    ]  # fmt: skip
+    workers(server.url, str(tiny_model_dir), "--repetition-repeats", "0", name="a").wait_ready()
+    bid = submit(server.url, write_jsonl(tmp_path / "in.jsonl", lines))
+    wait_until(lambda: results_count(server.url, bid) == len(lines), 120, "all results")
+    assert_consistent(server.url, bid, len(lines))
+
+    def results(*args: str) -> list[dict[str, object]]:
+        out = subprocess.run(
+            [sys.executable, "-m", "producer.cli", "results", bid, "--redis-url", server.url, *args],
+            capture_output=True, cwd=ROOT, check=True,
+        )  # fmt: skip
+        return [orjson.loads(x) for x in out.stdout.splitlines()]
+
+    choice, js, lp, rx = results()
+    scores = choice["label_scores"]
+    assert [s["label"] for s in scores] == ["spam", "ham", "unsure"]
+    assert abs(sum(s["prob"] for s in scores) - 1) < 1e-9 and choice["text"] in ("spam", "ham", "unsure")
+    assert choice["text"] == max(scores, key=lambda s: s["logprob"])["label"]
+    assert js["finish_reason"] == "length" or orjson.loads(js["text"])["ok"] in (True, False)
+    assert rx["finish_reason"] == "length" or rx["text"] in {f"{n} stars" for n in range(1, 6)}
+    content = lp["logprobs"]["content"]
+    assert len(content) == 5 and all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in content)
+    assert "".join(bytes(t["bytes"]).decode("utf-8", "replace") for t in content) == lp["text"]
+    assert "label_scores" not in js and "logprobs" not in choice  # only what was asked for
+    oa = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in results("--format", "openai")}
+    assert oa["lp"]["logprobs"]["tokens"] == [t["token"] for t in content]  # a completion: the legacy shape
+    assert oa["json"]["logprobs"] is None and oa["choice"]["text"] == choice["text"]

@@ -33,7 +33,8 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "seed": 3}
 OUTPUT_FIELDS = {
     "max_new_tokens": 9, "temperature": 0.8, "top_p": 0.5, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3,
     "seed": 4, "stop": ["x"], "stop_token_ids": [9], "include_stop_str_in_output": True, "ignore_eos": True,
-    "truncate_prompt": "left",
+    "truncate_prompt": "left", "choices": ["a", "b"], "regex": "[a-z]+", "logprobs": True, "top_logprobs": 2,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
 }  # fmt: skip
 
 
@@ -42,7 +43,7 @@ def key(params: dict[str, object], prompt: str = PROMPT, fp: str = FP) -> str | 
 
 
 def test_every_parameter_field_is_classified() -> None:
-    assert set(SamplingParams.model_fields) == set(OUTPUT_FIELDS) | {"timeout_s", "n"}
+    assert set(SamplingParams.model_fields) == set(OUTPUT_FIELDS) | {"timeout_s", "n", "structured_outputs"}
 
 
 @pytest.mark.parametrize("field", sorted(OUTPUT_FIELDS))

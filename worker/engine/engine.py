@@ -20,10 +20,20 @@ from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
 from worker.engine.device import pick_device, pick_dtype
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
+from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import size_kv_pool
 from worker.engine.model_runner import ModelRunner
-from worker.engine.prompts import PromptBuilder, RequestError
-from worker.engine.request import EngineError, EngineRequest, EngineResult, EngineStats, FinishReason
+from worker.engine.outputs import TokenTexts, label_scores, pick_label
+from worker.engine.prompts import PromptBuilder
+from worker.engine.request import (
+    EngineError,
+    EngineRequest,
+    EngineResult,
+    EngineStats,
+    FinishReason,
+    LabelScore,
+    RequestError,
+)
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stop_rules import StopRules
@@ -57,8 +67,11 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, policy=cfg.schedule_policy
         )
+        vocab = loaded.model.spec.vocab_size
+        self.grammars = Grammars(self.tokenizer, vocab, self.eos_token_ids)
+        self.token_texts = TokenTexts(self.grammars.token_bytes)
         self.prompts = PromptBuilder(
-            self.tokenizer, loaded.name, loaded.model.spec.vocab_size, max_model_len, self.block_manager
+            self.tokenizer, loaded.name, vocab, max_model_len, self.block_manager, self.grammars.matcher
         )
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
         self.fingerprint = engine_fingerprint(
@@ -110,6 +123,7 @@ class Engine:
             max_model_len=max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             cuda_graphs=cfg.cuda_graphs,
+            eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else 0,
         )
         log.info(
             "loaded %s in %.1fs: %s %s, %s attention, %d KV blocks of %d tokens",
@@ -152,21 +166,33 @@ class Engine:
         if batch is None:
             return results
         t0 = time.monotonic()
-        tokens = self.model_runner.run(batch)
+        out = self.model_runner.run(batch)
         now = time.monotonic()
         self._steps += 1
-        if batch.phase == "prefill":
-            self._prefill_steps += 1
-            self._prefill_s += now - t0
-            self._prompt_tokens += sum(s.prompt_len for s in batch.seqs)
-            self._cached_prompt_tokens += sum(s.num_cached_tokens for s in batch.seqs)
-        else:
+        if batch.phase == "decode":
             self._decode_s += now - t0
-        self._tokens_generated += len(tokens)
+        else:
+            self._prefill_steps += batch.phase == "prefill"
+            self._prefill_s += now - t0
+        if out.label_scores is not None:
+            for seq, scores in zip(batch.seqs, out.label_scores, strict=True):
+                results.append(self._finish_choices(seq, scores, now))
+            return results
+        self._prompt_tokens += sum(s.prompt_len for s in batch.seqs) if batch.phase == "prefill" else 0
+        self._cached_prompt_tokens += (
+            sum(s.num_cached_tokens for s in batch.seqs) if batch.phase == "prefill" else 0
+        )
         bm = self.block_manager
-        for seq, token in zip(batch.seqs, tokens, strict=True):
+        for seq, token, logprobs in zip(batch.seqs, out.tokens, out.logprobs, strict=True):
             bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)  # K/V written
+            if seq.labels is not None:
+                continue  # prefilled: its labels are scored in a step of their own
+            self._tokens_generated += 1
+            if logprobs is not None:
+                seq.token_logprobs.append(logprobs)
             reason = self.stop_rules.append_token(seq, token, now)
+            if reason is None and seq.matcher is not None:
+                reason = self._advance_grammar(seq, token)
             if reason is not None:
                 results.append(self._finish(seq, reason, now))
         return results
@@ -252,11 +278,38 @@ class Engine:
                 results.append(self._finish(target, "cancelled", now))
         return results
 
-    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> EngineResult:
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> FinishReason | None:
+        """Feed the grammar the token it allowed; "stop" once the grammar admits nothing more."""
+        if not seq.matcher.advance(token):
+            log.warning("request %s: its grammar refused token %d", seq.request_id, token)
+            return "stop"
+        return "stop" if seq.matcher.complete else None
+
+    def _finish_choices(self, seq: Sequence, logprobs: list[float], now: float) -> EngineResult:
+        """A scored `choices` request ends with its label, then EOS, as the generated tokens."""
+        assert seq.labels is not None
+        scores = label_scores(seq.params.choices, logprobs)
+        pick = pick_label(scores, seq.params.temperature, seq.params.seed)
+        seq.output_ids = [*seq.labels[pick], self.model_runner.eos_token_id]
+        seq.text = seq.params.choices[pick]
+        seq.first_token_at = now
+        return self._finish(seq, "eos", now, scores)
+
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, now: float, scores: list[LabelScore] | None = None
+    ) -> EngineResult:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
-        return seq.to_result(now)
+        logprobs = None
+        if seq.params.logprobs and seq.labels is None:
+            rows = seq.token_logprobs
+            last = seq.output_ids[-1] if seq.output_ids else None
+            if rows and (reason == "eos" or (reason == "stop" and last in seq.params.stop_token_ids)):
+                rows = rows[:-1]  # the final EOS / stop token is counted, never shown
+            logprobs = self.token_texts.entries(rows)
+        return seq.to_result(now, logprobs=logprobs, label_scores=scores)
 
 
 def _empty_result(

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from worker.engine.grammar import mask_logits
 from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch
-from worker.engine.sequence import Sequence
+from worker.engine.sequence import RowLogprobs, Sequence
 from worker.kernels.backend import AttentionBackend
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import KVCache, LlamaFamilyModel
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
     from worker.engine.cuda_graphs import CudaGraphRunner
 
 log = logging.getLogger(__name__)
+
+
+SCORE_ROWS = 512  # label positions whose logits are computed at once ([rows, vocab] float32)
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]  # one sampled token per sequence (prefill, decode)
+    logprobs: list[RowLogprobs | None]  # per sequence, where its params ask for them
+    label_scores: list[list[float]] | None  # score steps: per sequence, each label's log-probability
 
 
 @dataclass
@@ -50,12 +61,14 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         cuda_graphs: bool = False,
+        eos_token_id: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
         self.device = device
         self.block_size = block_size
         self.sampler = Sampler()
+        self.eos_token_id = eos_token_id  # `choices` scoring: the EOS that ends every label
         s = model.spec
         use_graphs = cuda_graphs and device.type == "cuda" and backend.name == "triton"
         # Graphs pad batches with rows that write and read one extra block, never handed to a sequence.
@@ -138,9 +151,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden[step.logits_index])  # hidden: [T, hidden]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        logits = self.compute_logits(batch)
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Prefill or decode: one sampled token per sequence (and its logprobs where asked).
+        Score: every label's log-probability per `choices` sequence."""
+        if batch.phase == "score":
+            return StepOutput([], [], self.score_labels(batch.seqs, batch.block_tables))
+        logits = self.compute_logits(batch)  # [B, vocab] float32
         seqs = batch.seqs
+        # Raw log-probabilities: before penalties, temperature, filtering and grammar masks.
+        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        masked = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if masked:
+            mask_logits(logits, masked, [seqs[i].matcher for i in masked])
         sampling = SamplingBatch(
             temperatures=[s.params.temperature for s in seqs],
             top_ks=[s.params.top_k for s in seqs],
@@ -154,4 +177,83 @@ class ModelRunner:
             steps=[len(s.output_ids) for s in seqs],
         )
         tokens: list[int] = self.sampler(logits, sampling).tolist()
-        return tokens
+        logprobs: list[RowLogprobs | None] = [None] * len(seqs)
+        if raw is not None:
+            picked = torch.tensor([tokens[i] for i in lp_rows], device=raw.device).unsqueeze(1)
+            chosen = raw.gather(1, picked).squeeze(1).tolist()
+            k = max(seqs[i].params.top_logprobs for i in lp_rows)
+            top_v, top_i = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+            top_vs, top_is = top_v.tolist(), top_i.tolist()
+            for j, i in enumerate(lp_rows):
+                n = seqs[i].params.top_logprobs
+                logprobs[i] = RowLogprobs(tokens[i], chosen[j], top_is[j][:n], top_vs[j][:n])
+        return StepOutput(tokens, logprobs, None)
+
+    @torch.inference_mode()
+    def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[list[float]]:
+        """Each label's log-probability after its sequence's prompt: the sum over its tokens, then the
+        first EOS, of log p(token | prompt, label tokens before it), in one packed forward pass.
+
+        A label row reads the prompt's full blocks in place and recomputes the prompt's tail after them
+        (its last token's logits score the label's first token) into the sequence's scratch blocks, then
+        teacher-forces the label. -> per sequence, per label, a float.
+        """
+        bs = self.block_size
+        eos = self.eos_token_id
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[list[int]] = []  # each label row's block table
+        context: list[int] = []
+        lens: list[int] = []
+        wanted: list[int] = []  # packed-token index of every position whose logits score a target
+        targets: list[int] = []
+        sizes: list[int] = []  # targets per label
+        for seq, table in zip(seqs, tables, strict=True):
+            assert seq.labels is not None
+            full = (seq.prompt_len - 1) // bs
+            tail = seq.prompt_ids[full * bs :]
+            scratch = -(-seq.prompt_len // bs)  # the scratch blocks follow the prompt's own
+            for label in seq.labels:
+                new = tail + label
+                k = -(-len(new) // bs)
+                first = len(ids)
+                ids += new
+                positions += range(full * bs, full * bs + len(new))
+                rows.append(table[:full] + table[scratch : scratch + k])
+                scratch += k
+                context.append(full * bs + len(new))
+                lens.append(len(new))
+                wanted += range(first + len(tail) - 1, first + len(new))
+                targets += [*label, eos]
+                sizes.append(len(label) + 1)
+        block_tables = self._block_table_tensor(rows)
+        lens_t = self._tensor(lens)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=self.device)
+        cu[1:] = lens_t.cumsum(0)
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(lens), device=self.device), lens_t, output_size=len(ids)
+        )
+        positions_t = self._tensor(positions)
+        meta = AttentionMetadata(
+            phase="prefill",
+            slot_mapping=self._slots(block_tables, seq_index, positions_t),
+            block_tables=block_tables,
+            context_lens=self._tensor(context, torch.int32),
+            cu_seqlens_q=cu.to(torch.int32),
+        )
+        hidden = self.model(self._tensor(ids), positions_t, meta, self.kv_caches, self.backend)  # [T, hidden]
+        picked = hidden[self._tensor(wanted)]
+        target_t = self._tensor(targets)
+        scores = torch.empty(len(targets), dtype=torch.float32, device=self.device)
+        for a in range(0, len(targets), SCORE_ROWS):  # [rows, vocab] logits a chunk at a time
+            b = min(len(targets), a + SCORE_ROWS)
+            lp = torch.log_softmax(self.model.compute_logits(picked[a:b]), dim=-1)
+            scores[a:b] = lp.gather(1, target_t[a:b].unsqueeze(1)).squeeze(1)
+        sums = [float(t.sum()) for t in torch.split(scores, sizes)]
+        out: list[list[float]] = []
+        at = 0
+        for seq in seqs:
+            assert seq.labels is not None
+            out.append(sums[at : at + len(seq.labels)])
+            at += len(seq.labels)
+        return out

@@ -15,6 +15,18 @@ from typing import Literal
 
 TruncateSide = Literal["error", "left", "right"]
 SEED_LIMIT = 2**63
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A grammar the output must follow: a JSON Schema (its JSON text) or a regular expression."""
+
+    kind: Literal["none", "json_schema", "regex"] = "none"
+    spec: str = ""
+
+
+NO_CONSTRAINT = Constraint()
 
 
 def random_seed() -> int:
@@ -38,6 +50,10 @@ class GenerationParams:
     ignore_eos: bool = False
     timeout_s: float = math.inf  # wall-clock budget from the request's start
     truncate_prompt: TruncateSide = "error"  # a prompt longer than the context: fail, or cut a side
+    choices: tuple[str, ...] = ()  # the answer is exactly one of these labels, each scored
+    constraint: Constraint = NO_CONSTRAINT  # the output follows this grammar
+    logprobs: bool = False  # report each generated token's log-probability
+    top_logprobs: int = 0  # and this many most likely alternatives
 
     def __post_init__(self) -> None:
         checks = {
@@ -52,6 +68,12 @@ class GenerationParams:
             "stop_token_ids": all(t >= 0 for t in self.stop_token_ids),
             "timeout_s": self.timeout_s > 0.0,
             "truncate_prompt": self.truncate_prompt in ("error", "left", "right"),
+            "choices": len(self.choices) != 1 and all(isinstance(c, str) and c for c in self.choices),
+            "constraint": self.constraint.kind in ("none", "json_schema", "regex")
+            and (self.constraint.kind == "none") == (self.constraint.spec == "")
+            and not (self.choices and self.constraint.kind != "none"),
+            "top_logprobs": 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
+            and (self.logprobs or self.top_logprobs == 0),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

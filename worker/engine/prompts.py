@@ -1,4 +1,5 @@
-"""From an EngineRequest to a Sequence: render, tokenise, truncate, and check it can ever fit.
+"""From an EngineRequest to a Sequence: render, tokenise, truncate, check it can ever fit, and set up its
+labels (`choices`) or its grammar (a JSON Schema or regex constraint).
 
 Pure Python over the tokenizer (no torch). Every problem is the request's own and raises RequestError
 with an error type and a message that names the numbers involved; the engine turns it into that
@@ -7,18 +8,16 @@ request's error result.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.request import EngineRequest
+from worker.engine.params import Constraint
+from worker.engine.request import EngineRequest, RequestError
 from worker.engine.sequence import Sequence
 
-
-class RequestError(ValueError):
-    def __init__(self, error_type: str, message: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
+MAX_LABEL_TOKENS = 64  # a `choices` label longer than this (tokenised alone) is refused
 
 
 class PromptBuilder:
@@ -29,36 +28,48 @@ class PromptBuilder:
         vocab_size: int,
         max_model_len: int,
         block_manager: BlockManager,
+        matcher: Callable[[Constraint], Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_manager = block_manager
+        self.matcher = matcher  # a fresh grammar matcher for a constraint (grammar.Grammars.matcher)
 
     def sequence(self, req: EngineRequest, received: float) -> Sequence:
         """The request as a waiting Sequence; `received` (monotonic) starts its clock unless it has one."""
         params = req.params
         ids = self.tokenize(req)
+        labels = self.label_ids(params.choices) if params.choices else None
         limit = self.max_model_len
-        if len(ids) >= limit:
+        # A choices request scores each label, then EOS, after the prompt: room for the longest label.
+        room = max(len(label) for label in labels) + 1 if labels else params.max_new_tokens
+        if len(ids) >= limit or (labels and len(ids) + room > limit):
             if params.truncate_prompt == "error":
                 raise RequestError(
                     "prompt_too_long",
                     f"prompt has {len(ids)} tokens; the model context is {limit} "
                     "(set truncate_prompt to 'left' or 'right' to cut it)",
                 )
-            keep = max(1, limit - params.max_new_tokens)  # leave room for the requested output
+            keep = max(1, limit - room)  # leave room for the requested output
             ids = ids[-keep:] if params.truncate_prompt == "left" else ids[:keep]
-        max_new = min(params.max_new_tokens, limit - len(ids))
+        max_new = 0 if labels else min(params.max_new_tokens, limit - len(ids))
         bm = self.block_manager
-        need = bm.blocks_for(len(ids) + max_new)
+        scratch = self._scratch_blocks(len(ids), labels) if labels else 0
+        need = bm.blocks_for(len(ids) + max_new) + scratch
         if need > bm.num_blocks:
+            what = f"{len(labels)} labels to score" if labels else f"{max_new} new tokens"
             raise RequestError(
                 "kv_capacity",
-                f"request needs {need} KV blocks ({len(ids)} prompt + {max_new} new tokens, "
+                f"request needs {need} KV blocks ({len(ids)} prompt tokens + {what}, "
                 f"{bm.block_size} per block) but the whole pool has {bm.num_blocks} blocks",
             )
+        matcher = None
+        if params.constraint.kind != "none":
+            if self.matcher is None:
+                raise RequestError("unsupported", "this engine cannot constrain outputs")
+            matcher = self.matcher(params.constraint)
         return Sequence(
             request_id=req.request_id,
             params=params,
@@ -66,7 +77,33 @@ class PromptBuilder:
             max_new_tokens=max_new,
             started_at=req.started_at if req.started_at is not None else received,
             detokenizer=IncrementalDetokenizer(self.tokenizer),
+            matcher=matcher,
+            labels=labels,
+            scratch_blocks=scratch,
         )
+
+    def label_ids(self, choices: tuple[str, ...]) -> list[list[int]]:
+        """Each label tokenised alone, no special tokens."""
+        out = []
+        for label in choices:
+            ids = list(self.tokenizer(label, add_special_tokens=False).input_ids)
+            if not ids or len(ids) > MAX_LABEL_TOKENS:
+                raise RequestError(
+                    "invalid_choices",
+                    f"label {label[:40]!r} is {len(ids)} tokens; labels must be 1 to {MAX_LABEL_TOKENS} tokens",
+                )
+            out.append(ids)
+        return out
+
+    def _scratch_blocks(self, prompt_len: int, labels: list[list[int]]) -> int:
+        """Blocks the score step writes: per label, the prompt's last partial block again plus the label.
+
+        Every label row reads the prompt's full blocks in place and recomputes the tail after them (at
+        least the last prompt token, whose logits score each label's first token).
+        """
+        bs = self.block_manager.block_size
+        tail = prompt_len - (prompt_len - 1) // bs * bs
+        return sum(self.block_manager.blocks_for(tail + len(label)) for label in labels)
 
     def tokenize(self, req: EngineRequest) -> list[int]:
         return tokenize(self.tokenizer, req, self.vocab_size, self.model_name)

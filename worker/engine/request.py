@@ -27,10 +27,46 @@ class EngineRequest:
     started_at: float | None = None
 
 
+class RequestError(ValueError):
+    """A request the engine refuses, alone: it ends with finish_reason "error" and this type and message."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
 @dataclass(frozen=True)
 class EngineError:
     type: str  # invalid_request, prompt_too_long, kv_capacity, engine_error, ...
     message: str
+
+
+@dataclass(frozen=True)
+class LabelScore:
+    """A label of a `choices` request: the log-probability of the label's tokens then EOS after the
+    prompt (teacher-forced), and its share of the probability over the request's labels."""
+
+    label: str
+    logprob: float
+    prob: float
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    token: str  # the token's text (U+FFFD where it holds part of a character)
+    bytes: list[int]  # its exact bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its log-probability under the model (before temperature, filtering,
+    penalties or grammar) and the most likely alternatives at its position."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list[TokenChoice]
 
 
 @dataclass(frozen=True)
@@ -45,6 +81,9 @@ class EngineResult:
     total_s: float
     error: EngineError | None = None  # set exactly when finish_reason is "error"
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    label_scores: list[LabelScore] | None = None  # `choices` requests, in the request's label order
+    logprobs: list[TokenLogprob] | None = None  # `logprobs` requests: every generated token but a final
+    # EOS / stop token
 
 
 @dataclass(frozen=True)

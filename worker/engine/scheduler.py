@@ -16,7 +16,9 @@ labeling requests fill the slots they leave, instead of a few long ones decoding
 Results never depend on the order (tests check that batching leaves every output unchanged).
 
 Step policy: prefill first. If any waiting request can be admitted, the step prefills every request
-admitted now, packed into one forward pass; otherwise every running sequence decodes one token.
+admitted now, packed into one forward pass. Otherwise, if `choices` requests have been prefilled, the
+step scores their labels (one packed pass over every label, reading the prompts' blocks in place, up to
+the token budget). Otherwise every running sequence that generates decodes one token.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from worker.engine.block_manager import BlockHash, BlockManager
 from worker.engine.config import SchedulePolicy
 from worker.engine.sequence import Sequence
 
-Phase = Literal["prefill", "decode"]
+Phase = Literal["prefill", "score", "decode"]
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Scheduler:
         self._order: dict[str, tuple[int, int]] = {}
 
     def blocks_needed(self, seq: Sequence) -> int:
-        return self.block_manager.blocks_for(seq.max_total_tokens)
+        return self.block_manager.blocks_for(seq.max_total_tokens) + seq.scratch_blocks
 
     def fits_pool_at_all(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= self.block_manager.num_blocks
@@ -78,12 +80,34 @@ class Scheduler:
         admitted = self._admit()
         if admitted:
             return self._batch("prefill", admitted)
+        scoring = self._scoring()
+        if scoring:
+            return self._batch("score", scoring)
         if self.running:
             for seq in self.running:
                 # The last sampled token is not cached yet: this step writes it at position num_tokens - 1.
                 self.block_manager.ensure_capacity(seq.request_id, seq.num_tokens)
             return self._batch("decode", list(self.running))
         return None
+
+    def _scoring(self) -> list[Sequence]:
+        """Prefilled `choices` requests whose label rows fit this step's budget (the first always goes)."""
+        bm = self.block_manager
+        picked: list[Sequence] = []
+        tokens = 0
+        for seq in self.running:
+            if seq.labels is None:
+                continue
+            rows = sum(len(label) for label in seq.labels) + len(seq.labels) * bm.block_size  # upper bound
+            if picked and tokens + rows > self.max_num_batched_tokens:
+                break
+            # Its scratch blocks, reserved at admission, after the prompt's.
+            bm.ensure_capacity(
+                seq.request_id, (bm.blocks_for(seq.prompt_len) + seq.scratch_blocks) * bm.block_size
+            )
+            picked.append(seq)
+            tokens += rows
+        return picked
 
     def _admit(self) -> list[Sequence]:
         bm = self.block_manager

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from worker.engine.block_manager import BlockHash
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.params import GenerationParams
-from worker.engine.request import EngineResult, FinishReason
+from worker.engine.request import EngineResult, FinishReason, LabelScore, TokenLogprob
 
 SequenceStatus = Literal["waiting", "running", "finished"]
 
@@ -28,6 +28,12 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     prompt_hashes: list[BlockHash] | None = None  # chain hashes of the prompt's full blocks (scheduler)
+    matcher: Any = None  # grammar.GrammarState when the output is constrained
+    token_logprobs: list[RowLogprobs] = field(default_factory=list)  # when params.logprobs
+    # A `choices` request: each label's tokens (tokenised alone). It is prefilled, then scored in one
+    # "score" step over scratch_blocks of its own (block_manager reserves them at admission).
+    labels: list[list[int]] | None = None
+    scratch_blocks: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -46,7 +52,12 @@ class Sequence:
         """Worst-case tokens this sequence can ever hold: what admission reserves blocks for."""
         return self.prompt_len + self.max_new_tokens
 
-    def to_result(self, now: float) -> EngineResult:
+    def to_result(
+        self,
+        now: float,
+        logprobs: list[TokenLogprob] | None = None,
+        label_scores: list[LabelScore] | None = None,
+    ) -> EngineResult:
         assert self.finish_reason is not None
         ttft = None if self.first_token_at is None else self.first_token_at - self.started_at
         return EngineResult(
@@ -59,4 +70,16 @@ class Sequence:
             cached_tokens=self.num_cached_tokens,
             ttft_s=ttft,
             total_s=now - self.started_at,
+            logprobs=logprobs,
+            label_scores=label_scores,
         )
+
+
+@dataclass
+class RowLogprobs:
+    """One sampled token's log-probability under the raw model distribution, and the top alternatives."""
+
+    token: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]

@@ -1,0 +1,195 @@
+"""Labeling outputs against HF transformers in float32: token logprobs, label scores, constraints.
+
+Every token logprob must equal HF's log_softmax at that position within 1e-4, every label score the
+HF teacher-forced sum (label tokens, then the first EOS) within 1e-4; results must not depend on what
+else is in the batch; a random model under a JSON schema or a regex must produce matching output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.tiny_models import build_tiny_checkpoint
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.params import Constraint, GenerationParams
+from worker.engine.request import EngineRequest, EngineResult
+
+TOL = 1e-4
+LABELS = ("positive", "negative", "neutral", "pos", "mixed feelings")  # "pos" shares a prefix with "positive"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, object]:
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen2", seed=3)
+    engine = Engine.load(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.02, block_size=8))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return engine, hf
+
+
+@torch.no_grad()
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """log_softmax of HF's logits at every position of `ids`: [len, vocab]."""
+    return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def hf_label_logprob(hf, prompt: list[int], label: list[int], eos: int) -> float:  # type: ignore[no-untyped-def]
+    lp = hf_logprobs(hf, prompt + label)
+    targets = [*label, eos]
+    return sum(float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(targets))
+
+
+def check_token_logprobs(engine: Engine, hf, prompt: list[int], res: EngineResult, top: int) -> None:  # type: ignore[no-untyped-def]
+    assert res.logprobs is not None
+    lp = hf_logprobs(hf, prompt + res.token_ids)
+    assert len(res.logprobs) == len(res.token_ids) - (res.finish_reason == "eos")  # a final EOS is not shown
+    for i, entry in enumerate(res.logprobs):
+        row = lp[len(prompt) - 1 + i]
+        tok = res.token_ids[i]
+        assert abs(entry.logprob - float(row[tok])) < TOL, (i, entry.logprob, float(row[tok]))
+        assert entry.bytes == list(engine.grammars.token_bytes(tok))
+        assert len(entry.top) == top
+        want = row.topk(top)
+        for choice, value in zip(entry.top, want.values.tolist(), strict=True):
+            assert abs(choice.logprob - value) < TOL
+        assert [c.logprob for c in entry.top] == sorted((c.logprob for c in entry.top), reverse=True)
+
+
+def labels_of(engine: Engine) -> list[list[int]]:
+    return engine.prompts.label_ids(LABELS)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 43)), [200, 100] * 12 + [7]]  # 5, 33 (> block boundaries), 25
+
+
+def test_token_logprobs_equal_hf_log_softmax(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, hf = tiny
+    for top in (0, 5):
+        reqs = [EngineRequest(f"p{i}-{top}", GenerationParams(max_new_tokens=12, temperature=0.0, logprobs=True,
+                              top_logprobs=top), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]  # fmt: skip
+        for prompt, res in zip(PROMPTS, engine.generate(reqs), strict=True):
+            check_token_logprobs(engine, hf, prompt, res, top)
+
+
+def test_sampled_tokens_report_their_raw_logprob(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, hf = tiny
+    p = GenerationParams(max_new_tokens=10, temperature=1.3, top_k=20, seed=7, logprobs=True, top_logprobs=2)
+    res = engine.generate([EngineRequest("s", p, prompt_token_ids=PROMPTS[1])])[0]
+    check_token_logprobs(engine, hf, PROMPTS[1], res, 2)  # before temperature and top-k
+
+
+def test_label_scores_equal_the_hf_teacher_forced_sum(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, hf = tiny
+    eos = engine.eos_token_ids[0]
+    reqs = [EngineRequest(f"c{i}", GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS),
+                          prompt_token_ids=p) for i, p in enumerate(PROMPTS)]  # fmt: skip
+    for prompt, res in zip(PROMPTS, engine.generate(reqs), strict=True):
+        assert res.label_scores is not None and [s.label for s in res.label_scores] == list(LABELS)
+        for s, label in zip(res.label_scores, labels_of(engine), strict=True):
+            assert abs(s.logprob - hf_label_logprob(hf, prompt, label, eos)) < TOL, s
+        assert abs(sum(s.prob for s in res.label_scores) - 1.0) < 1e-9
+        best = max(res.label_scores, key=lambda s: s.logprob)
+        assert res.text == best.label and res.finish_reason == "eos"
+        chosen = labels_of(engine)[LABELS.index(best.label)]
+        assert res.token_ids == [*chosen, eos] and res.completion_tokens == len(chosen) + 1
+        assert res.prompt_tokens == len(prompt)
+
+
+def test_a_sampled_label_follows_the_seed(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, _ = tiny
+    picks = []
+    for seed in range(40):  # a very hot temperature: nearly uniform draws over the labels
+        p = GenerationParams(max_new_tokens=1, temperature=1e4, seed=seed, choices=LABELS)
+        picks.append(engine.generate([EngineRequest(f"t{seed}", p, prompt_token_ids=PROMPTS[0])])[0].text)
+    p = GenerationParams(max_new_tokens=1, temperature=1e4, seed=3, choices=LABELS)
+    again = engine.generate([EngineRequest("again", p, prompt_token_ids=PROMPTS[0])])
+    assert again[0].text == picks[3]  # the same seed, the same label
+    assert len(set(picks)) >= 3
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["spam", "ham"]},
+        "score": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "author": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                    "ok": {"type": "boolean"}}, "required": ["name", "ok"],
+                   "additionalProperties": False},
+    },
+    "required": ["label", "score", "tags", "author"],
+    "additionalProperties": False,
+}  # fmt: skip
+REGEX = r"(yes|no)\. [0-9]{1,3} points?"
+
+
+def test_a_random_model_under_a_schema_writes_valid_json_for_100_seeds(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, _ = tiny
+    c = Constraint("json_schema", json.dumps(SCHEMA))
+    reqs = [EngineRequest(f"j{seed}", GenerationParams(max_new_tokens=120, temperature=1.0, seed=seed, constraint=c),
+                          prompt_token_ids=[3 + seed % 200, 9]) for seed in range(100)]  # fmt: skip
+    results = engine.generate(reqs)
+    done = [r for r in results if r.finish_reason != "length"]
+    assert all(r.finish_reason in ("stop", "eos") for r in done), {r.finish_reason for r in results}
+    for r in done:
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+    assert len(done) >= 50, f"only {len(done)} of 100 finished within 120 tokens"
+    assert engine.grammars.compiled <= 2  # one schema, compiled once (the regex test may add one)
+
+
+def test_a_random_model_under_a_regex_matches_it_for_100_seeds(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, _ = tiny
+    c = Constraint("regex", REGEX)
+    reqs = [EngineRequest(f"r{seed}", GenerationParams(max_new_tokens=40, temperature=1.0, seed=seed, constraint=c),
+                          prompt_token_ids=[5, seed % 250 + 3]) for seed in range(100)]  # fmt: skip
+    for r in engine.generate(reqs):
+        assert r.finish_reason == "length" or re.fullmatch(REGEX, r.text), (r.finish_reason, r.text)
+
+
+def test_results_are_the_same_alone_and_in_a_mixed_batch(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, _ = tiny
+    c = Constraint("json_schema", json.dumps(SCHEMA))
+    make = [
+        lambda i: EngineRequest(f"free{i}", GenerationParams(max_new_tokens=9, temperature=0.0), prompt_token_ids=PROMPTS[0]),
+        lambda i: EngineRequest(f"choice{i}", GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS),
+                                prompt_token_ids=PROMPTS[1]),
+        lambda i: EngineRequest(f"schema{i}", GenerationParams(max_new_tokens=60, temperature=0.7, seed=5, constraint=c),
+                                prompt_token_ids=PROMPTS[2]),
+        lambda i: EngineRequest(f"lp{i}", GenerationParams(max_new_tokens=7, temperature=0.0, logprobs=True, top_logprobs=3),
+                                prompt_token_ids=PROMPTS[1]),
+    ]  # fmt: skip
+    alone = [engine.generate([m(0)])[0] for m in make]
+    mixed = engine.generate([m(1) for m in make])
+    for a, b in zip(alone, mixed, strict=True):
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+    for a, b in zip(alone[1].label_scores or [], mixed[1].label_scores or [], strict=True):
+        assert abs(a.logprob - b.logprob) < TOL
+    for a, b in zip(alone[3].logprobs or [], mixed[3].logprobs or [], strict=True):
+        assert abs(a.logprob - b.logprob) < TOL and [c.token for c in a.top] == [c.token for c in b.top]
+
+
+@pytest.mark.parametrize(
+    ("params", "error_type"),
+    [
+        ({"constraint": Constraint("json_schema", '{"type": "nonsense"}')}, "invalid_schema"),
+        ({"constraint": Constraint("regex", "(unclosed")}, "invalid_regex"),
+        ({"choices": ("ok", "x" * 400)}, "invalid_choices"),  # 400 byte tokens: over the label limit
+    ],
+)
+def test_a_request_the_grammar_or_labels_cannot_take_fails_alone(
+    tiny, params: dict[str, object], error_type: str
+) -> None:  # type: ignore[no-untyped-def]
+    engine, _ = tiny
+    bad = EngineRequest(
+        "bad", GenerationParams(max_new_tokens=4, temperature=0.0, **params), prompt_token_ids=[5, 6]
+    )  # type: ignore[arg-type]
+    good = EngineRequest("good", GenerationParams(max_new_tokens=4, temperature=0.0), prompt_token_ids=[5, 6])
+    res_bad, res_good = engine.generate([bad, good])
+    assert res_bad.finish_reason == "error" and res_bad.error is not None and res_bad.error.type == error_type
+    assert res_good.finish_reason in ("length", "eos") and res_good.completion_tokens >= 1
