@@ -56,6 +56,7 @@ run: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py
 	$(PY) benchmarks/fewshot_bench.py
+	$(PY) benchmarks/labeling_bench.py
 
 gpu-check:
 	bash benchmarks/gpu_check.sh

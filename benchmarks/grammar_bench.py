@@ -50,7 +50,18 @@ SCHEMA: dict[str, Any] = {
         },
         "summary": {"type": ["string", "null"]},
     },
-    "required": ["id", "title", "sentiment", "score", "tags", "author", "date", "language", "entities", "summary"],
+    "required": [
+        "id",
+        "title",
+        "sentiment",
+        "score",
+        "tags",
+        "author",
+        "date",
+        "language",
+        "entities",
+        "summary",
+    ],
     "additionalProperties": False,
 }
 ANSWER = {
@@ -75,7 +86,9 @@ def run_xgrammar(tok: Any, vocab: int, answer_ids: list[int], batch: int, steps:
 
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
     schema = json.dumps(SCHEMA)
-    compile_s, compiled = timed(lambda: xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(schema), 3)
+    compile_s, compiled = timed(
+        lambda: xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(schema), 3
+    )
     regex_s, _ = timed(lambda: xgr.GrammarCompiler(info, cache_enabled=False).compile_regex(REGEX), 3)
     matchers = []
     for i in range(batch):  # each at another point of the answer
@@ -126,7 +139,9 @@ def run_llguidance(tok: Any, vocab: int, answer_ids: list[int], batch: int, step
     executor = llguidance.LLExecutor()
     one, many = [], []
     for _ in range(steps):
-        one.append(timed(lambda: [llt.fill_next_token_bitmask(m, bitmask, i) for i, m in enumerate(matchers)])[0])
+        one.append(
+            timed(lambda: [llt.fill_next_token_bitmask(m, bitmask, i) for i, m in enumerate(matchers)])[0]
+        )
         many.append(timed(lambda: llt.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], bitmask))[0])  # fmt: skip
     logits = torch.zeros(batch, vocab)
     apply_s, _ = timed(lambda: llt.apply_token_bitmask_inplace(logits, bitmask), 5)
@@ -152,10 +167,18 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
     vocab = 49152
     answer_ids = tok.encode(json.dumps(ANSWER), add_special_tokens=False)
-    rows = [run_xgrammar(tok, vocab, answer_ids, ns.batch, ns.steps), run_llguidance(tok, vocab, answer_ids, ns.batch, ns.steps)]
-    print(f"SmolLM2 tokenizer (vocab {vocab}), a 10-field nested JSON schema, {ns.batch} sequences per decode step")
+    rows = [run_llguidance(tok, vocab, answer_ids, ns.batch, ns.steps)]
+    try:  # not a dependency: install it to compare (pip install xgrammar)
+        rows.insert(0, run_xgrammar(tok, vocab, answer_ids, ns.batch, ns.steps))
+    except ImportError:
+        print("xgrammar is not installed (pip install xgrammar): measuring llguidance alone", file=sys.stderr)
+    print(
+        f"SmolLM2 tokenizer (vocab {vocab}), a 10-field nested JSON schema, {ns.batch} sequences per decode step"
+    )
     print()
-    print("| library | compile schema ms | compile regex ms | masks one by one ms | masks batched ms | apply ms | sound |")
+    print(
+        "| library | compile schema ms | compile regex ms | masks one by one ms | masks batched ms | apply ms | sound |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['library']} | {r['compile_schema_ms']:.1f} | {r['compile_regex_ms']:.1f} | "
