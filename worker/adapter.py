@@ -49,7 +49,9 @@ def constraint(params: SamplingParams) -> Constraint:
     fmt = params.response_format
     if fmt is not None:
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {"type": "object"}
-        return Constraint("json_schema", orjson.dumps(schema).decode())  # key order kept: it orders the output
+        return Constraint(
+            "json_schema", orjson.dumps(schema).decode()
+        )  # key order kept: it orders the output
     if params.regex is not None:
         return Constraint("regex", params.regex)
     return NO_CONSTRAINT
