@@ -97,11 +97,12 @@ class ModelRunner:
         blocks = block_tables[seq_index, positions // self.block_size].long()
         return blocks * self.block_size + positions % self.block_size
 
-    def prefill_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
-        """Every sequence's prompt after its cached prefix, packed without padding."""
+    def _packed(
+        self, tables: list[list[int]], lens: list[int], starts: list[int], context: list[int]
+    ) -> tuple[Tensor, AttentionMetadata, Tensor]:
+        """Rows of `lens` new tokens each, the first at position `starts`, over `context` cached tokens
+        (theirs included). -> positions [T], prefill metadata, cu_seqlens [rows + 1] int64."""
         block_tables = self._block_table_tensor(tables)
-        lens = [s.prompt_len - s.num_cached_tokens for s in seqs]  # tokens computed now
-        input_ids = self._tensor([t for s in seqs for t in s.prompt_ids[s.num_cached_tokens :]])
         lens_t = self._tensor(lens)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=self.device)
         cu[1:] = lens_t.cumsum(0)
@@ -109,14 +110,25 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(
             torch.arange(len(lens), device=self.device), lens_t, output_size=sum(lens)
         )
-        start = self._tensor([s.num_cached_tokens for s in seqs])  # [B] first position computed
-        positions = torch.arange(sum(lens), device=self.device) - cu[:-1][seq_index] + start[seq_index]
+        positions = torch.arange(sum(lens), device=self.device) - cu[:-1][seq_index]
+        positions += self._tensor(starts)[seq_index]
         meta = AttentionMetadata(
             phase="prefill",
             slot_mapping=self._slots(block_tables, seq_index, positions),
             block_tables=block_tables,
-            context_lens=self._tensor([s.prompt_len for s in seqs], torch.int32),
+            context_lens=self._tensor(context, torch.int32),
             cu_seqlens_q=cu.to(torch.int32),
+        )
+        return positions, meta, cu
+
+    def prefill_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
+        """Every sequence's prompt after its cached prefix, packed without padding."""
+        input_ids = self._tensor([t for s in seqs for t in s.prompt_ids[s.num_cached_tokens :]])
+        positions, meta, cu = self._packed(
+            tables,
+            [s.prompt_len - s.num_cached_tokens for s in seqs],  # tokens computed now
+            [s.num_cached_tokens for s in seqs],
+            [s.prompt_len for s in seqs],
         )
         return StepInputs(input_ids, positions, meta, cu[1:] - 1)
 
@@ -201,8 +213,8 @@ class ModelRunner:
         bs = self.block_size
         eos = self.eos_token_id
         ids: list[int] = []
-        positions: list[int] = []
         rows: list[list[int]] = []  # each label row's block table
+        starts: list[int] = []
         context: list[int] = []
         lens: list[int] = []
         wanted: list[int] = []  # packed-token index of every position whose logits score a target
@@ -218,7 +230,7 @@ class ModelRunner:
                 k = -(-len(new) // bs)
                 first = len(ids)
                 ids += new
-                positions += range(full * bs, full * bs + len(new))
+                starts.append(full * bs)
                 rows.append(table[:full] + table[scratch : scratch + k])
                 scratch += k
                 context.append(full * bs + len(new))
@@ -226,22 +238,8 @@ class ModelRunner:
                 wanted += range(first + len(tail) - 1, first + len(new))
                 targets += [*label, eos]
                 sizes.append(len(label) + 1)
-        block_tables = self._block_table_tensor(rows)
-        lens_t = self._tensor(lens)
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=self.device)
-        cu[1:] = lens_t.cumsum(0)
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(lens), device=self.device), lens_t, output_size=len(ids)
-        )
-        positions_t = self._tensor(positions)
-        meta = AttentionMetadata(
-            phase="prefill",
-            slot_mapping=self._slots(block_tables, seq_index, positions_t),
-            block_tables=block_tables,
-            context_lens=self._tensor(context, torch.int32),
-            cu_seqlens_q=cu.to(torch.int32),
-        )
-        hidden = self.model(self._tensor(ids), positions_t, meta, self.kv_caches, self.backend)  # [T, hidden]
+        positions, meta, _ = self._packed(rows, lens, starts, context)
+        hidden = self.model(self._tensor(ids), positions, meta, self.kv_caches, self.backend)  # [T, hidden]
         picked = hidden[self._tensor(wanted)]
         target_t = self._tensor(targets)
         scores = torch.empty(len(targets), dtype=torch.float32, device=self.device)
