@@ -263,6 +263,7 @@ async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_
         ("text", "2", True, False),
     ]
     assert got[0][0].metadata == {"k": 1} and got[0][0].usage.prompt_tokens_details.cached_tokens == 3
+    assert got[0][0].label_scores == scores and got[1][0].label_scores == scores  # labeling outputs kept
 
     again = await submit_stream(redis, io.BytesIO(lines), batch_id="rc2", queue="q", result_cache=False)  # type: ignore[arg-type]
     assert (again.cached, again.enqueued) == (0, 4)
