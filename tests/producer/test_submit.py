@@ -245,8 +245,19 @@ async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_
     chat_key = request_key(fp, None, [{"role": "user", "content": "hi"}], params)
     text_key = request_key(fp, "two", None, {"max_new_tokens": 256, "temperature": 0.5, "seed": 9})
     assert chat_key and text_key
+    from producer.contract import LabelScore
+
+    scores = [
+        LabelScore(label="hello", logprob=-0.1, prob=0.9),
+        LabelScore(label="bye", logprob=-2.3, prob=0.1),
+    ]
     answer = CachedAnswer(
-        text="hello", finish_reason="eos", prompt_tokens=5, completion_tokens=2, cached_tokens=3
+        text="hello",
+        finish_reason="eos",
+        prompt_tokens=5,
+        completion_tokens=2,
+        cached_tokens=3,
+        label_scores=scores,
     )
     await redis.set(chat_key, answer.to_json())
     await redis.set(text_key, answer.model_copy(update={"text": "2"}).to_json())
