@@ -34,6 +34,7 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--policy", default="longest_first")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--admission", default="optimistic", choices=["optimistic", "reserve"])
     p.add_argument(
         "--ops", type=int, default=0, help="print the top N ops of one prefill and one decode step"
     )
@@ -54,6 +55,7 @@ def main() -> int:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         schedule_policy=ns.policy,
         prefix_cache=not ns.no_prefix_cache,
+        admission=ns.admission,
     )
     engine = Engine.load(cfg)
     lines = generate(ns.n, tokenizer=engine.tokenizer)
@@ -89,7 +91,8 @@ def main() -> int:
     out_tokens = sum(r.completion_tokens for r in results)
     model_s = sum(t for v in times.values() for _, _, t in v)
     print(f"{ns.n} requests, {out_tokens} output tokens in {wall:.1f}s = {out_tokens / wall:.1f} tok/s")
-    print(f"outside the model: {wall - model_s:.1f}s; peak RSS {_peak_rss_mb():.0f} MB")
+    print(f"outside the model: {wall - model_s:.1f}s; peak RSS {_peak_rss_mb():.0f} MB; "
+          f"preemptions {engine.stats().preemptions}")  # fmt: skip
     pre = times["prefill"]
     if pre:
         pt, ps = sum(x[1] for x in pre), sum(x[2] for x in pre)

@@ -56,6 +56,7 @@ class StatsLogger:
         self._tokens, self._steps, self._prefills = s.tokens_generated, s.steps, s.prefill_steps
         self._busy = s.prefill_s + s.decode_s
         self._prompt, self._cached = s.prompt_tokens, s.cached_prompt_tokens
+        self._preempted = s.preemptions
 
     def line(self, completed: int, failed: int, from_cache: int) -> str:
         s = self.engine.core.stats()
@@ -68,6 +69,7 @@ class StatsLogger:
         steps, prefills = s.steps - self._steps, s.prefill_steps - self._prefills
         cached = s.cached_prompt_tokens - self._cached
         computed = s.prompt_tokens - self._prompt - cached
+        preempted = s.preemptions - self._preempted
         self._t, self._tokens, self._steps, self._prefills, self._busy = (
             now,
             s.tokens_generated,
@@ -76,11 +78,12 @@ class StatsLogger:
             busy,
         )
         self._prompt, self._cached = s.prompt_tokens, s.cached_prompt_tokens
+        self._preempted = s.preemptions
         kv_pct = 100.0 * s.kv_blocks_used / max(s.kv_blocks_total, 1)
         return (
             f"throughput={rate:.1f} tok/s running={s.running} waiting={s.waiting} "
             f"kv={s.kv_blocks_used}/{s.kv_blocks_total} ({kv_pct:.0f}%) steps={steps} "
-            f"(prefill {prefills}) prompt tokens computed={computed} cached={cached} "
+            f"(prefill {prefills}) prompt tokens computed={computed} cached={cached} preempted={preempted} "
             f"model busy={busy_pct:.0f}% done={completed} (result cache {from_cache}) failed={failed}"
         )
 

@@ -244,3 +244,56 @@ async def test_async_engine_loads_the_model_on_the_thread_that_steps_it(ckpt: Pa
 async def test_async_engine_load_errors_reach_the_caller(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         await AsyncEngine.load(EngineConfig(dtype="float32", model=str(tmp_path / "missing")))
+
+
+def test_optimistic_admission_preempts_and_resumes_with_identical_tokens(ckpt: Path) -> None:
+    """A pool far too small for the worst cases: sequences are preempted mid-generation, resumed by
+    recomputing prompt + output, and still produce exactly the tokens of a pool that never preempts."""
+    reqs = [
+        EngineRequest(
+            f"r{i}",
+            params(
+                max_new_tokens=30 + i % 5, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=100 + i
+            ),
+            prompt_token_ids=[3 + (5 * i + k) % 200 for k in range(6 + 3 * (i % 4))],
+        )
+        for i in range(12)
+    ]
+    big = run_checked(engine_with(ckpt, admission="reserve", repetition_window=0), reqs)
+    small_engine = engine_with(ckpt, blocks=40, admission="optimistic", repetition_window=0, max_num_seqs=12)
+    small = run_checked(small_engine, reqs)
+    assert small_engine.scheduler.preemptions > 0, "the pool never ran out: make it smaller"
+    assert [r.token_ids for r in small] == [r.token_ids for r in big]
+    assert [r.text for r in small] == [r.text for r in big]
+    assert [(r.prompt_tokens, r.completion_tokens) for r in small] == [
+        (r.prompt_tokens, r.completion_tokens) for r in big
+    ]
+
+
+def test_optimistic_admission_holds_more_sequences_than_reserving(ckpt: Path) -> None:
+    # Requests that may write 60 tokens but stop at their first (every token is a stop token): reserving
+    # the worst case admits 3 at a time; the measured ratio soon packs the pool.
+    stop_any = list(range(259))
+    reqs = [EngineRequest(f"r{i}", params(max_new_tokens=60, stop_token_ids=stop_any), prompt_token_ids=[5 + i] * 8)
+            for i in range(40)]  # fmt: skip
+    peak = {}
+    for admission in ("reserve", "optimistic"):
+        engine = engine_with(ckpt, blocks=60, admission=admission, max_num_seqs=16)
+        for r in reqs:
+            engine.add_request(r)
+        most = 0
+        while engine.has_work():
+            engine.step()
+            most = max(most, engine.stats().running)
+        peak[admission] = most
+    assert peak["reserve"] <= 3 and peak["optimistic"] >= 2 * peak["reserve"], peak
+
+
+def test_a_preempted_request_keeps_its_deadline(ckpt: Path) -> None:
+    engine = engine_with(ckpt, blocks=40, admission="optimistic", repetition_window=0, max_num_seqs=8)
+    long = [EngineRequest(f"l{i}", params(max_new_tokens=40, ignore_eos=True, temperature=0.0),
+                          prompt_token_ids=[9 + i] * 20) for i in range(6)]  # fmt: skip
+    late = EngineRequest("late", params(max_new_tokens=40, ignore_eos=True, timeout_s=0.5), prompt_token_ids=[4] * 20,
+                         started_at=time.monotonic() - 10)  # fmt: skip
+    results = {r.request_id: r for r in engine.generate([*long, late])}
+    assert results["late"].finish_reason == "timeout"

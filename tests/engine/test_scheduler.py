@@ -110,3 +110,40 @@ def test_requests_sharing_a_prefix_compute_it_once_and_budget_only_their_own_tok
     assert all(s.num_cached_tokens == 20 for s in second.seqs)
     assert all(bm.block_table(s.request_id)[:5] == bm.block_table("r0")[:5] for s in second.seqs)
     bm.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_optimistic_admission_preempts_the_newest_and_resumes_it_first(seed: int) -> None:
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=24, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=12, max_num_batched_tokens=64, admission="optimistic")
+    seqs = [make_seq(str(i), rng.randint(1, 20), rng.randint(5, 40) if i < 20 else 40) for i in range(30)]
+    # The first 20 stop within 3 tokens (teaching the scheduler a low ratio), the last 10 run long.
+    stop_at = {s.request_id: rng.randint(1, 3) if i < 20 else s.max_new_tokens for i, s in enumerate(seqs)}
+    for s in seqs:
+        s.prompt_ids = [60 + rng.randint(0, 3) for _ in range(s.prompt_len)]
+        sched.add(s)
+    finished, steps = 0, 0
+    while sched.has_work():
+        steps += 1
+        admitted_before = [s.request_id for s in sched.running]
+        preempted_before = sched.preemptions
+        batch = sched.schedule()
+        assert batch is not None
+        if sched.preemptions > preempted_before:  # the victims were the newest, now first in line
+            gone = [rid for rid in admitted_before if rid not in {s.request_id for s in sched.running}]
+            assert gone == admitted_before[len(admitted_before) - len(gone) :]
+            resumed = [s.preemptions > 0 for s in sched.waiting]
+            assert resumed == sorted(resumed, reverse=True) and resumed[0]
+        for seq in batch.seqs:
+            assert len(bm.block_table(seq.request_id)) * bm.block_size >= len(seq.prefill_ids)
+            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)
+            seq.output_ids.append(61)
+            if len(seq.output_ids) >= stop_at[seq.request_id]:
+                seq.finish_reason = "stop"
+                sched.finish(seq)
+                finished += 1
+        bm.check_invariants()
+    assert finished == 30 and bm.num_free == bm.num_blocks
+    assert sched.preemptions > 0, "the pool never ran out: make it smaller"
+    assert all(len(s.output_ids) == stop_at[s.request_id] for s in seqs)  # no token lost or added on resume

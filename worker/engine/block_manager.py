@@ -123,6 +123,18 @@ class BlockManager:
         self._reserved[seq_id] = need
         self._growth += need - len(hits)
 
+    def grow(self, seq_id: str, num_tokens: int) -> bool:
+        """Cover `num_tokens` slots, raising the sequence's reservation where it must and the pool allows
+        it (optimistic admission); False when it does not, and nothing changed."""
+        extra = self.blocks_for(num_tokens) - self._reserved[seq_id]
+        if extra > 0:
+            if self.num_committed + extra > self.num_blocks:
+                return False
+            self._reserved[seq_id] += extra
+            self._growth += extra
+        self.ensure_capacity(seq_id, num_tokens)
+        return True
+
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> None:
         """Allocate blocks until the sequence's table covers `num_tokens` token slots."""
         table = self._tables[seq_id]

@@ -14,6 +14,7 @@ Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 SchedulePolicy = Literal["fcfs", "longest_first"]
+Admission = Literal["optimistic", "reserve"]
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 
@@ -53,6 +54,11 @@ class EngineConfig(BaseModel):
     )
     max_num_seqs: int = Field(default=64, ge=1, description="sequences decoded together at most")
     max_num_batched_tokens: int = Field(default=4096, ge=1, description="token budget of one step")
+    admission: Admission = Field(
+        default="optimistic",
+        description="optimistic: admit on expected growth, preempt (and recompute) when the pool runs out; "
+        "reserve: reserve every request's worst case, never preempt (see scheduler.py)",
+    )
     prefix_cache: bool = Field(
         default=True, description="reuse the K/V of prompt blocks already computed (automatic prefix caching)"
     )

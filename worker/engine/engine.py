@@ -65,7 +65,11 @@ class Engine:
         salt = f"{loaded.name}\0{loaded.checkpoint_dir}\0{kv_dtype}".encode()
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, salt)
         self.scheduler = Scheduler(
-            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, policy=cfg.schedule_policy
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            policy=cfg.schedule_policy,
+            admission=cfg.admission,
         )
         vocab = loaded.model.spec.vocab_size
         self.grammars = Grammars(self.tokenizer, vocab, self.eos_token_ids)
@@ -178,10 +182,10 @@ class Engine:
             for seq, scores in zip(batch.seqs, out.label_scores, strict=True):
                 results.append(self._finish_choices(seq, scores, now))
             return results
-        self._prompt_tokens += sum(s.prompt_len for s in batch.seqs) if batch.phase == "prefill" else 0
-        self._cached_prompt_tokens += (
-            sum(s.num_cached_tokens for s in batch.seqs) if batch.phase == "prefill" else 0
-        )
+        if batch.phase == "prefill":
+            first = [s for s in batch.seqs if not s.preemptions]  # a resumed one counted its prompt already
+            self._prompt_tokens += sum(s.prompt_len for s in first)
+            self._cached_prompt_tokens += sum(s.cached_prompt_tokens for s in first)
         bm = self.block_manager
         for seq, token, logprobs in zip(batch.seqs, out.tokens, out.logprobs, strict=True):
             bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)  # K/V written
@@ -220,6 +224,7 @@ class Engine:
             cached_prompt_tokens=self._cached_prompt_tokens,
             steps=self._steps,
             prefill_steps=self._prefill_steps,
+            preemptions=self.scheduler.preemptions,
             prefill_s=self._prefill_s,
             decode_s=self._decode_s,
         )

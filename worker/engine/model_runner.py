@@ -122,13 +122,17 @@ class ModelRunner:
         return positions, meta, cu
 
     def prefill_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
-        """Every sequence's prompt after its cached prefix, packed without padding."""
-        input_ids = self._tensor([t for s in seqs for t in s.prompt_ids[s.num_cached_tokens :]])
+        """Every sequence's prompt (and, resuming after a preemption, its output so far) after its cached
+        prefix, packed without padding."""
+        ids = [s.prefill_ids for s in seqs]
+        input_ids = self._tensor(
+            [t for s, x in zip(seqs, ids, strict=True) for t in x[s.num_cached_tokens :]]
+        )
         positions, meta, cu = self._packed(
             tables,
-            [s.prompt_len - s.num_cached_tokens for s in seqs],  # tokens computed now
+            [len(x) - s.num_cached_tokens for s, x in zip(seqs, ids, strict=True)],  # tokens computed now
             [s.num_cached_tokens for s in seqs],
-            [s.prompt_len for s in seqs],
+            [len(x) for x in ids],
         )
         return StepInputs(input_ids, positions, meta, cu[1:] - 1)
 

@@ -97,5 +97,6 @@ class EngineStats:
     cached_prompt_tokens: int  # of prompt_tokens, served from the prefix cache (not computed)
     steps: int
     prefill_steps: int
+    preemptions: int  # sequences whose blocks were taken back when the pool ran out (optimistic admission)
     prefill_s: float  # time in the model for prefill steps
     decode_s: float  # time in the model for decode steps

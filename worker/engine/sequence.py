@@ -26,7 +26,8 @@ class Sequence:
     status: SequenceStatus = "waiting"
     first_token_at: float | None = None
     finish_reason: FinishReason | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
+    num_cached_tokens: int = 0  # tokens of prefill_ids whose K/V came from the prefix cache at admission
+    cached_prompt_tokens: int = 0  # of the prompt, at its first admission (what usage reports)
     prompt_hashes: list[BlockHash] | None = None  # chain hashes of the prompt's full blocks (scheduler)
     matcher: Any = None  # grammar.GrammarState when the output is constrained
     token_logprobs: list[RowLogprobs] = field(default_factory=list)  # when params.logprobs
@@ -34,6 +35,7 @@ class Sequence:
     # "score" step over scratch_blocks of its own (block_manager reserves them at admission).
     labels: list[list[int]] | None = None
     scratch_blocks: int = 0
+    preemptions: int = 0  # times its blocks were taken back (it resumes by recomputing prompt + output)
 
     @property
     def prompt_len(self) -> int:
@@ -42,6 +44,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill computes: the prompt, and after a preemption the tokens generated so far too."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
 
     @property
     def last_token(self) -> int:
@@ -67,7 +78,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len,
             completion_tokens=len(self.output_ids),
-            cached_tokens=self.num_cached_tokens,
+            cached_tokens=self.cached_prompt_tokens,
             ttft_s=ttft,
             total_s=now - self.started_at,
             logprobs=logprobs,
