@@ -172,7 +172,6 @@ def main() -> int:
         ns.dtype = str(cpu_auto_dtype()).removeprefix("torch.")
         print(f"  dtype auto -> {ns.dtype}", file=sys.stderr, flush=True)
 
-    from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB
     from worker.models.loader import resolve_checkpoint
 
     info: dict[str, Any] = {"machine": machine(), "dtype": ns.dtype, "requests": ns.n, "seed": ns.seed}
@@ -205,7 +204,7 @@ def main() -> int:
     if queue is not None:
         info["queue_vs_engine"] = queue["tokens_per_s"] / engine["tokens_per_s"]
         itemsize = 4 if ns.dtype == "float32" else 2
-        budget = params * itemsize / 2**20 + 1024 * DEFAULT_CPU_KV_CACHE_GB + 1024
+        budget = params * itemsize / 2**20 + engine["kv_pool_mb"] + 1024  # the pool is sized from memory
         info["worker_rss"] = {"peak_mb": queue["peak_rss_mb"], "budget_mb": budget}
     if "enqueue" not in ns.skip:
         info["enqueue"] = enqueue_rate()

@@ -88,6 +88,7 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
     text = engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     prompt_len = len(engine.tokenizer(text, add_special_tokens=False).input_ids)
     kv_bytes = kv_bytes_per_token(engine.model_runner.model, getattr(torch, dtype))
+    pool_mb = engine.stats().kv_blocks_total * engine.cfg.block_size * kv_bytes / 2**20
     params = sum(p.numel() for p in engine.model_runner.model.parameters())
     del engine
 
@@ -122,6 +123,7 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
         texts={r.request_id: r.text for r in results},
         full_batch_tokens_per_s=decode_tps,
         full_batch_size=full_batch,
+        kv_pool_mb=pool_mb,
         params=params,
     )
 

@@ -16,7 +16,6 @@ AttentionBackendName = Literal["auto", "torch", "triton"]
 SchedulePolicy = Literal["fcfs", "longest_first"]
 Admission = Literal["optimistic", "reserve"]
 
-DEFAULT_CPU_KV_CACHE_GB = 1.0
 
 
 class EngineConfig(BaseModel):
@@ -42,15 +41,15 @@ class EngineConfig(BaseModel):
     kv_cache_gb: float | None = Field(
         default=None,
         gt=0,
-        description=f"explicit KV pool size in GB (default: {DEFAULT_CPU_KV_CACHE_GB} on a CPU; on CUDA "
-        "what kv_watermark leaves)",
+        description="cap on the KV pool in GB (default: none, what kv_watermark leaves); set it to share a "
+        "machine between workers",
     )
     kv_watermark: float = Field(
         default=0.9,
         gt=0,
         le=1,
-        description="CUDA: share of the device's total memory that weights, peak activations and the KV "
-        "pool may use together; the pool gets what is left",
+        description="CUDA: share of the device's total memory for weights, peak activations and the KV pool; "
+        "CPU: share of the memory available at start-up for the largest step and the KV pool",
     )
     max_num_seqs: int = Field(default=64, ge=1, description="sequences decoded together at most")
     max_num_batched_tokens: int = Field(default=4096, ge=1, description="token budget of one step")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 
+import psutil
 import torch
 
-from worker.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from worker.engine.config import EngineConfig
 from worker.kernels.backend import torch_backend
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import LlamaFamilyModel
@@ -49,13 +50,51 @@ def _peak_activation_bytes(cfg: EngineConfig, model: LlamaFamilyModel, device: t
     return int(peak)
 
 
+PROBE_TOKENS = 1024  # the CPU working-memory probe runs this many tokens and scales to the budget
+
+
+def _rss_bytes() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+@torch.inference_mode()
+def _cpu_step_bytes(cfg: EngineConfig, model: LlamaFamilyModel) -> int:
+    """The working memory of the largest step on the CPU, measured: the resident memory a dummy prefill
+    of PROBE_TOKENS adds (freed step memory stays in the heap, see cpu_tuning.keep_freed_memory, so it
+    shows in RSS), scaled to the token budget."""
+    s = model.spec
+    dtype = model.lm_head.weight.dtype
+    t = min(cfg.max_num_batched_tokens, PROBE_TOKENS, model.rotary.cos.shape[0])
+    nblk = -(-t // cfg.block_size)
+    backend = torch_backend()
+    shape = backend.kv_cache_shape(nblk, cfg.block_size, s.num_kv_heads, s.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(s.num_layers)]
+    before = _rss_bytes()  # the scratch cache is resident already: not part of the step
+    pos = torch.arange(t)
+    meta = AttentionMetadata(
+        phase="prefill",
+        slot_mapping=pos,
+        block_tables=torch.arange(nblk, dtype=torch.int32).unsqueeze(0),
+        context_lens=torch.tensor([t], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
+    )
+    hidden = model(torch.zeros(t, dtype=torch.long), pos, meta, caches, backend)
+    model.compute_logits(hidden[-min(t, cfg.max_num_seqs) :])
+    grown = max(0, _rss_bytes() - before)
+    del caches, hidden
+    return grown * max(1, -(-cfg.max_num_batched_tokens // t))
+
+
 def size_kv_pool(cfg: EngineConfig, model: LlamaFamilyModel, dtype: torch.dtype, device: torch.device) -> int:
-    """Number of KV blocks: explicit kv_cache_gb, else (GPU) free memory × watermark after weights and
-    peak activations, else (CPU) DEFAULT_CPU_KV_CACHE_GB."""
+    """Number of KV blocks: the memory kv_watermark leaves for the pool, capped by kv_cache_gb.
+
+    CUDA: total device memory x kv_watermark, less what is in use (the weights) and the measured peak
+    activations of one full step. CPU: memory available at start-up (the weights are loaded by then) x
+    kv_watermark, less the measured working memory of the largest step. Pool pages are touched only as
+    blocks fill, so the resident size grows with use (and with the prefix cache) up to the pool's.
+    """
     block_bytes = kv_bytes_per_token(model, dtype) * cfg.block_size
-    if cfg.kv_cache_gb is not None:
-        budget = int(cfg.kv_cache_gb * 1024**3)
-    elif device.type == "cuda":
+    if device.type == "cuda":
         peak = _peak_activation_bytes(cfg, model, device)
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
@@ -64,7 +103,12 @@ def size_kv_pool(cfg: EngineConfig, model: LlamaFamilyModel, dtype: torch.dtype,
             "GPU %.1f GiB total, %.1f used, %.2f activation peak", total / 2**30, used / 2**30, peak / 2**30
         )
     else:
-        budget = int(DEFAULT_CPU_KV_CACHE_GB * 1024**3)
+        step = _cpu_step_bytes(cfg, model)
+        available = int(psutil.virtual_memory().available)
+        budget = int(available * cfg.kv_watermark) - step
+        log.info("CPU memory %.1f GiB available, %.2f GiB for a step", available / 2**30, step / 2**30)
+    if cfg.kv_cache_gb is not None:
+        budget = min(budget, int(cfg.kv_cache_gb * 1024**3))
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(f"no room for the KV cache: budget {budget} bytes, one block needs {block_bytes}")

@@ -73,8 +73,10 @@ class ModelRunner:
         use_graphs = cuda_graphs and device.type == "cuda" and backend.name == "triton"
         # Graphs pad batches with rows that write and read one extra block, never handed to a sequence.
         shape = backend.kv_cache_shape(num_blocks + int(use_graphs), block_size, s.num_kv_heads, s.head_dim)
+        # Uninitialised: a CPU pool's pages become resident only as blocks fill (the kernels never read a
+        # slot no sequence owns; tests/kernels fill such slots with NaN to check).
         self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
             for _ in range(s.num_layers)
         ]
         self.graphs: CudaGraphRunner | None = None
