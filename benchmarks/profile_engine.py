@@ -78,8 +78,10 @@ def main() -> int:
     def timed(batch: Any) -> Any:
         t = time.perf_counter()
         out = inner(batch)
-        tokens = len(batch.seqs) if batch.phase == "decode" else sum(s.prompt_len for s in batch.seqs)
-        times[batch.phase].append((len(batch.seqs), tokens, time.perf_counter() - t))
+        # tokens computed: one per decoding sequence (all of them in a decode step), plus prompt chunks
+        decoding = len(batch.seqs) if batch.phase == "decode" else batch.num_decode
+        tokens = decoding + sum(batch.chunks)
+        times[batch.phase].append((decoding, tokens, time.perf_counter() - t))
         return out
 
     runner.run = timed  # type: ignore[method-assign]
@@ -97,6 +99,11 @@ def main() -> int:
     if pre:
         pt, ps = sum(x[1] for x in pre), sum(x[2] for x in pre)
         print(f"prefill: {len(pre)} steps, {pt} tokens, {ps:.1f}s, {pt / ps:.0f} tok/s")
+    mixed = times["mixed"]
+    if mixed:
+        mt, ms = sum(x[1] for x in mixed), sum(x[2] for x in mixed)
+        print(f"mixed: {len(mixed)} steps, {mt} tokens ({sum(x[0] for x in mixed)} decoded), "
+              f"{ms:.1f}s, {mt / ms:.0f} tok/s")  # fmt: skip
     dec = times["decode"]
     if dec:
         ds = sum(x[2] for x in dec)

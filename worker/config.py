@@ -117,7 +117,11 @@ def _describe(e: ValidationError, path: str | Path | None, flags: dict[str, Any]
         else:
             table = "[engine] " if in_engine else ""
             where = f"{path}: {table}{name}" if path is not None else f"{'.'.join(loc)}"
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "value_error" and loc == ["engine"]:  # a rule across engine settings
+            lines.append(
+                f"{f'{path}: ' if path is not None else ''}[engine]: {err['msg'].removeprefix('Value error, ')}"
+            )
+        elif err["type"] == "extra_forbidden":
             known = ENGINE_SETTINGS if in_engine else WORKER_SETTINGS | {"engine"}
             lines.append(f"{where}: unknown setting (known: {', '.join(sorted(known))})")
         else:

@@ -193,3 +193,36 @@ def test_a_request_the_grammar_or_labels_cannot_take_fails_alone(
     res_bad, res_good = engine.generate([bad, good])
     assert res_bad.finish_reason == "error" and res_bad.error is not None and res_bad.error.type == error_type
     assert res_good.finish_reason in ("length", "eos") and res_good.completion_tokens >= 1
+
+
+def test_prompts_split_into_chunks_beside_decode_rows_keep_hf_logprobs_and_scores(tiny) -> None:  # type: ignore[no-untyped-def]
+    """A 6-token step budget: each prompt is computed over several steps, in the same forward passes as
+    other sequences' decode rows ("mixed" steps). Logprobs and label scores must still equal HF's."""
+    engine, hf = tiny
+    small = Engine.load(engine.cfg.model_copy(update={"max_num_batched_tokens": 6, "max_num_seqs": 4}))
+    steps: list[tuple[str, int, tuple[int, ...]]] = []
+    schedule = small.scheduler.schedule
+
+    def recorded():  # type: ignore[no-untyped-def]
+        batch = schedule()
+        if batch is not None:
+            steps.append((batch.phase, batch.num_decode, tuple(batch.chunks)))
+        return batch
+
+    small.scheduler.schedule = recorded  # type: ignore[method-assign]
+    lp = [EngineRequest(f"lp{i}", GenerationParams(max_new_tokens=8, temperature=0.0, logprobs=True, top_logprobs=3),
+                        prompt_token_ids=p) for i, p in enumerate(PROMPTS)]  # fmt: skip
+    ch = [EngineRequest(f"ch{i}", GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS),
+                        prompt_token_ids=p) for i, p in enumerate(PROMPTS)]  # fmt: skip
+    results = small.generate([lp[0], ch[1], lp[1], ch[2], lp[2], ch[0]])
+    assert any(phase == "mixed" and nd > 0 and chunks for phase, nd, chunks in steps), steps
+    assert all(sum(chunks) + nd <= 6 for phase, nd, chunks in steps if phase != "score")
+    eos = small.eos_token_ids[0]
+    for res in results:
+        prompt = PROMPTS[int(res.request_id[2])]
+        if res.request_id.startswith("lp"):
+            check_token_logprobs(small, hf, prompt, res, 3)
+            continue
+        assert res.label_scores is not None
+        for s, label in zip(res.label_scores, labels_of(small), strict=True):
+            assert abs(s.logprob - hf_label_logprob(hf, prompt, label, eos)) < TOL, s

@@ -1,4 +1,4 @@
-"""Scheduler: worst-case admission, token budget, max_num_seqs, prefill-first policy, invariants."""
+"""Scheduler: admission, token budget and prompt chunks, mixed steps, max_num_seqs, invariants."""
 
 from __future__ import annotations
 
@@ -8,7 +8,19 @@ import pytest
 from fakes import make_seq
 
 from worker.engine.block_manager import BlockManager
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import ScheduledBatch, Scheduler
+from worker.engine.sequence import Sequence
+
+
+def run_step(sched: Scheduler, token: int = 70) -> tuple[ScheduledBatch, list[Sequence]]:
+    """Schedule one step and do what the engine does after the forward pass: advance the prompt chunks,
+    append a token to every sequence sampled from (decode rows and prompts completed now)."""
+    batch = sched.schedule()
+    assert batch is not None
+    sampled = batch.seqs[: batch.num_decode] + sched.computed(batch)
+    for seq in sampled:
+        seq.output_ids.append(token)
+    return batch, sampled
 
 
 def test_admission_reserves_the_worst_case_and_waits_for_room() -> None:
@@ -17,38 +29,52 @@ def test_admission_reserves_the_worst_case_and_waits_for_room() -> None:
     a, b, c = make_seq("a", 8, 12), make_seq("b", 4, 12), make_seq("c", 4, 4)  # need 5, 4, 2 blocks
     for s in (a, b, c):
         sched.add(s)
-    batch = sched.schedule()
-    assert batch is not None and batch.phase == "prefill" and [s.request_id for s in batch.seqs] == ["a", "b"]
+    batch, _ = run_step(sched)
+    assert batch.phase == "prefill" and [s.request_id for s in batch.seqs] == ["a", "b"]
     assert bm.num_committed == 9 and bm.num_used == 3  # only the prompts are allocated
     # c (2 blocks) does not fit next to a + b's 9 reserved blocks: FIFO head blocks, decode runs.
-    batch = sched.schedule()
-    assert batch is not None and batch.phase == "decode"
+    batch, _ = run_step(sched)
+    assert batch.phase == "decode"
     sched.finish(a)
-    batch = sched.schedule()
-    assert batch is not None and batch.phase == "prefill" and batch.seqs == [c]
+    batch, _ = run_step(sched)  # b decodes while c's prompt is computed, in one pass
+    assert batch.phase == "mixed" and batch.seqs == [b, c] and batch.num_decode == 1 and batch.chunks == [4]
     bm.check_invariants()
 
 
-def test_token_budget_and_max_num_seqs_bound_a_prefill() -> None:
+def test_the_token_budget_splits_prompts_into_chunks_and_max_num_seqs_bounds_admission() -> None:
     bm = BlockManager(num_blocks=1000, block_size=16, prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=100)
     seqs = [make_seq(str(i), 40, 4) for i in range(5)]
     for s in seqs:
         sched.add(s)
-    first = sched.schedule()
-    assert first is not None and [s.prompt_len for s in first.seqs] == [40, 40]  # 3 x 40 > 100
-    second = sched.schedule()
-    assert second is not None and second.phase == "prefill" and len(second.seqs) == 1  # max_num_seqs
-    third = sched.schedule()
-    assert third is not None and third.phase == "decode" and len(third.seqs) == 3
+    first, sampled = run_step(sched)
+    assert first.phase == "prefill" and first.chunks == [40, 40, 20]  # 3 x 40 > 100: the third is split
+    assert sampled == seqs[:2]  # a prompt chunk that does not end its prompt samples nothing
+    # 2 decode rows + the rest of seq 2's prompt; max_num_seqs keeps seqs 3 and 4 waiting
+    second, sampled = run_step(sched)
+    assert second.phase == "mixed" and second.seqs == seqs[:3] and second.chunks == [20]
+    assert sampled == seqs[:3]
+    third, _ = run_step(sched)
+    assert third.phase == "decode" and third.seqs == seqs[:3]
 
 
-def test_a_prompt_larger_than_the_budget_is_admitted_alone() -> None:
-    sched = Scheduler(BlockManager(100, 16), max_num_seqs=4, max_num_batched_tokens=32)
-    sched.add(make_seq("big", 200, 4))
-    sched.add(make_seq("small", 4, 4))
-    batch = sched.schedule()
-    assert batch is not None and [s.request_id for s in batch.seqs] == ["big"]
+def test_a_prompt_larger_than_the_budget_is_computed_over_several_steps() -> None:
+    bm = BlockManager(100, 16)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32)
+    big, small = make_seq("big", 200, 4), make_seq("small", 4, 4)
+    sched.add(big)
+    sched.add(small)
+    for i in range(6):  # 6 x 32 tokens: the budget is all big's, small waits behind it
+        batch, sampled = run_step(sched)
+        assert batch.seqs == [big] and batch.chunks == [32] and not sampled
+        assert big.num_computed == 32 * (i + 1) and not big.prefilled
+        assert bm.num_cached == 2 * (i + 1)  # its full blocks go to the prefix cache as they fill
+    batch, sampled = run_step(sched)  # the last 8 tokens of big, and small fits in the rest
+    assert batch.phase == "prefill" and batch.seqs == [big, small] and batch.chunks == [8, 4]
+    assert sampled == [big, small] and big.prefilled
+    assert bm.num_cached == 200 // 16
+    batch, _ = run_step(sched)
+    assert batch.phase == "decode" and batch.seqs == [big, small]
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -63,11 +89,8 @@ def test_random_workload_keeps_pool_invariants_after_every_step(prefix_caching: 
         sched.add(s)
     finished = 0
     while sched.has_work():
-        batch = sched.schedule()
-        assert batch is not None
-        for seq in batch.seqs:
-            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)
-            seq.output_ids.append(70)  # what the engine does with a sampled token
+        _, sampled = run_step(sched)
+        for seq in sampled:
             if len(seq.output_ids) >= seq.max_new_tokens:
                 sched.finish(seq)
                 finished += 1
@@ -98,17 +121,14 @@ def test_requests_sharing_a_prefix_compute_it_once_and_budget_only_their_own_tok
     for i, s in enumerate(seqs):
         s.prompt_ids = [*shared, 1, i]
         sched.add(s)
-    first = sched.schedule()
+    first, _ = run_step(sched)
     # r1 waits: its first block is being computed by r0 in this very step
-    assert first is not None and [s.request_id for s in first.seqs] == ["r0"]
-    for s in first.seqs:
-        bm.cache_computed(s.request_id, s.prompt_ids, s.output_ids, s.num_tokens)
-        s.output_ids.append(5)
-    second = sched.schedule()
-    # 20 cached tokens each: 2 new tokens apiece fit the budget of 30 together
-    assert second is not None and second.phase == "prefill" and len(second.seqs) == 3
-    assert all(s.num_cached_tokens == 20 for s in second.seqs)
-    assert all(bm.block_table(s.request_id)[:5] == bm.block_table("r0")[:5] for s in second.seqs)
+    assert [s.request_id for s in first.seqs] == ["r0"]
+    second, _ = run_step(sched)
+    # r0 decodes; 20 cached tokens each: 2 new tokens apiece fit the rest of the budget of 30 together
+    assert second.phase == "mixed" and second.seqs == seqs and second.chunks == [2, 2, 2]
+    assert all(s.num_cached_tokens == 20 for s in seqs[1:])
+    assert all(bm.block_table(s.request_id)[:5] == bm.block_table("r0")[:5] for s in seqs[1:])
     bm.check_invariants()
 
 
@@ -128,17 +148,15 @@ def test_optimistic_admission_preempts_the_newest_and_resumes_it_first(seed: int
         steps += 1
         admitted_before = [s.request_id for s in sched.running]
         preempted_before = sched.preemptions
-        batch = sched.schedule()
-        assert batch is not None
+        batch, sampled = run_step(sched, token=61)
         if sched.preemptions > preempted_before:  # the victims were the newest, now first in line
             gone = [rid for rid in admitted_before if rid not in {s.request_id for s in sched.running}]
             assert gone == admitted_before[len(admitted_before) - len(gone) :]
             resumed = [s.preemptions > 0 for s in sched.waiting]
             assert resumed == sorted(resumed, reverse=True) and resumed[0]
         for seq in batch.seqs:
-            assert len(bm.block_table(seq.request_id)) * bm.block_size >= len(seq.prefill_ids)
-            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)
-            seq.output_ids.append(61)
+            assert len(bm.block_table(seq.request_id)) * bm.block_size >= seq.num_tokens - 1
+        for seq in sampled:
             if len(seq.output_ids) >= stop_at[seq.request_id]:
                 seq.finish_reason = "stop"
                 sched.finish(seq)

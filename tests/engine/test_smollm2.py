@@ -80,6 +80,7 @@ def test_prefill_and_decode_logits_match_hf(smol_engine: Engine, smol_hf) -> Non
     batch = smol_engine.scheduler.schedule()
     assert batch is not None and batch.phase == "prefill"
     prefill = smol_engine.model_runner.compute_logits(batch)[0]
+    assert smol_engine.scheduler.computed(batch) == batch.seqs
     nxt = int(prefill.argmax())
     batch.seqs[0].output_ids.append(nxt)
     decode_batch = smol_engine.scheduler.schedule()

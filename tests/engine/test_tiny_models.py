@@ -79,6 +79,7 @@ def test_prefill_and_decode_logits_match_hf(tiny: tuple[Path, str]) -> None:
     prefill = engine.scheduler.schedule()
     assert prefill is not None and prefill.phase == "prefill"
     ours = engine.model_runner.compute_logits(prefill)  # [2, vocab]
+    assert engine.scheduler.computed(prefill) == prefill.seqs
     nxt = ours.argmax(-1).tolist()
     for seq, t in zip(prefill.seqs, nxt, strict=True):
         seq.output_ids.append(t)

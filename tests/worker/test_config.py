@@ -73,6 +73,15 @@ def test_a_bad_flag_value_names_the_flag(tmp_path: Path) -> None:
         load_config(None, {"lease_s": -1.0})
 
 
+def test_a_rule_across_settings_names_both(tmp_path: Path) -> None:
+    path = write(tmp_path, "[engine]\nmax_num_seqs = 128\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"{path}: \[engine\]: max_num_batched_tokens \(64\) must be >= max_num_seqs \(128\)",
+    ):
+        load_config(path, {"max_num_batched_tokens": 64})
+
+
 def test_missing_or_broken_files_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.toml", {})

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 SchedulePolicy = Literal["fcfs", "longest_first"]
 Admission = Literal["optimistic", "reserve"]
-
 
 
 class EngineConfig(BaseModel):
@@ -52,7 +51,11 @@ class EngineConfig(BaseModel):
         "CPU: share of the memory available at start-up for the largest step and the KV pool",
     )
     max_num_seqs: int = Field(default=64, ge=1, description="sequences decoded together at most")
-    max_num_batched_tokens: int = Field(default=4096, ge=1, description="token budget of one step")
+    max_num_batched_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="token budget of one step: a token per decoding sequence, the rest for prompt chunks",
+    )
     admission: Admission = Field(
         default="optimistic",
         description="optimistic: admit on expected growth, preempt (and recompute) when the pool runs out; "
@@ -73,6 +76,15 @@ class EngineConfig(BaseModel):
     )
     num_threads: int | None = Field(default=None, ge=1, description="torch CPU threads (default: torch's)")
     cuda_graphs: bool = Field(default=True, description="capture decode steps as CUDA graphs (CUDA + Triton)")
+
+    @model_validator(mode="after")
+    def _budget_holds_every_decode_row(self) -> EngineConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every decoding sequence takes one token of a step's budget"
+            )
+        return self
 
     def context_len(self, model_context: int) -> int:
         """The longest sequence (prompt + output) the engine serves: the model's, capped by max_model_len."""

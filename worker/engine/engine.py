@@ -34,8 +34,8 @@ from worker.engine.request import (
     LabelScore,
     RequestError,
 )
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
+from worker.engine.scheduler import ScheduledBatch, Scheduler
+from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
 from worker.kernels import native as native_kernel
 from worker.kernels.backend import select_backend
@@ -160,7 +160,8 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[EngineResult]:
-        """One scheduler step (a packed prefill or one decode token for every running sequence)."""
+        """One scheduler step: a decode token for every prefilled sequence and prompt chunks in one forward
+        pass, or a score step for `choices` requests."""
         results = self._intake()
         now = time.monotonic()
         for seq in list(self.scheduler.waiting) + self.scheduler.running:
@@ -172,34 +173,42 @@ class Engine:
         t0 = time.monotonic()
         out = self.model_runner.run(batch)
         now = time.monotonic()
-        self._steps += 1
-        if batch.phase == "decode":
-            self._decode_s += now - t0
-        else:
-            self._prefill_steps += batch.phase == "prefill"
-            self._prefill_s += now - t0
+        self._account(batch, now - t0)
         if out.label_scores is not None:
             for seq, scores in zip(batch.seqs, out.label_scores, strict=True):
                 results.append(self._finish_choices(seq, scores, now))
             return results
-        if batch.phase == "prefill":
-            first = [s for s in batch.seqs if not s.preemptions]  # a resumed one counted its prompt already
-            self._prompt_tokens += sum(s.prompt_len for s in first)
-            self._cached_prompt_tokens += sum(s.cached_prompt_tokens for s in first)
-        bm = self.block_manager
-        for seq, token, logprobs in zip(batch.seqs, out.tokens, out.logprobs, strict=True):
-            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)  # K/V written
-            if seq.labels is not None:
-                continue  # prefilled: its labels are scored in a step of their own
-            self._tokens_generated += 1
-            if logprobs is not None:
-                seq.token_logprobs.append(logprobs)
-            reason = self.stop_rules.append_token(seq, token, now)
-            if reason is None and seq.matcher is not None:
-                reason = self._advance_grammar(seq, token)
-            if reason is not None:
-                results.append(self._finish(seq, reason, now))
+        for seq in self.scheduler.computed(batch):
+            if not seq.preemptions:  # a resumed one counted its prompt already
+                self._prompt_tokens += seq.prompt_len
+                self._cached_prompt_tokens += seq.cached_prompt_tokens
+        for i, token, logprobs in zip(out.sampled, out.tokens, out.logprobs, strict=True):
+            res = self._take_token(batch.seqs[i], token, logprobs, now)
+            if res is not None:
+                results.append(res)
         return results
+
+    def _account(self, batch: ScheduledBatch, seconds: float) -> None:
+        self._steps += 1
+        if batch.phase == "decode":
+            self._decode_s += seconds
+        else:  # a step with prompt chunks (decode rows beside them or not), or a score step
+            self._prefill_steps += batch.phase != "score"
+            self._prefill_s += seconds
+
+    def _take_token(
+        self, seq: Sequence, token: int, logprobs: RowLogprobs | None, now: float
+    ) -> EngineResult | None:
+        """Append a sampled token; -> the sequence's result where a stop rule ends it."""
+        if seq.labels is not None:
+            return None  # prefilled: its labels are scored in a step of their own
+        self._tokens_generated += 1
+        if logprobs is not None:
+            seq.token_logprobs.append(logprobs)
+        reason = self.stop_rules.append_token(seq, token, now)
+        if reason is None and seq.matcher is not None:
+            reason = self._advance_grammar(seq, token)
+        return self._finish(seq, reason, now) if reason is not None else None
 
     def generate(self, reqs: list[EngineRequest]) -> list[EngineResult]:
         """Offline: run every request to completion; results in input order."""

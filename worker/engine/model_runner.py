@@ -34,8 +34,9 @@ SCORE_ROWS = 512  # label positions whose logits are computed at once ([rows, vo
 
 @dataclass
 class StepOutput:
-    tokens: list[int]  # one sampled token per sequence (prefill, decode)
-    logprobs: list[RowLogprobs | None]  # per sequence, where its params ask for them
+    sampled: list[int]  # the batch's sequences sampled from (all but unfinished prompt chunks)
+    tokens: list[int]  # one sampled token per sequence sampled from
+    logprobs: list[RowLogprobs | None]  # per sequence sampled from, where its params ask for them
     label_scores: list[list[float]] | None  # score steps: per sequence, each label's log-probability
 
 
@@ -46,7 +47,9 @@ class StepInputs:
     input_ids: Tensor  # [T] int64
     positions: Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_index: Tensor  # [B]: the row in T of each sequence's last token (the one sampled from)
+    logits_index: Tensor  # [S]: the row in T of the last token of each sequence sampled from
+    sampled: list[int]  # [S]: which of the batch's sequences those are (a prompt chunk that does not
+    # finish its prompt is not sampled from)
 
 
 class ModelRunner:
@@ -123,20 +126,44 @@ class ModelRunner:
         )
         return positions, meta, cu
 
-    def prefill_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
-        """Every sequence's prompt (and, resuming after a preemption, its output so far) after its cached
-        prefix, packed without padding."""
+    def prefill_inputs(
+        self, seqs: list[Sequence], tables: list[list[int]], chunks: list[int] | None = None
+    ) -> StepInputs:
+        """Each sequence's next prompt chunk (default: all of what is left), packed without padding. The
+        prompt is prefill_ids: after a preemption, the output so far too."""
         ids = [s.prefill_ids for s in seqs]
-        input_ids = self._tensor(
-            [t for s, x in zip(seqs, ids, strict=True) for t in x[s.num_cached_tokens :]]
+        starts = [s.num_computed for s in seqs]
+        lens = chunks or [len(x) - a for x, a in zip(ids, starts, strict=True)]
+        input_ids = self._tensor([t for x, a, n in zip(ids, starts, lens, strict=True) for t in x[a : a + n]])
+        ends = [a + n for a, n in zip(starts, lens, strict=True)]
+        positions, meta, cu = self._packed(tables, lens, starts, ends)
+        done = [i for i, (x, end) in enumerate(zip(ids, ends, strict=True)) if end == len(x)]
+        return StepInputs(input_ids, positions, meta, cu[1:][done] - 1, done)
+
+    def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """Decode rows first, then prompt chunks, in one pass (a "mixed" step) where both are present."""
+        nd = batch.num_decode if batch.phase != "prefill" else 0
+        if batch.phase == "decode":
+            return self.decode_inputs(batch.seqs, batch.block_tables)
+        pre = self.prefill_inputs(batch.seqs[nd:], batch.block_tables[nd:], batch.chunks)
+        if nd == 0:
+            return pre
+        dec = self.decode_inputs(batch.seqs[:nd], batch.block_tables[:nd])
+        meta = AttentionMetadata(
+            phase="mixed",
+            slot_mapping=torch.cat([dec.meta.slot_mapping, pre.meta.slot_mapping]),
+            block_tables=pre.meta.block_tables,
+            context_lens=pre.meta.context_lens,
+            cu_seqlens_q=pre.meta.cu_seqlens_q,
+            decode=dec.meta,
         )
-        positions, meta, cu = self._packed(
-            tables,
-            [len(x) - s.num_cached_tokens for s, x in zip(seqs, ids, strict=True)],  # tokens computed now
-            [s.num_cached_tokens for s in seqs],
-            [len(x) for x in ids],
+        return StepInputs(
+            torch.cat([dec.input_ids, pre.input_ids]),
+            torch.cat([dec.positions, pre.positions]),
+            meta,
+            torch.cat([dec.logits_index, pre.logits_index + nd]),
+            [*range(nd), *(nd + i for i in pre.sampled)],
         )
-        return StepInputs(input_ids, positions, meta, cu[1:] - 1)
 
     def decode_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
         """Every sequence's last sampled token, at the position after its cached context."""
@@ -151,31 +178,34 @@ class ModelRunner:
             block_tables=block_tables,
             context_lens=self._tensor(context, torch.int32),
         )
-        return StepInputs(input_ids, positions, meta, seq_index)
+        return StepInputs(input_ids, positions, meta, seq_index, list(range(len(seqs))))
 
     @torch.inference_mode()
-    def compute_logits(self, batch: ScheduledBatch) -> Tensor:
-        """Run the forward pass, writing the batch's K/V into the pool. -> [B, vocab] float32."""
+    def forward(self, batch: ScheduledBatch) -> tuple[Tensor, list[int]]:
+        """Run the forward pass, writing the batch's K/V into the pool. -> logits [S, vocab] float32 of
+        the sequences sampled from, and which of the batch's sequences they are."""
         g = self.graphs
         if batch.phase == "decode" and g is not None and g.can_run(len(batch.seqs), batch.block_tables):
-            return g.run(
+            logits = g.run(
                 [s.last_token for s in batch.seqs], [s.num_tokens for s in batch.seqs], batch.block_tables
             )
-        if batch.phase == "prefill":
-            step = self.prefill_inputs(batch.seqs, batch.block_tables)
-        else:
-            step = self.decode_inputs(batch.seqs, batch.block_tables)
+            return logits, list(range(len(batch.seqs)))
+        step = self.step_inputs(batch)
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
-        return self.model.compute_logits(hidden[step.logits_index])  # hidden: [T, hidden]
+        return self.model.compute_logits(hidden[step.logits_index]), step.sampled  # hidden: [T, hidden]
+
+    def compute_logits(self, batch: ScheduledBatch) -> Tensor:
+        """forward()'s logits (tests compare them with HF's)."""
+        return self.forward(batch)[0]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Prefill or decode: one sampled token per sequence (and its logprobs where asked).
         Score: every label's log-probability per `choices` sequence."""
         if batch.phase == "score":
-            return StepOutput([], [], self.score_labels(batch.seqs, batch.block_tables))
-        logits = self.compute_logits(batch)  # [B, vocab] float32
-        seqs = batch.seqs
+            return StepOutput([], [], [], self.score_labels(batch.seqs, batch.block_tables))
+        logits, sampled = self.forward(batch)  # [S, vocab] float32
+        seqs = [batch.seqs[i] for i in sampled]
         # Raw log-probabilities: before penalties, temperature, filtering and grammar masks.
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs]
         raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
@@ -205,7 +235,7 @@ class ModelRunner:
             for j, i in enumerate(lp_rows):
                 n = seqs[i].params.top_logprobs
                 logprobs[i] = RowLogprobs(tokens[i], chosen[j], top_is[j][:n], top_vs[j][:n])
-        return StepOutput(tokens, logprobs, None)
+        return StepOutput(sampled, tokens, logprobs, None)
 
     @torch.inference_mode()
     def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[list[float]]:

@@ -1,9 +1,9 @@
 """Admission and batching. Pure Python: owns the block manager, hands the runner typed batches.
 
 Two admission rules (EngineConfig.admission); under both, a waiting request (in order; the head blocks
-the rest) is admitted only while the running count stays <= max_num_seqs and the prompt tokens it must
-compute (after its cached prefix) fit this step's token budget (a single prompt larger than the budget
-is admitted alone so it cannot starve).
+the rest) is admitted only while the running count stays <= max_num_seqs and some of this step's token
+budget is left (its prompt, after the cached prefix, is computed in chunks of what is left, over as many
+steps as it takes).
 
 - "reserve": blocks held by running requests + blocks they may still allocate + the blocks it newly
   takes (ceil((prompt + max_new_tokens) / block_size), less the cached prefix blocks that running
@@ -29,24 +29,26 @@ For batch work longest_first keeps the batch full to the end: long generations s
 labeling requests fill the slots they leave, instead of a few long ones decoding alone at the tail.
 Results never depend on the order (tests check that batching leaves every output unchanged).
 
-Step policy: prefill first. If any waiting request can be admitted, the step prefills every request
-admitted now, packed into one forward pass. Otherwise, if `choices` requests have been prefilled, the
-step scores their labels (one packed pass over every label, reading the prompts' blocks in place, up to
-the token budget). Otherwise every running sequence that generates decodes one token.
+Step policy (mixed steps, chunked prefill, as in vLLM v1 and Sarathi-Serve): if `choices` requests have
+been prefilled, the step scores their labels (one packed pass over every label, reading the prompts'
+blocks in place, up to the token budget). Otherwise every prefilled sequence decodes one token, and
+what is left of max_num_batched_tokens goes to prompt chunks, prefills in progress first, then new
+admissions, all in the same forward pass. Decoding never stalls behind a long prefill, and a prompt
+larger than the budget is computed a chunk per step.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from worker.engine.block_manager import BlockHash, BlockManager
 from worker.engine.config import Admission, SchedulePolicy
 from worker.engine.sequence import Sequence
 
-Phase = Literal["prefill", "score", "decode"]
+Phase = Literal["prefill", "mixed", "decode", "score"]
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, RATIO_MARGIN, RATIO_WEIGHT = 0.7, 0.1, 1.5, 0.1
 RESUME_FIRST = -(1 << 62)  # the order key of a preempted sequence: ahead of every other waiting one
 
@@ -54,8 +56,10 @@ RESUME_FIRST = -(1 << 62)  # the order key of a preempted sequence: ahead of eve
 @dataclass
 class ScheduledBatch:
     phase: Phase
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # the decoding ones first, then the ones computing a prompt chunk
     block_tables: list[list[int]]  # one per seq, physical block ids
+    num_decode: int = 0  # seqs[:num_decode] decode one token each
+    chunks: list[int] = field(default_factory=list)  # seqs[num_decode:]: prompt tokens computed this step
 
 
 class Scheduler:
@@ -98,16 +102,47 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        admitted = self._admit()
-        if admitted:
-            return self._batch("prefill", admitted)
+        """One step. Prefilled `choices` requests are scored in a step of their own. Otherwise every
+        prefilled sequence decodes one token, and what is left of the token budget goes to prompt chunks:
+        prefills in progress first, then new admissions (a prompt longer than what is left is computed
+        over several steps). Decode rows ride in the same forward pass as the chunks."""
         scoring = self._scoring()
         if scoring:
             return self._batch("score", scoring)
         if self.running:
             self._make_room()
-            return self._batch("decode", list(self.running))
-        return None
+        decoding = [s for s in self.running if s.prefilled and s.labels is None]
+        budget = self.max_num_batched_tokens - len(decoding)
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if not seq.prefilled and budget > 0:
+                n = min(len(seq.prefill_ids) - seq.num_computed, budget)
+                chunks.append((seq, n))
+                budget -= n
+        if budget > 0:
+            chunks += self._admit(budget)
+        if not decoding and not chunks:
+            return None
+        phase: Phase = "decode" if not chunks else "prefill" if not decoding else "mixed"
+        batch = self._batch(phase, decoding + [s for s, _ in chunks])
+        batch.num_decode = len(decoding)
+        batch.chunks = [n for _, n in chunks]
+        return batch
+
+    def computed(self, batch: ScheduledBatch) -> list[Sequence]:
+        """After the runner ran `batch` (its K/V is in the pool): advance the prompt chunks and offer the
+        newly filled blocks to the prefix cache. -> the sequences whose prefill this step completed."""
+        bm = self.block_manager
+        for seq in batch.seqs[: batch.num_decode]:
+            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)
+        done: list[Sequence] = []
+        for seq, chunk in zip(batch.seqs[batch.num_decode :], batch.chunks, strict=True):
+            seq.num_computed += chunk
+            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_computed)
+            if seq.num_computed == len(seq.prefill_ids):
+                seq.prefilled = True
+                done.append(seq)
+        return done
 
     def _make_room(self) -> None:
         """Give every running sequence the slot its next token is written to (the last sampled token is
@@ -127,7 +162,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.release(seq.request_id)
         seq.status = "waiting"
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_computed = 0
+        seq.prefilled = False
         seq.prompt_hashes = None  # it will prefill prompt + output
         seq.preemptions += 1
         self.preemptions += 1
@@ -148,7 +184,7 @@ class Scheduler:
         picked: list[Sequence] = []
         tokens = 0
         for seq in self.running:
-            if seq.labels is None:
+            if seq.labels is None or not seq.prefilled:
                 continue
             rows = sum(len(label) for label in seq.labels) + len(seq.labels) * bm.block_size  # upper bound
             if picked and tokens + rows > self.max_num_batched_tokens:
@@ -161,11 +197,15 @@ class Scheduler:
             tokens += rows
         return picked
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Admit waiting sequences while the pool and `budget` prompt tokens allow. -> (seq, chunk)."""
         bm = self.block_manager
-        admitted: list[Sequence] = []
+        admitted: list[tuple[Sequence, int]] = []
         tokens = 0
-        computing: set[BlockHash] = set()  # prompt blocks this step's prefills compute
+        computing: set[BlockHash] = set()  # prompt blocks that prefills in progress are computing
+        for s in self.running:
+            if not s.prefilled and s.prompt_hashes is not None:
+                computing.update(s.prompt_hashes[s.num_computed // bm.block_size :])
         optimistic = self.admission == "optimistic"
         growth = sum(self._expected_growth(s) for s in self.running) if optimistic else 0
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -184,21 +224,22 @@ class Scheduler:
             if not bm.can_admit(need + expected, hits):
                 break
             cached = len(hits) * bm.block_size
-            if admitted and tokens + len(ids) - cached > self.max_num_batched_tokens:
+            chunk = min(len(ids) - cached, budget - tokens)
+            if chunk <= 0:
                 break
             self.waiting.pop(0)
             del self._order[seq.request_id]
             bm.admit(seq.request_id, need, hits, seq.prompt_hashes)
             bm.ensure_capacity(seq.request_id, len(ids))
             growth = expected
-            seq.num_cached_tokens = cached
+            seq.num_cached_tokens = seq.num_computed = cached
             if not seq.preemptions:
                 seq.cached_prompt_tokens = cached
             seq.status = "running"
             self.running.append(seq)
-            admitted.append(seq)
+            admitted.append((seq, chunk))
             computing.update(seq.prompt_hashes[len(hits) :])
-            tokens += len(ids) - cached
+            tokens += chunk
         return admitted
 
     def _batch(self, phase: Phase, seqs: list[Sequence]) -> ScheduledBatch:

@@ -27,6 +27,8 @@ class Sequence:
     first_token_at: float | None = None
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0  # tokens of prefill_ids whose K/V came from the prefix cache at admission
+    num_computed: int = 0  # tokens of prefill_ids in the cache so far (a long prompt fills over steps)
+    prefilled: bool = False  # its prefill is complete: it decodes (or, with labels, is scored)
     cached_prompt_tokens: int = 0  # of the prompt, at its first admission (what usage reports)
     prompt_hashes: list[BlockHash] | None = None  # chain hashes of the prompt's full blocks (scheduler)
     matcher: Any = None  # grammar.GrammarState when the output is constrained

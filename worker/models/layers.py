@@ -81,8 +81,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class AttentionMetadata:
     """Where this step's tokens live in the paged cache. Passed explicitly, never a global."""
 
-    phase: Literal["prefill", "decode"]
+    phase: Literal["prefill", "decode", "mixed"]
     slot_mapping: Tensor  # [T] int64: cache slot of each new token
     block_tables: Tensor  # [batch, max_blocks] int32
     context_lens: Tensor  # [batch] int32: tokens in the cache per sequence, this step's included
-    cu_seqlens_q: Tensor | None = None  # [batch + 1] int32, prefill only
+    cu_seqlens_q: Tensor | None = None  # [batch + 1] int32, prefill (and the prompt chunks of mixed) only
+    # "mixed": the first decode.context_lens.shape[0] tokens decode (described by `decode`); the rest are
+    # prompt chunks, described by the fields above (slot_mapping covers every token).
+    decode: AttentionMetadata | None = None

@@ -93,12 +93,23 @@ class Attention(nn.Module):
             o = backend.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
             )
-        else:
+        elif meta.phase == "prefill":
             assert meta.cu_seqlens_q is not None
             o = backend.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale,
                 k=k, v=v,
             )  # fmt: skip
+        else:  # mixed: decode rows first, then prompt chunks, each through its own kernel
+            assert meta.cu_seqlens_q is not None and meta.decode is not None
+            nd = meta.decode.context_lens.shape[0]
+            od = backend.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, self.scale
+            )
+            op = backend.paged_prefill_attention(
+                q[nd:], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale,
+                k=k[nd:], v=v[nd:],
+            )  # fmt: skip
+            o = torch.cat([od, op])
         return self.o_proj(o.reshape(t, self.q_size))
 
 
