@@ -120,6 +120,25 @@ def run_contender(mode: str, workload: Path, dtype: str, extra: list[str]) -> di
     return orjson.loads(out.read_bytes())
 
 
+def kv_agreement(wide: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
+    """Greedy outputs of a narrower KV cache against the full-precision one, on the same prompts."""
+    first = []
+    for rid, a in wide["token_ids"].items():
+        b = narrow["token_ids"][rid]
+        if a != b:
+            first.append(
+                next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            )
+    n = len(wide["token_ids"])
+    return {
+        "requests": n,
+        "identical": n - len(first),
+        "mean_first_divergence": sum(first) / len(first) if first else float("nan"),
+        "blocks_ratio": narrow["kv_blocks"] / wide["kv_blocks"],
+        "speedup": narrow["tokens_per_s"] / wide["tokens_per_s"],
+    }
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -159,7 +178,7 @@ def main() -> int:
         "--full-batch", type=int, default=256, help="batch of the decode-rate / GEMM-fraction check"
     )
     p.add_argument("--hf-sweep-s", type=float, default=20.0, help="time per batch size in HF's sweep")
-    p.add_argument("--skip", action="append", default=[], choices=["hf", "queue", "enqueue"])
+    p.add_argument("--skip", action="append", default=[], choices=["hf", "queue", "enqueue", "kv-bf16"])
     p.add_argument("--out", default=None)
     ns = p.parse_args()
 
@@ -187,8 +206,13 @@ def main() -> int:
             if "hf" in ns.skip
             else run_contender("hf", wpath, ns.dtype, ["--hf-sweep-s", str(ns.hf_sweep_s)])
         )
+        narrow = None
+        if ns.dtype == "float32" and "kv-bf16" not in ns.skip:  # the same engine with half the KV bytes
+            narrow = run_contender(
+                "engine", wpath, ns.dtype, [*extra, "--full-batch", "0", "--kv-cache-dtype", "bfloat16"]
+            )
         queue = None if "queue" in ns.skip else run_contender("queue", wpath, ns.dtype, extra)
-        rows += [r for r in (queue, hf) if r is not None]
+        rows += [r for r in (narrow, queue, hf) if r is not None]
     ceiling = gemm_ceiling(ns.dtype)
     params = engine.get("params") or SMOLLM2_PARAMS
     info["gemm_ceiling_gflops"] = ceiling / 1e9
@@ -197,10 +221,24 @@ def main() -> int:
         "tokens_per_s": engine["full_batch_tokens_per_s"],
         "flops_fraction": engine["full_batch_tokens_per_s"] * 2 * params / ceiling,
     }
+    wf = engine["workload_flops"]
+    limit_s = (wf["gemm"] + wf["attention"]) / ceiling
+    info["physical_limit"] = {**wf, "seconds": limit_s, "engine_multiple": engine["wall_s"] / limit_s}
+    rows.append(
+        {
+            "name": "physical limit (FLOPs / GEMM peak)",
+            "tokens_per_s": engine["output_tokens"] / limit_s,
+            "requests_per_s": engine["requests"] / limit_s,
+            "ttft_p50_s": None,
+            "ttft_p95_s": None,
+        }
+    )
     if hf is not None:
         same = sum(engine["texts"][k] == hf["texts"].get(k) for k in engine["texts"])
         info["greedy_text_equal_to_hf"] = f"{same}/{len(engine['texts'])}"
         info["hf_sweep_tokens_per_s"] = hf["sweep_tokens_per_s"]
+    if narrow is not None:
+        info["kv_bf16"] = kv_agreement(engine, narrow)
     if queue is not None:
         info["queue_vs_engine"] = queue["tokens_per_s"] / engine["tokens_per_s"]
         itemsize = 4 if ns.dtype == "float32" else 2
@@ -210,6 +248,7 @@ def main() -> int:
         info["enqueue"] = enqueue_rate()
     for r in rows:
         r.pop("texts", None)
+        r.pop("token_ids", None)
     info["rows"] = rows
 
     print()
@@ -220,6 +259,19 @@ def main() -> int:
         f"full batch ({fb['batch_size']} seqs) decode: {fb['tokens_per_s']:.1f} tok/s = "
         f"{100 * fb['flops_fraction']:.1f}% of GEMM ceiling {info['gemm_ceiling_gflops']:.0f} GFLOP/s ({ns.dtype})"
     )
+    pl = info["physical_limit"]
+    print(
+        f"physical limit: {pl['gemm'] / 1e12:.2f} TFLOP GEMM ({pl['prompt_tokens_computed']} prompt tokens computed, "
+        f"{pl['generated_tokens']} generated) + {pl['attention'] / 1e12:.3f} TFLOP attention = {pl['seconds']:.1f} s "
+        f"at the GEMM peak; engine time = {pl['engine_multiple']:.2f}x the limit"
+    )
+    if "kv_bf16" in info:
+        k = info["kv_bf16"]
+        print(
+            f"bfloat16 KV cache: {k['blocks_ratio']:.2f}x the blocks in the same memory, {k['speedup']:.2f}x the "
+            f"engine's tok/s; greedy text identical to the float32 cache's for {k['identical']}/{k['requests']} "
+            f"requests, the others diverge at token {k['mean_first_divergence']:.1f} on average"
+        )
     if "queue_vs_engine" in info:
         print(f"queue path / engine: {100 * info['queue_vs_engine']:.0f}%")
     if "worker_rss" in info:

@@ -55,9 +55,9 @@ def load_lines(path: str) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- engine
-def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_batch: int) -> dict[str, Any]:
-    import torch
-
+def run_engine(
+    lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_batch: int, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.kv_pool import kv_bytes_per_token
@@ -65,7 +65,11 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
     from worker.engine.request import EngineRequest
 
     t0 = time.perf_counter()
-    engine = Engine.load(EngineConfig(model=MODEL, device="cpu", dtype=dtype, max_num_seqs=max_num_seqs))
+    engine = Engine.load(
+        EngineConfig(
+            model=MODEL, device="cpu", dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype
+        )
+    )
     load_s = time.perf_counter() - t0
 
     def reqs(ls: list[dict[str, Any]], started_at: float | None = None, **over: Any) -> list[EngineRequest]:
@@ -87,33 +91,14 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
     prompt = [{"role": "user", "content": "Count slowly from one to one hundred."}]
     text = engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     prompt_len = len(engine.tokenizer(text, add_special_tokens=False).input_ids)
-    kv_bytes = kv_bytes_per_token(engine.model_runner.model, getattr(torch, dtype))
+    kv_bytes = kv_bytes_per_token(engine.model_runner.model, engine.model_runner.kv_caches[0][0].dtype)
     pool_mb = engine.stats().kv_blocks_total * engine.cfg.block_size * kv_bytes / 2**20
     params = sum(p.numel() for p in engine.model_runner.model.parameters())
+    flops = workload_flops(engine.model_runner.model, results)
+    kv_blocks = engine.stats().kv_blocks_total
     del engine
-
-    # Decode at the largest batch: full_batch short prompts, then only decode steps are timed.
-    # A pool that holds every sequence's whole reservation at once (the default 1 GB holds 237 of 256
-    # in float32), so every measured step decodes the full batch.
-    need = full_batch * (prompt_len + 48 + 16) * kv_bytes
-    big = Engine.load(
-        EngineConfig(
-            model=MODEL, device="cpu", dtype=dtype, max_num_seqs=full_batch, kv_cache_gb=need / 1024**3
-        )
-    )
-    for r in reqs(
-        [{**ln, "max_new_tokens": 48, "messages": prompt} for ln in lines[:full_batch]], ignore_eos=True
-    ):
-        big.add_request(r)
-    while big.stats().waiting:
-        big.step()  # prefill (the inbox and the waiting queue are empty once every prompt is admitted)
-    assert big.stats().running == full_batch, "the full batch did not fit the KV pool"
-    gen0, t1 = big.stats().tokens_generated, time.perf_counter()
-    while big.has_work():
-        big.step()
-    decode_tps = (big.stats().tokens_generated - gen0) / (time.perf_counter() - t1)
-    return _summary(
-        "batchq engine",
+    summary = _summary(
+        "batchq engine" if kv_cache_dtype == "auto" else f"batchq engine, {kv_cache_dtype} KV cache",
         wall,
         tokens,
         len(results),
@@ -121,11 +106,64 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_
         load_s=load_s,
         peak_rss_mb=peak_rss,
         texts={r.request_id: r.text for r in results},
-        full_batch_tokens_per_s=decode_tps,
-        full_batch_size=full_batch,
+        token_ids={r.request_id: r.token_ids for r in results},
         kv_pool_mb=pool_mb,
+        kv_blocks=kv_blocks,
         params=params,
+        workload_flops=flops,
     )
+    if full_batch == 0:
+        return summary
+
+    # Decode at the largest batch: full_batch short prompts, then only decode steps are timed.
+    # A pool that holds every sequence's whole reservation at once (the default 1 GB holds 237 of 256
+    # in float32), so every measured step decodes the full batch.
+    need = full_batch * (prompt_len + 48 + 16) * kv_bytes
+    big = Engine.load(
+        EngineConfig(
+            model=MODEL,
+            device="cpu",
+            dtype=dtype,
+            max_num_seqs=full_batch,
+            kv_cache_gb=need / 1024**3,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+    )
+    for r in reqs(
+        [{**ln, "max_new_tokens": 48, "messages": prompt} for ln in lines[:full_batch]], ignore_eos=True
+    ):
+        big.add_request(r)
+    while big.stats().waiting or not all(s.prefilled for s in big.scheduler.running):
+        big.step()  # every prompt admitted and computed (the first tokens decode alongside the last chunks)
+    assert big.stats().running == full_batch, "the full batch did not fit the KV pool"
+    gen0, t1 = big.stats().tokens_generated, time.perf_counter()
+    while big.has_work():
+        big.step()
+    decode_tps = (big.stats().tokens_generated - gen0) / (time.perf_counter() - t1)
+    return {**summary, "full_batch_tokens_per_s": decode_tps, "full_batch_size": full_batch}
+
+
+def workload_flops(model: Any, results: list[Any]) -> dict[str, float]:
+    """The arithmetic the workload needs at least, counted from what the engine computed: 2 x the
+    non-embedding parameters per prompt token computed (cached ones cost nothing), 2 x all parameters
+    per generated token (the LM head runs on each), and attention: QK^T and PV over the context each
+    computed token sees (4 x layers x query heads x head_dim per token of context)."""
+    params = sum(p.numel() for p in model.parameters())
+    spec = model.spec
+    embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2)
+    per_ctx = 4 * spec.num_layers * spec.num_heads * spec.head_dim
+    prompt = gen = ctx = 0
+    for r in results:
+        p, g, c = r.prompt_tokens, r.completion_tokens, r.cached_tokens
+        prompt += p - c
+        gen += g
+        ctx += sum(range(c + 1, p + 1)) + sum(range(p, p + g))  # context seen by each computed token
+    return {
+        "prompt_tokens_computed": prompt,
+        "generated_tokens": gen,
+        "gemm": 2.0 * (params - embed) * prompt + 2.0 * params * gen,
+        "attention": float(per_ctx * ctx),
+    }
 
 
 # --------------------------------------------------------------------------- HF generate
@@ -285,11 +323,14 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--hf-sweep-s", type=float, default=20.0)
-    p.add_argument("--full-batch", type=int, default=256, help="sequences in the decode-rate measurement")
+    p.add_argument(
+        "--full-batch", type=int, default=256, help="sequences in the decode-rate measurement (0: skip it)"
+    )
+    p.add_argument("--kv-cache-dtype", default="auto")
     ns = p.parse_args()
     lines = load_lines(ns.workload)
     if ns.mode == "engine":
-        res = run_engine(lines, ns.dtype, ns.max_num_seqs, ns.full_batch)
+        res = run_engine(lines, ns.dtype, ns.max_num_seqs, ns.full_batch, ns.kv_cache_dtype)
     elif ns.mode == "hf":
         res = run_hf(lines, ns.dtype, ns.hf_sweep_s)
     else:

@@ -129,3 +129,37 @@ def test_logprobs_and_label_scores_equal_hf_on_the_real_model(smol_engine: Engin
     for score, ids in zip(ch.label_scores, smol_engine.prompts.label_ids(labels), strict=True):
         assert abs(score.logprob - hf_label_logprob(smol_hf, prompt, ids, eos)) < 1e-4, score
     assert ch.text == max(ch.label_scores, key=lambda s: s.logprob).label
+
+
+def test_a_bf16_kv_cache_holds_twice_the_blocks_and_keeps_greedy_text(smol_engine: Engine) -> None:
+    # kv_cache_dtype = bfloat16 under float32 compute: the same kv_cache_gb holds twice the blocks, K/V
+    # are rounded as they are written, attention still runs in float32. Measured on these 16 prompts
+    # (two of ~1,000 tokens, ~480 greedy decisions): every output identical to the float32 cache's. A
+    # divergence is allowed only where the float32 cache's top-2 log-probabilities are within 0.05
+    # (bfloat16 keeps 8 bits: K/V move by up to 2^-9 relative). A prompt split into 64-token chunks
+    # reads its earlier chunks back from the cache; a one-step prefill attends to the same rounded
+    # values, so chunking changes nothing at all.
+    cfg = smol_engine.cfg.model_copy(update={"kv_cache_dtype": "bfloat16"})
+    narrow = Engine.load(cfg)
+    chunked = Engine.load(cfg.model_copy(update={"max_num_batched_tokens": 64}))
+    assert smol_engine.cfg.kv_cache_dtype == "auto"
+    assert narrow.model_runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert narrow.block_manager.num_blocks == 2 * smol_engine.block_manager.num_blocks
+    assert (
+        narrow.fingerprint != smol_engine.fingerprint
+    )  # a result cached under one is no answer for the other
+
+    reqs = [request(i, k, c, n, logprobs=True, top_logprobs=2) for i, (k, c, n) in enumerate(CASES)]
+    wide = smol_engine.generate(reqs)
+    got = narrow.generate(reqs)
+    for i, (a, b) in enumerate(zip(wide, got, strict=True)):
+        step = next(
+            (j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y), None
+        )
+        if step is None:
+            assert a.token_ids == b.token_ids, f"prompt {i}: lengths differ"
+            continue
+        assert a.logprobs is not None
+        top = a.logprobs[step].top
+        assert top[0].logprob - top[1].logprob < 0.05, f"prompt {i}: token {step} differs off a near-tie"
+    assert [r.token_ids for r in chunked.generate(reqs[:6])] == [r.token_ids for r in got[:6]]  # one long

@@ -15,6 +15,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 SchedulePolicy = Literal["fcfs", "longest_first"]
 Admission = Literal["optimistic", "reserve"]
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class EngineConfig(BaseModel):
@@ -42,6 +43,12 @@ class EngineConfig(BaseModel):
         gt=0,
         description="cap on the KV pool in GB (default: none, what kv_watermark leaves); set it to share a "
         "machine between workers",
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        default="auto",
+        description="element type of the KV pool; auto: the compute dtype. bfloat16 under float32 compute "
+        "halves the pool's bytes per token (twice the sequences) and decode's K/V reads; K/V are rounded "
+        "as they are written and attention still computes in the compute dtype (CPU path)",
     )
     kv_watermark: float = Field(
         default=0.9,

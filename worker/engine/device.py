@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from worker.engine.config import Device, Dtype
+from worker.engine.config import Device, Dtype, KVCacheDtype
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +60,8 @@ def pick_dtype(name: Dtype, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else cpu_auto_dtype()
     return _DTYPES[name]
+
+
+def pick_kv_dtype(name: KVCacheDtype, compute: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: auto = the compute dtype."""
+    return compute if name == "auto" else _DTYPES[name]

@@ -18,7 +18,7 @@ import torch
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
-from worker.engine.device import pick_device, pick_dtype
+from worker.engine.device import pick_device, pick_dtype, pick_kv_dtype
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import size_kv_pool
@@ -115,7 +115,13 @@ class Engine:
             keep_freed_memory()  # after loading: the checkpoint's copy of the weights goes back to the OS
             native_kernel.library()  # build the C decode kernel (or warn) now, not in the first decode step
         backend = select_backend(device, cfg.attention_backend)
-        num_blocks = size_kv_pool(cfg, loaded.model, dtype, device)
+        kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype)
+        if backend.name == "triton" and kv_dtype != dtype:
+            raise ValueError(
+                f"kv_cache_dtype {cfg.kv_cache_dtype} with {dtype} compute: the Triton kernels read a cache "
+                "of the compute dtype only; use kv_cache_dtype = 'auto' or attention_backend = 'torch'"
+            )
+        num_blocks = size_kv_pool(cfg, loaded.model, kv_dtype, device)
         max_model_len = cfg.context_len(loaded.max_model_len)
         runner = ModelRunner(
             loaded.model,
@@ -123,14 +129,14 @@ class Engine:
             num_blocks,
             cfg.block_size,
             device,
-            dtype,
+            kv_dtype,
             max_model_len=max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             cuda_graphs=cfg.cuda_graphs,
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else 0,
         )
         log.info(
-            "loaded %s in %.1fs: %s %s, %s attention, %d KV blocks of %d tokens",
+            "loaded %s in %.1fs: %s %s, %s attention, %d KV blocks of %d tokens (%s)",
             cfg.model,
             time.monotonic() - t0,
             device,
@@ -138,6 +144,7 @@ class Engine:
             backend.name,
             num_blocks,
             cfg.block_size,
+            kv_dtype,
         )
         return cls(cfg, loaded, runner, num_blocks, max_model_len)
 

@@ -60,7 +60,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device,
-        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         max_model_len: int,
         max_num_seqs: int,
         cuda_graphs: bool = False,
@@ -79,7 +79,10 @@ class ModelRunner:
         # Uninitialised: a CPU pool's pages become resident only as blocks fill (the kernels never read a
         # slot no sequence owns; tests/kernels fill such slots with NaN to check).
         self.kv_caches: list[KVCache] = [
-            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            (
+                torch.empty(shape, dtype=kv_dtype, device=device),
+                torch.empty(shape, dtype=kv_dtype, device=device),
+            )
             for _ in range(s.num_layers)
         ]
         self.graphs: CudaGraphRunner | None = None

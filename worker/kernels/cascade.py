@@ -71,12 +71,12 @@ def prefix_attention(
 
     q: [KVH, R, D] (each kv head's query rows); caches [KVH, NB, BS, D]; blocks: [P] block ids.
     -> out [KVH, R, D] float32, lse [KVH, R] float32 (log-sum-exp of the scaled scores).
-    In a reduced-precision cache the matmuls run in its dtype, the softmax in float32.
+    The matmuls run in q's dtype (a narrower cache widens as it is read), the softmax in float32.
     """
     kvh, _, _, d = k_cache.shape
-    dt = k_cache.dtype
-    kp = k_cache.index_select(1, blocks.to(k_cache.device)).reshape(kvh, -1, d)  # [KVH, T, D]
-    vp = v_cache.index_select(1, blocks.to(v_cache.device)).reshape(kvh, -1, d)
+    dt = q.dtype
+    kp = k_cache.index_select(1, blocks.to(k_cache.device)).reshape(kvh, -1, d).to(dt)  # [KVH, T, D]
+    vp = v_cache.index_select(1, blocks.to(v_cache.device)).reshape(kvh, -1, d).to(dt)
     kt = kp.transpose(1, 2)
     rows = q.shape[1]
     out = torch.empty(kvh, rows, d, dtype=torch.float32, device=q.device)

@@ -11,8 +11,9 @@ torch path below is its fallback (no compiler, BATCHQ_NATIVE_KERNELS=0, an unsup
 It gathers a length-sorted group of sequences at a time into a reused workspace (no allocation, no
 page faults per step), then computes the group's attention as two batched matmuls around a softmax,
 with the kv heads as the batch dimension and each sequence's query heads of one kv head as its query
-rows, so grouped-query heads never copy K/V. Scores are rounded to the cache dtype before the softmax,
-which runs in float32 inside (HF's eager attention does the same). Measured on 2 Zen 5 cores, bf16, 43
+rows, so grouped-query heads never copy K/V. Attention computes in q's (the model's) dtype: a cache
+narrower than that (kv_cache_dtype) widens as it is read. Scores are rounded to that dtype before the
+softmax, which runs in float32 inside (HF's eager attention does the same). Measured on 2 Zen 5 cores, bf16, 43
 sequences of 300-600 tokens: 1.6 ms per layer with SDPA's flash kernel, 0.6 ms with the matmuls (its
 tiles do ~3 query rows of work per call here).
 Prefill attends over each sequence's own K/V from this step (nothing read back from the cache) unless
@@ -227,7 +228,7 @@ class TorchAttention:
         kvh, nb, bs, _ = k_cache.shape
         g = h // kvh
         plan = self._decode_plan(k_cache, block_tables, context_lens)
-        q_sorted = (q.index_select(0, plan.order) * scale).to(k_cache.dtype)
+        q_sorted = q.index_select(0, plan.order) * scale
         out_sorted = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
         k_rows, v_rows = k_cache.view(kvh * nb, bs, d), v_cache.view(kvh * nb, bs, d)
         for c in plan.chunks:
@@ -237,6 +238,7 @@ class TorchAttention:
             # Slots past a context hold another request's stale V (or padding blocks): zero them, since
             # 0 * NaN in P @ V is NaN. Their scores need no such care: masked_fill_ overwrites a NaN.
             v.view(-1, d).index_fill_(0, c.stale_rows, 0)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a cache narrower than the compute dtype widens here
             qg = q_sorted[c.start : c.start + c.n].view(c.n, kvh, g, d).transpose(0, 1)  # [KVH, n, G, D]
             scores = torch.matmul(qg, k.view(kvh, c.n, c.tokens, d).transpose(-1, -2))  # [KVH, n, G, T]
             probs = torch.softmax(scores.masked_fill_(c.masked, float("-inf")), dim=-1)
@@ -264,24 +266,26 @@ class TorchAttention:
         """
         h = q.shape[1]
         kvh, _, bs, _ = k_cache.shape
-        tiled = k_cache.dtype != torch.float32
+        tiled = q.dtype != torch.float32
         out = torch.empty_like(q)
         starts = cu_seqlens_q.tolist()
         lens = context_lens.tolist()
         for i, n in enumerate(lens):
             s, e = starts[i], starts[i + 1]
             if e - s == n and k is not None and v is not None:
-                ki = k[s:e].transpose(0, 1).to(k_cache.dtype)  # [KVH, n, D]
-                vi = v[s:e].transpose(0, 1).to(v_cache.dtype)
+                # rounded as the cache holds them, so a prompt attends to the same K/V in one step or in
+                # chunks that read the earlier ones back
+                ki = k[s:e].transpose(0, 1).to(k_cache.dtype).to(q.dtype)  # [KVH, n, D]
+                vi = v[s:e].transpose(0, 1).to(v_cache.dtype).to(q.dtype)
             else:
                 nblk = -(-n // bs)
                 blocks = block_tables[i, :nblk]
-                ki = self._gather("k", k_cache, blocks, nblk * bs)[:, 0, :n]  # [KVH, n, D]
-                vi = self._gather("v", v_cache, blocks, nblk * bs)[:, 0, :n]
+                ki = self._gather("k", k_cache, blocks, nblk * bs)[:, 0, :n].to(q.dtype)  # [KVH, n, D]
+                vi = self._gather("v", v_cache, blocks, nblk * bs)[:, 0, :n].to(q.dtype)
             if tiled and e - s >= TILE_ROWS // 2:
-                out[s:e] = causal_tiles(q[s:e].to(ki.dtype), ki, vi, n - (e - s), scale)
+                out[s:e] = causal_tiles(q[s:e], ki, vi, n - (e - s), scale)
                 continue
-            qi = q[s:e].transpose(0, 1).to(ki.dtype)  # [H, q_len, D]
+            qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
             # 4-D inputs: CPU SDPA only takes its fused flash kernel for [batch, heads, len, dim].
             if e - s == n:
                 o = F.scaled_dot_product_attention(
