@@ -178,7 +178,7 @@ def main() -> int:
         "--full-batch", type=int, default=256, help="batch of the decode-rate / GEMM-fraction check"
     )
     p.add_argument("--hf-sweep-s", type=float, default=20.0, help="time per batch size in HF's sweep")
-    p.add_argument("--skip", action="append", default=[], choices=["hf", "queue", "enqueue", "kv-bf16"])
+    p.add_argument("--skip", action="append", default=[], choices=["hf", "queue", "enqueue", "kv-narrow"])
     p.add_argument("--out", default=None)
     ns = p.parse_args()
 
@@ -206,13 +206,14 @@ def main() -> int:
             if "hf" in ns.skip
             else run_contender("hf", wpath, ns.dtype, ["--hf-sweep-s", str(ns.hf_sweep_s)])
         )
-        narrow = None
-        if ns.dtype == "float32" and "kv-bf16" not in ns.skip:  # the same engine with half the KV bytes
-            narrow = run_contender(
-                "engine", wpath, ns.dtype, [*extra, "--full-batch", "0", "--kv-cache-dtype", "bfloat16"]
-            )
+        narrow: dict[str, dict[str, Any]] = {}
+        if ns.dtype == "float32" and "kv-narrow" not in ns.skip:  # the same engine, fewer KV bytes
+            for kvd in ("bfloat16", "fp8_e4m3"):
+                narrow[kvd] = run_contender(
+                    "engine", wpath, ns.dtype, [*extra, "--full-batch", "0", "--kv-cache-dtype", kvd]
+                )
         queue = None if "queue" in ns.skip else run_contender("queue", wpath, ns.dtype, extra)
-        rows += [r for r in (narrow, queue, hf) if r is not None]
+        rows += [*narrow.values(), *(r for r in (queue, hf) if r is not None)]
     ceiling = gemm_ceiling(ns.dtype)
     params = engine.get("params") or SMOLLM2_PARAMS
     info["gemm_ceiling_gflops"] = ceiling / 1e9
@@ -237,8 +238,7 @@ def main() -> int:
         same = sum(engine["texts"][k] == hf["texts"].get(k) for k in engine["texts"])
         info["greedy_text_equal_to_hf"] = f"{same}/{len(engine['texts'])}"
         info["hf_sweep_tokens_per_s"] = hf["sweep_tokens_per_s"]
-    if narrow is not None:
-        info["kv_bf16"] = kv_agreement(engine, narrow)
+    info["kv_cache_dtype"] = {kvd: kv_agreement(engine, r) for kvd, r in narrow.items()}
     if queue is not None:
         info["queue_vs_engine"] = queue["tokens_per_s"] / engine["tokens_per_s"]
         itemsize = 4 if ns.dtype == "float32" else 2
@@ -265,10 +265,9 @@ def main() -> int:
         f"{pl['generated_tokens']} generated) + {pl['attention'] / 1e12:.3f} TFLOP attention = {pl['seconds']:.1f} s "
         f"at the GEMM peak; engine time = {pl['engine_multiple']:.2f}x the limit"
     )
-    if "kv_bf16" in info:
-        k = info["kv_bf16"]
+    for kvd, k in info["kv_cache_dtype"].items():
         print(
-            f"bfloat16 KV cache: {k['blocks_ratio']:.2f}x the blocks in the same memory, {k['speedup']:.2f}x the "
+            f"{kvd} KV cache: {k['blocks_ratio']:.2f}x the blocks in the same memory, {k['speedup']:.2f}x the "
             f"engine's tok/s; greedy text identical to the float32 cache's for {k['identical']}/{k['requests']} "
             f"requests, the others diverge at token {k['mean_first_divergence']:.1f} on average"
         )

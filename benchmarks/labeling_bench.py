@@ -8,8 +8,8 @@ against plain decoding. The engine directly, SmolLM2-135M, one process.
    asks) and with `choices` (the task's labels, scored exactly). Requests per second.
 2. Decode: 64 requests x 64 new tokens (EOS ignored) plain, under a JSON schema that lets them write
    that long, and with logprobs + top_logprobs=5. Decode tokens per second over the decode steps.
-3. In float32: the labeling requests again with kv_cache_dtype = bfloat16, and how far the label
-   probabilities move from the float32 cache's.
+3. In float32: the labeling requests again with kv_cache_dtype = bfloat16 and fp8_e4m3, and how far
+   the label probabilities move from the float32 cache's.
 Prints a table and writes benchmarks/results/labeling-<dtype>.json.
 """
 
@@ -112,26 +112,29 @@ def main() -> int:
         tokens = sum(r.completion_tokens for r in res)
         decode_rows.append({"name": name, "tokens": tokens, "wall_s": wall,
                             "decode_tokens_per_s": tokens / max(after.decode_s - before.decode_s, 1e-9)})  # fmt: skip
-    drift = None
-    if ns.dtype == "float32":  # a narrower KV cache: how far it moves the label probabilities
+    drift = {}
+    if ns.dtype == "float32":  # narrower KV caches: how far they move the label probabilities
         del engine
-        narrow = Engine.load(
-            EngineConfig(model="smollm2-135m", device="cpu", dtype=ns.dtype, kv_cache_dtype="bfloat16")
-        )
-        narrow_s, narrow_scored = run(narrow, labeling("choice", True))
-        diffs, same_top = [], 0
-        for a, b in zip(scored, narrow_scored, strict=True):
-            pa, pb = [x.prob for x in a.label_scores], [x.prob for x in b.label_scores]
-            diffs += [abs(x - y) for x, y in zip(pa, pb, strict=True)]
-            same_top += pa.index(max(pa)) == pb.index(max(pb))
-        drift = {"requests": len(scored), "max_abs_prob_diff": max(diffs), "mean_abs_prob_diff": sum(diffs) / len(diffs),
-                 "same_top_label": same_top, "wall_s": narrow_s}  # fmt: skip
+        for kvd in ("bfloat16", "fp8_e4m3"):
+            narrow = Engine.load(
+                EngineConfig(model="smollm2-135m", device="cpu", dtype=ns.dtype, kv_cache_dtype=kvd)
+            )
+            narrow_s, narrow_scored = run(narrow, labeling("choice", True))
+            del narrow
+            diffs, same_top = [], 0
+            for a, b in zip(scored, narrow_scored, strict=True):
+                pa, pb = [x.prob for x in a.label_scores], [x.prob for x in b.label_scores]
+                diffs += [abs(x - y) for x, y in zip(pa, pb, strict=True)]
+                same_top += pa.index(max(pa)) == pb.index(max(pb))
+            drift[kvd] = {"requests": len(scored), "max_abs_prob_diff": max(diffs),
+                          "mean_abs_prob_diff": sum(diffs) / len(diffs), "same_top_label": same_top,
+                          "wall_s": narrow_s}  # fmt: skip
     info = {
         "machine": machine(),
         "dtype": ns.dtype,
         "labeling": rows,
         "decode": decode_rows,
-        "kv_bf16_drift": drift,
+        "kv_cache_dtype_drift": drift,
     }
     m = info["machine"]
     print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, dtype {ns.dtype}")
@@ -146,13 +149,14 @@ def main() -> int:
     print("|---|---:|---:|")
     for r in decode_rows:
         print(f"| {r['name']} | {r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / base:.2f}x |")
-    if drift is not None:
+    if drift:
         print()
+    for kvd, d in drift.items():
         print(
-            f"bfloat16 KV cache (float32 compute) vs float32 cache, {drift['requests']} `choices` requests: "
-            f"label probabilities differ by {drift['mean_abs_prob_diff']:.1e} on average, "
-            f"{drift['max_abs_prob_diff']:.1e} at most; top label identical for {drift['same_top_label']}/"
-            f"{drift['requests']}; {drift['requests'] / drift['wall_s']:.2f} req/s"
+            f"{kvd} KV cache (float32 compute) vs float32 cache, {d['requests']} `choices` requests: "
+            f"label probabilities differ by {d['mean_abs_prob_diff']:.1e} on average, "
+            f"{d['max_abs_prob_diff']:.1e} at most; top label identical for {d['same_top_label']}/"
+            f"{d['requests']}; {d['requests'] / d['wall_s']:.2f} req/s"
         )
     out = ROOT / "benchmarks" / "results" / f"labeling-{ns.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

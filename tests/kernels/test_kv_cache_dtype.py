@@ -1,9 +1,9 @@
-"""A KV cache narrower than the compute dtype (kv_cache_dtype = bfloat16 under float32 compute).
+"""A KV cache narrower than the compute dtype (kv_cache_dtype = bfloat16 or fp8_e4m3 under float32).
 
 The CPU path must attend exactly as float32 attention over the cache's (rounded) values: the cache widens
 as it is read, nothing else is rounded. The expected values come from the float32 reference run over a
-float32 copy of the bfloat16 cache, so a path that rounded q, the scores or P to bfloat16 (what a
-bfloat16 model does) fails the float32 tolerance.
+float32 copy of the narrow cache, so a path that rounded q, the scores or P to the cache's type fails
+the float32 tolerance, and a wrong FP8 decoding (sign, exponent bias, subnormals) fails outright.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.paged_cases import GRID, Case, assert_close, build_cache, random_queries
+from tests.kernels.paged_cases import GRID, Case, PagedCache, assert_close, build_cache, random_queries
 from tests.kernels.test_cpu_attention import cpu_layout
 from tests.kernels.test_triton_decode import decode_lengths
 from tests.kernels.test_triton_prefill import prefill_lengths
@@ -23,14 +23,29 @@ from worker.kernels.torch_attention import TorchAttention
 
 CPU = torch.device("cpu")
 BF16_CASES = [c for c in GRID if c.dtype == torch.bfloat16]
+NARROW = [torch.bfloat16, torch.float8_e4m3fn]
 
 
+def narrowed(cache: PagedCache, dtype: torch.dtype) -> PagedCache:
+    """The case's bfloat16 cache in `dtype` (an FP8 cast saturates the garbage slots' huge values)."""
+    if dtype == torch.float8_e4m3fn:  # values of every FP8 binade, subnormals (< 2^-6) included
+        scale = torch.logspace(-9, 4, cache.k_cache.shape[-1], base=2.0)
+        return PagedCache(
+            (cache.k_cache.float() * scale).to(dtype), (cache.v_cache.float() * scale).to(dtype),
+            cache.block_tables, cache.context_lens,
+        )  # fmt: skip
+    return cache
+
+
+@pytest.mark.parametrize("kv_dtype", NARROW, ids=str)
 @pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "torch"])
 @pytest.mark.parametrize("case", BF16_CASES, ids=str)
-def test_decode_over_a_bf16_cache_is_float32_attention_over_its_values(case: Case, native: bool) -> None:
+def test_decode_over_a_narrow_cache_is_float32_attention_over_its_values(
+    case: Case, native: bool, kv_dtype: torch.dtype
+) -> None:
     gen = torch.Generator().manual_seed(300 + case.seed)
     lens = [*decode_lengths(case, gen), 5, 1999]
-    cache = build_cache(case, lens, gen, CPU)  # bfloat16, garbage in every slot no sequence owns
+    cache = narrowed(build_cache(case, lens, gen, CPU), kv_dtype)  # garbage in every slot no one owns
     q = random_queries(case, len(lens), gen, CPU).float()
     scale = 1 / math.sqrt(case.head_dim)
     if native and not native_kernel.supports(q, cache.k_cache):
@@ -48,12 +63,15 @@ def test_decode_over_a_bf16_cache_is_float32_attention_over_its_values(case: Cas
     assert_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("kv_dtype", NARROW, ids=str)
 @pytest.mark.parametrize("new_kv", [True, False], ids=["new-kv", "from-cache"])
 @pytest.mark.parametrize("case", BF16_CASES, ids=str)
-def test_prefill_over_a_bf16_cache_is_float32_attention_over_its_values(case: Case, new_kv: bool) -> None:
+def test_prefill_over_a_narrow_cache_is_float32_attention_over_its_values(
+    case: Case, new_kv: bool, kv_dtype: torch.dtype
+) -> None:
     gen = torch.Generator().manual_seed(400 + case.seed)
     seqs = prefill_lengths(case)
-    cache = build_cache(case, [ctx for _, ctx in seqs], gen, CPU)
+    cache = narrowed(build_cache(case, [ctx for _, ctx in seqs], gen, CPU), kv_dtype)
     q_lens = torch.tensor([0] + [n for n, _ in seqs])
     cu_seqlens = q_lens.cumsum(0).to(torch.int32)
     q = random_queries(case, int(q_lens.sum()), gen, CPU).float()
@@ -65,7 +83,7 @@ def test_prefill_over_a_bf16_cache_is_float32_attention_over_its_values(case: Ca
         for b, (n, ctx) in enumerate(seqs):
             pos = torch.arange(ctx - n, ctx)
             slots = cache.block_tables[b, pos // bs].long() * bs + pos % bs
-            # within half a bfloat16 ulp (relative 2^-9) of the cached values: lost to the rounding
+            # within half an ulp (relative 2^-9 in bfloat16, 2^-4 in FP8) of the cached values: lost to rounding
             wobble = 1 + (torch.rand(n, case.kv_heads, case.head_dim, generator=gen) - 0.5) * 1e-3
             new_k.append(cache.k_cache.flatten(0, 1)[slots].float() * wobble)
             new_v.append(cache.v_cache.flatten(0, 1)[slots].float() * wobble)

@@ -15,7 +15,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 SchedulePolicy = Literal["fcfs", "longest_first"]
 Admission = Literal["optimistic", "reserve"]
-KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"]
 
 
 class EngineConfig(BaseModel):
@@ -47,8 +47,9 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: KVCacheDtype = Field(
         default="auto",
         description="element type of the KV pool; auto: the compute dtype. bfloat16 under float32 compute "
-        "halves the pool's bytes per token (twice the sequences) and decode's K/V reads; K/V are rounded "
-        "as they are written and attention still computes in the compute dtype (CPU path)",
+        "halves the pool's bytes per token (twice the sequences) and decode's K/V reads, fp8_e4m3 quarters "
+        "them (per-layer scales calibrated at load); K/V are rounded as they are written and attention "
+        "still computes in the compute dtype (torch/C path; the Triton kernels take auto only)",
     )
     kv_watermark: float = Field(
         default=0.9,

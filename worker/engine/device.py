@@ -64,4 +64,4 @@ def pick_dtype(name: Dtype, device: torch.device) -> torch.dtype:
 
 def pick_kv_dtype(name: KVCacheDtype, compute: torch.dtype) -> torch.dtype:
     """The KV pool's element type: auto = the compute dtype."""
-    return compute if name == "auto" else _DTYPES[name]
+    return compute if name == "auto" else {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}[name]

@@ -21,7 +21,7 @@ from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
 from worker.engine.device import pick_device, pick_dtype, pick_kv_dtype
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
-from worker.engine.kv_pool import size_kv_pool
+from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
 from worker.engine.prompts import PromptBuilder
@@ -121,6 +121,10 @@ class Engine:
                 f"kv_cache_dtype {cfg.kv_cache_dtype} with {dtype} compute: the Triton kernels read a cache "
                 "of the compute dtype only; use kv_cache_dtype = 'auto' or attention_backend = 'torch'"
             )
+        if kv_dtype == torch.float8_e4m3fn:
+            ids = loaded.tokenizer(CALIBRATION_TEXT, add_special_tokens=False).input_ids
+            scales = calibrate_kv_scales(loaded.model, ids, device)
+            log.info("FP8 KV cache: K/V scales per layer %s", [f"{k:.3g}/{v:.3g}" for k, v in scales])
         num_blocks = size_kv_pool(cfg, loaded.model, kv_dtype, device)
         max_model_len = cfg.context_len(loaded.max_model_len)
         runner = ModelRunner(

@@ -113,3 +113,60 @@ def size_kv_pool(cfg: EngineConfig, model: LlamaFamilyModel, dtype: torch.dtype,
     if num_blocks < 1:
         raise ValueError(f"no room for the KV cache: budget {budget} bytes, one block needs {block_bytes}")
     return int(num_blocks)
+
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_HEADROOM = 2.0  # K/V up to this multiple of the calibration's largest stay within range (beyond: clamped)
+# Calibration text for FP8 scales: prose, a list, code and figures, to see K/V of ordinary prompts.
+CALIBRATION_TEXT = (
+    "Classify the sentiment of this review as positive, negative or neutral.\n"
+    "Review: The battery lasts two days, the screen is sharp, but the speaker crackles at high volume.\n"
+    "Answer: neutral\n\n"
+    "Summarise the following report in one sentence. In 2025 the city opened 14 new libraries, "
+    "recorded 3.2 million visits (up 11%) and lent 480,000 e-books; funding fell by 2.5%.\n\n"
+    "def mean(xs: list[float]) -> float:\n    return sum(xs) / len(xs) if xs else 0.0\n\n"
+    "Les montagnes étaient couvertes de neige; 北京是中国的首都。 1, 2, 3, 5, 8, 13, 21, 34.\n"
+)
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(
+    model: LlamaFamilyModel, ids: list[int], device: torch.device
+) -> list[tuple[float, float]]:
+    """Per-layer scales of an FP8 KV cache: each layer's largest |K| and |V| over a prefill of `ids`
+    (CALIBRATION_TEXT tokenised), times FP8_HEADROOM, mapped to FP8_MAX. A per-tensor scale keeps small
+    values (V is often ~0.01) out of FP8's subnormals and large ones (K after RoPE) below 448.
+    Sets each layer's k_scale / v_scale and returns them."""
+    s = model.spec
+    attns = model.attentions()
+    t = min(len(ids), model.rotary.cos.shape[0])
+    bs = 16
+    nblk = -(-t // bs)
+    backend = torch_backend()
+    dtype = model.lm_head.weight.dtype
+    shape = backend.kv_cache_shape(nblk, bs, s.num_kv_heads, s.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(s.num_layers)]  # fmt: skip
+    for a in attns:
+        a.k_scale = a.v_scale = 1.0
+        a.observed = []
+    pos = torch.arange(t, device=device)
+    meta = AttentionMetadata(
+        phase="prefill",
+        slot_mapping=pos,
+        block_tables=torch.arange(nblk, dtype=torch.int32, device=device).unsqueeze(0),
+        context_lens=torch.tensor([t], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=device),
+    )
+    try:
+        model(torch.tensor(ids[:t], device=device), pos, meta, caches, backend)
+        observed = [a.observed[0] if a.observed else (1.0, 1.0) for a in attns]
+    finally:
+        for a in attns:
+            a.observed = None
+    scales = []
+    for a, (kmax, vmax) in zip(attns, observed, strict=True):
+        a.k_scale = max(kmax, 1e-6) * FP8_HEADROOM / FP8_MAX
+        a.v_scale = max(vmax, 1e-6) * FP8_HEADROOM / FP8_MAX
+        scales.append((a.k_scale, a.v_scale))
+    return scales

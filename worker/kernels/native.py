@@ -114,13 +114,16 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # paged_decode.c's `elem`
+
+
 def supports(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether the kernel handles this call: CPU tensors, a float32 or bfloat16 cache, head_dim a
-    multiple of 16 up to MAX_D, at most MAX_G query heads per kv head."""
+    """Whether the kernel handles this call: CPU tensors, a float32, bfloat16 or FP8 E4M3 cache, head_dim
+    a multiple of 16 up to MAX_D, at most MAX_G query heads per kv head."""
     kvh, _, _, d = k_cache.shape
     return (
         q.device.type == "cpu"
-        and k_cache.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype in ELEMENT_TYPES
         and d % 16 == 0
         and d <= MAX_D
         and q.shape[1] // kvh <= MAX_G
@@ -155,7 +158,7 @@ def paged_decode(
     rc = lib.batchq_paged_decode(
         qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         None if lse is None else lse.data_ptr(), tables.data_ptr(), lens.data_ptr(), b, h, kvh, d, bs, nb,
-        tables.shape[1], max_len, int(k_cache.dtype == torch.bfloat16), torch.get_num_threads(),
+        tables.shape[1], max_len, ELEMENT_TYPES[k_cache.dtype], torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         return None

@@ -9,7 +9,8 @@
    out = sum_t p_t v_t (V read once). The torch path instead copies every block into a workspace
    before two batched matmuls; this kernel reads ~1/3 of the bytes that path moves.
 
-   q: [B, H, D] float32, already scaled; out: [B, H, D] float32;
+   q: [B, H, D] float32, already scaled; out: [B, H, D] float32; k, v: float32, bfloat16 or FP8 E4M3
+   (elem), widened to float32 as they are read;
    block_tables: [B, W] int32; context_lens: [B] int32.
    D must be a multiple of 16 and at most MAX_D; G at most MAX_G (native.py checks).
 */
@@ -23,6 +24,7 @@
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 static inline v16 load_f32(const float *p) { return *(const v16 *)p; }
@@ -30,6 +32,22 @@ static inline v16 load_f32(const float *p) { return *(const v16 *)p; }
 static inline v16 load_bf16(const uint16_t *p) {
     u32x16 wide = __builtin_convertvector(*(const u16x16 *)p, u32x16) << 16;
     return (v16)wide;
+}
+
+/* FP8 E4M3 (torch.float8_e4m3fn: bias 7, no infinities) -> float32. Its exponent and mantissa bits, moved
+   to float32's positions, read as a float32 with bias 127: times 2^120 that is the value, subnormals
+   included (they land on float32 subnormals, exact). The cache never holds NaN (writes are clamped). */
+static inline v16 load_fp8(const uint8_t *p) {
+    u32x16 w = __builtin_convertvector(*(const u8x16 *)p, u32x16);
+    u32x16 bits = ((w & 0x7F) << 20) | ((w & 0x80) << 24);
+    return (v16)bits * 0x1p120f;
+}
+
+enum { F32 = 0, BF16 = 1, FP8 = 2 }; /* the cache's element type */
+
+static inline v16 load_row(const char *p, const int elem) {
+    return elem == BF16 ? load_bf16((const uint16_t *)p) : elem == FP8 ? load_fp8((const uint8_t *)p)
+                                                                       : load_f32((const float *)p);
 }
 
 /* e^x for x <= 0 (scores minus their max): 2^(x log2 e) split as 2^n * 2^f, |f| <= 1/2, with a
@@ -66,12 +84,12 @@ typedef struct {
     int batch, heads, kv_heads, head_dim, block_size, num_blocks, width, max_len;
 } Job;
 
-/* One (sequence, kv head). Always inlined into task(), which calls it with literal (G, D, bf16) for
+/* One (sequence, kv head). Always inlined into task(), which calls it with literal (G, D, elem) for
    the common shapes, so their loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void task_body(const Job *job, int b, int kh, float *scores,
-                                                            const int g_count, const int d, const int bf16) {
+                                                            const int g_count, const int d, const int elem) {
     const int nv = d / 16, bs = job->block_size, n = job->context_lens[b], stride = job->max_len;
-    const size_t el = bf16 ? 2 : 4;
+    const size_t el = elem == BF16 ? 2 : elem == FP8 ? 1 : 4;
     const float *q = job->q + ((size_t)b * job->heads + (size_t)kh * g_count) * d;
     const size_t head_off = (size_t)kh * job->num_blocks * bs * d;
     const char *kbase = (const char *)job->k + head_off * el, *vbase = (const char *)job->v + head_off * el;
@@ -84,7 +102,7 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
         const char *kr = row + (size_t)(t % bs) * d * el;
         v16 kc[MAX_D / 16];
         for (int c = 0; c < nv; c++)
-            kc[c] = bf16 ? load_bf16((const uint16_t *)kr + 16 * c) : load_f32((const float *)kr + 16 * c);
+            kc[c] = load_row(kr + 16 * c * el, elem);
         for (int g = 0; g < g_count; g++) {
             v16 a = qv[g * nv] * kc[0];
             for (int c = 1; c < nv; c++) a += qv[g * nv + c] * kc[c];
@@ -109,7 +127,7 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
         if (t % bs == 0) row = vbase + (size_t)table[t / bs] * bs * d * el;
         const char *vr = row + (size_t)(t % bs) * d * el;
         for (int c = 0; c < nv; c++) {
-            const v16 x = bf16 ? load_bf16((const uint16_t *)vr + 16 * c) : load_f32((const float *)vr + 16 * c);
+            const v16 x = load_row(vr + 16 * c * el, elem);
             for (int g = 0; g < g_count; g++) acc[g * nv + c] += scores[g * stride + t] * x;
         }
     }
@@ -121,10 +139,13 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
    function, the shapes made the compiler's work superlinear (100 s on an AVX2-only Zen 3 core). */
 #define SHAPE(G, D)                                                                                 \
     static __attribute__((noinline)) void task_##G##_##D##_f32(const Job *job, int b, int kh, float *s) { \
-        task_body(job, b, kh, s, G, D, 0);                                                          \
+        task_body(job, b, kh, s, G, D, F32);                                                        \
     }                                                                                               \
     static __attribute__((noinline)) void task_##G##_##D##_bf16(const Job *job, int b, int kh, float *s) { \
-        task_body(job, b, kh, s, G, D, 1);                                                          \
+        task_body(job, b, kh, s, G, D, BF16);                                                       \
+    }                                                                                               \
+    static __attribute__((noinline)) void task_##G##_##D##_fp8(const Job *job, int b, int kh, float *s) { \
+        task_body(job, b, kh, s, G, D, FP8);                                                        \
     }
 #define SHAPES(D) SHAPE(1, D) SHAPE(2, D) SHAPE(3, D) SHAPE(4, D) SHAPE(5, D) SHAPE(6, D) SHAPE(7, D) SHAPE(8, D)
 SHAPES(64)
@@ -133,20 +154,25 @@ SHAPES(128)
 typedef void (*TaskFn)(const Job *, int, int, float *);
 #define ROW(D, T) {task_1_##D##_##T, task_2_##D##_##T, task_3_##D##_##T, task_4_##D##_##T, \
                    task_5_##D##_##T, task_6_##D##_##T, task_7_##D##_##T, task_8_##D##_##T}
-static const TaskFn TASKS[2][2][8] = {{ROW(64, f32), ROW(64, bf16)}, {ROW(128, f32), ROW(128, bf16)}};
+static const TaskFn TASKS[2][3][8] = {{ROW(64, f32), ROW(64, bf16), ROW(64, fp8)},
+                                      {ROW(128, f32), ROW(128, bf16), ROW(128, fp8)}};
 
 /* The specialised function for (G, D, element type), or NULL: the generic body then runs. */
-static TaskFn specialised(int g_count, int d, int bf16) {
+static TaskFn specialised(int g_count, int d, int elem) {
     if (g_count < 1 || g_count > 8 || (d != 64 && d != 128)) return NULL;
-    return TASKS[d == 128][bf16 != 0][g_count - 1];
+    return TASKS[d == 128][elem][g_count - 1];
 }
 
-static void task(const Job *job, int b, int kh, float *scores, int bf16) {
-    TaskFn fn = specialised(job->heads / job->kv_heads, job->head_dim, bf16);
+static void task(const Job *job, int b, int kh, float *scores, int elem) {
+    TaskFn fn = specialised(job->heads / job->kv_heads, job->head_dim, elem);
     if (fn != NULL)
         fn(job, b, kh, scores);
+    else if (elem == BF16)
+        task_body(job, b, kh, scores, job->heads / job->kv_heads, job->head_dim, BF16);
+    else if (elem == FP8)
+        task_body(job, b, kh, scores, job->heads / job->kv_heads, job->head_dim, FP8);
     else
-        task_body(job, b, kh, scores, job->heads / job->kv_heads, job->head_dim, bf16);
+        task_body(job, b, kh, scores, job->heads / job->kv_heads, job->head_dim, F32);
 }
 
 /* lse: NULL, or [batch, heads] floats that receive each row's log-sum-exp of its (scaled) scores, which
@@ -158,7 +184,7 @@ static void task(const Job *job, int b, int kh, float *scores, int bf16) {
 int batchq_paged_decode(const float *q, const void *k, const void *v, float *out, float *lse,
                         const int32_t *block_tables, const int32_t *context_lens, int batch, int heads,
                         int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
-                        int bf16, int threads) {
+                        int elem, int threads) {
     const Job job = {q, k, v, out, lse, block_tables, context_lens, batch, heads, kv_heads, head_dim,
                      block_size, num_blocks, width, max_len};
     const int tasks = batch * kv_heads, g_count = heads / kv_heads;
@@ -169,7 +195,7 @@ int batchq_paged_decode(const float *q, const void *k, const void *v, float *out
         failed = scores == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < tasks; i++)
-            if (scores != NULL) task(&job, i / kv_heads, i % kv_heads, scores, bf16);
+            if (scores != NULL) task(&job, i / kv_heads, i % kv_heads, scores, elem);
         free(scores);
     }
     return failed ? -1 : 0;

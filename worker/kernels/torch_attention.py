@@ -155,8 +155,11 @@ class TorchAttention:
     def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
         """k, v: [tokens, kv_heads, head_dim]; slot_mapping: [tokens] int64 (block * block_size + offset)."""
         kvh, nb, bs, d = k_cache.shape
-        k_cache.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        for x, cache in ((k, k_cache), (v, v_cache)):
+            rows = x.transpose(0, 1).to(cache.dtype)  # an FP8 cast saturates at the format's largest value
+            if cache.dtype.itemsize == 1:  # torch has no index_copy_ for FP8: copy the bytes
+                cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+            cache.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, rows)
 
     def _decode_plan(self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> _DecodePlan:
         """Groups, gather indices and masks for one decode step, built once and reused by every layer.
@@ -237,8 +240,8 @@ class TorchAttention:
             v = torch.index_select(v_rows, 0, c.blocks, out=self._buffer("v", size, v_cache))
             # Slots past a context hold another request's stale V (or padding blocks): zero them, since
             # 0 * NaN in P @ V is NaN. Their scores need no such care: masked_fill_ overwrites a NaN.
-            v.view(-1, d).index_fill_(0, c.stale_rows, 0)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache narrower than the compute dtype widens here
+            v.view(-1, d).index_fill_(0, c.stale_rows, 0)
             qg = q_sorted[c.start : c.start + c.n].view(c.n, kvh, g, d).transpose(0, 1)  # [KVH, n, G, D]
             scores = torch.matmul(qg, k.view(kvh, c.n, c.tokens, d).transpose(-1, -2))  # [KVH, n, G, T]
             probs = torch.softmax(scores.masked_fill_(c.masked, float("-inf")), dim=-1)

@@ -68,6 +68,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
+        # K and V are stored divided by these (per-tensor scales of an FP8 cache, calibrated at load by
+        # kv_pool.calibrate_kv_scales; 1 otherwise): q.k/s_k scores with the softmax scale times s_k, and
+        # the output is multiplied by s_v, so the kernels never see a scale.
+        self.k_scale = self.v_scale = 1.0
+        self.observed: list[tuple[float, float]] | None = None  # calibration: each call's max |K|, |V|
 
     def forward(
         self,
@@ -87,29 +92,36 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.observed is not None:
+            self.observed.append((float(k.abs().max()), float(v.abs().max())))
+        scale = self.scale
+        if self.k_scale != 1.0 or self.v_scale != 1.0:
+            k, v, scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale
         k_cache, v_cache = kv
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.phase == "decode":
             o = backend.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
             )
         elif meta.phase == "prefill":
             assert meta.cu_seqlens_q is not None
             o = backend.paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale,
+                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
                 k=k, v=v,
             )  # fmt: skip
         else:  # mixed: decode rows first, then prompt chunks, each through its own kernel
             assert meta.cu_seqlens_q is not None and meta.decode is not None
             nd = meta.decode.context_lens.shape[0]
             od = backend.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, self.scale
+                q[:nd], k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, scale
             )
             op = backend.paged_prefill_attention(
-                q[nd:], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale,
+                q[nd:], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
                 k=k[nd:], v=v[nd:],
             )  # fmt: skip
             o = torch.cat([od, op])
+        if self.v_scale != 1.0:
+            o = o * self.v_scale
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -147,6 +159,14 @@ class LlamaFamilyModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+
+    def attentions(self) -> list[Attention]:
+        """Every layer's attention module, in order."""
+        out = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            out.append(layer.self_attn)
+        return out
 
     def embed(self, input_ids: Tensor) -> Tensor:
         # input_ids: [T] -> [T, hidden]
