@@ -130,7 +130,8 @@ def run_engine(
         )
     )
     for r in reqs(
-        [{**ln, "max_new_tokens": 48, "messages": prompt} for ln in lines[:full_batch]], ignore_eos=True
+        [{"id": f"full{i}", "max_new_tokens": 48, "messages": prompt} for i in range(full_batch)],
+        ignore_eos=True,
     ):
         big.add_request(r)
     while big.stats().waiting or not all(s.prefilled for s in big.scheduler.running):
