@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MIN_CHOICES, MAX_CHOICES = 2, 256
 MAX_LABEL_CHARS = 512
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancelled", "error"]
 BatchState = Literal["queued", "running", "completed", "cancelled"]
@@ -84,6 +85,10 @@ class SamplingParams(_Strict):
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0.0, lt=1.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    # OpenAI: {"token id": bias}, the id written as a string (JSON keys are); bias in [-100, 100]
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
@@ -119,6 +124,20 @@ class SamplingParams(_Strict):
         for s in v:
             if s == "":
                 raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids may be biased, got {len(v)}")
+        for k in v:
+            if not (k.isascii() and k.isdigit()) or len(k) > 10:
+                raise ValueError(f"keys are token ids written as decimal strings, got {k[:20]!r}")
+        if len({int(k) for k in v}) != len(v):
+            raise ValueError("a token id is given twice (as two spellings of one number)")
         return v
 
     @field_validator("n")
@@ -229,11 +248,28 @@ BUILTIN_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256}
 
 
 class ChatMessage(_Strict):
+    """A chat message. `content` may also come as OpenAI's list of content parts: text parts are joined
+    with newlines (as vLLM does); any other part (image, audio, file) is refused by its type."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        texts = []
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                what = f"type {kind!r}" if kind is not None else "a part without a type"
+                raise ValueError(f"content part {i}: {what} is unsupported (text parts only)")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class Request(_Strict):
@@ -399,13 +435,58 @@ class PromptLine(SamplingParams):
     metadata: dict[str, Any] | None = None
 
 
+# Body fields of OpenAI's chat / completions APIs that do not change what a batch generates: accepted
+# and ignored (prompt_cache_key, service_tier, ... are routing and billing hints of OpenAI's service).
+OPENAI_IGNORED = frozenset({
+    "user", "store", "service_tier", "stream_options", "prompt_cache_key", "safety_identifier",
+    "parallel_tool_calls", "reasoning_effort", "verbosity",
+})  # fmt: skip
+# Fields batchq cannot honour: refused with the reason, never silently dropped.
+OPENAI_UNSUPPORTED = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "suffix": "insertion (suffix) is not supported",
+}
+
+
 class OpenAIBody(SamplingParams):
-    """The `body` of an OpenAI Batch line. `model` is recorded for compatibility, never used for routing."""
+    """The `body` of an OpenAI Batch line. `model` is recorded for compatibility, never used for routing.
+
+    Every field OpenAI's chat and completions APIs accept is either used (the sampling parameters,
+    response_format, logprobs, ...), ignored because it cannot change the output (OPENAI_IGNORED), or
+    refused by name with the reason (OPENAI_UNSUPPORTED, modalities other than text, stream: true,
+    echo: true, best_of > 1, n > 1).
+    """
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_only_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key, why in OPENAI_UNSUPPORTED.items():
+            if data.get(key) is not None:
+                raise ValueError(f"'{key}' is unsupported: {why} (batchq generates text)")
+        refused = {
+            "modalities": data.get("modalities") not in (None, ["text"]),
+            "stream": data.get("stream") not in (None, False),
+            "echo": data.get("echo") not in (None, False),
+            "best_of": data.get("best_of") not in (None, 1),
+        }
+        for key, bad in refused.items():
+            if bad:
+                raise ValueError(f"'{key}' = {data[key]!r} is unsupported (a batch answers with text, once)")
+        drop = OPENAI_IGNORED | refused.keys()
+        return {k: v for k, v in data.items() if k not in drop}
 
 
 class OpenAIBatchLine(_Strict):

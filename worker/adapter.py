@@ -40,6 +40,8 @@ def generation_params(params: SamplingParams) -> GenerationParams:
     for k in _TUPLES:
         if k in given:
             given[k] = tuple(given[k])
+    if "logit_bias" in given:  # OpenAI's {"id": bias} -> ((id, bias), ...) in id order
+        given["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in given["logit_bias"].items()))
     given["constraint"] = constraint(params)
     return GenerationParams(**given)
 

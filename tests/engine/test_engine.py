@@ -297,3 +297,57 @@ def test_a_preempted_request_keeps_its_deadline(ckpt: Path) -> None:
                          started_at=time.monotonic() - 10)  # fmt: skip
     results = {r.request_id: r for r in engine.generate([*long, late])}
     assert results["late"].finish_reason == "timeout"
+
+
+def test_openai_penalties_pick_the_argmax_of_the_penalised_logits(ckpt: Path) -> None:
+    # OpenAI semantics: logit[t] - frequency x count(t in the output so far) - presence x [count > 0].
+    # The raw top-20 log-probabilities (before penalties) hold the penalised argmax while fewer than 20
+    # distinct tokens were generated (an unpenalised top-20 token beats every token outside it). The
+    # alternatives carry bytes, not ids: a token is recognised by its bytes (byte-level BPE: distinct).
+    p = params(temperature=0, max_new_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=20)
+    cases = {"freq": (0.0, 1.5), "pres": (1.0, 0.0), "both": (0.5, -0.5)}
+    reqs = [EngineRequest("plain", p, prompt_token_ids=[7, 8, 9])] + [
+        EngineRequest(
+            k, dataclasses.replace(p, presence_penalty=pr, frequency_penalty=fr), prompt_token_ids=[7, 8, 9]
+        )
+        for k, (pr, fr) in cases.items()
+    ]
+    plain, *penalised = engine_with(ckpt, repetition_window=0).generate(reqs)
+    assert penalised[0].token_ids != plain.token_ids  # the penalties do something here
+    for res, (pres, freq) in zip(penalised, cases.values(), strict=True):
+        assert res.logprobs is not None and len(res.logprobs) == len(res.token_ids) == 16
+        for j, lp in enumerate(res.logprobs):
+            before = [prev.bytes for prev in res.logprobs[:j]]
+            chosen = _penalised(lp.logprob, lp.bytes, before, pres, freq)
+            best = max(_penalised(c.logprob, c.bytes, before, pres, freq) for c in lp.top)
+            assert chosen >= best - 1e-5, (res.request_id, j, chosen, best)
+
+
+def _penalised(
+    logprob: float, token_bytes: list[int], before: list[list[int]], pres: float, freq: float
+) -> float:
+    n = before.count(token_bytes)
+    return logprob - freq * n - (pres if n else 0.0)
+
+
+def test_logit_bias_forces_and_bans_tokens(ckpt: Path) -> None:
+    p = params(temperature=0, max_new_tokens=8, ignore_eos=True)
+    engine = engine_with(ckpt, repetition_window=0)
+    plain = engine.generate([EngineRequest("plain", p, prompt_token_ids=[7, 8, 9])])[0]
+    banned = plain.token_ids[0]
+    forced, ban = engine.generate(
+        [
+            EngineRequest(
+                "forced", dataclasses.replace(p, logit_bias=((42, 100.0),)), prompt_token_ids=[7, 8, 9]
+            ),
+            EngineRequest(
+                "ban", dataclasses.replace(p, logit_bias=((banned, -100.0),)), prompt_token_ids=[7, 8, 9]
+            ),
+        ]
+    )
+    assert forced.token_ids == [42] * 8
+    assert banned not in ban.token_ids
+    (bad,) = engine.generate(
+        [EngineRequest("bad", dataclasses.replace(p, logit_bias=((10**6, 1.0),)), prompt_token_ids=[7])]
+    )
+    assert bad.finish_reason == "error" and bad.error is not None and "logit_bias" in bad.error.message

@@ -116,7 +116,7 @@ def test_missing_id_defaults_to_the_line_number() -> None:
         ),
         (
             b'{"url": "/v1/completions", "body": {"prompt": "x", "stream": true}}',
-            "line 1: body.stream: unknown field",
+            "line 1: body: 'stream' = True is unsupported",
         ),
         (b'{"custom_id": "a", "url": "/v1/completions"}', "line 1: body: required field is missing"),
         (b'{"prompt": "x", "choices": ["a", "a"]}', "line 1: choices must be distinct: 'a' appears twice"),

@@ -35,6 +35,7 @@ OUTPUT_FIELDS = {
     "seed": 4, "stop": ["x"], "stop_token_ids": [9], "include_stop_str_in_output": True, "ignore_eos": True,
     "truncate_prompt": "left", "choices": ["a", "b"], "regex": "[a-z]+", "logprobs": True, "top_logprobs": 2,
     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"7": 3.0},
 }  # fmt: skip
 
 

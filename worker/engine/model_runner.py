@@ -226,6 +226,12 @@ class ModelRunner:
             ],
             seeds=[s.params.seed for s in seqs],
             steps=[len(s.output_ids) for s in seqs],
+            presence_penalties=[s.params.presence_penalty for s in seqs],
+            frequency_penalties=[s.params.frequency_penalty for s in seqs],
+            output_token_ids=[
+                s.output_ids if s.params.presence_penalty or s.params.frequency_penalty else [] for s in seqs
+            ],
+            logit_biases=[s.params.logit_bias for s in seqs],
         )
         tokens: list[int] = self.sampler(logits, sampling).tolist()
         logprobs: list[RowLogprobs | None] = [None] * len(seqs)

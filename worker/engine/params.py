@@ -42,7 +42,10 @@ class GenerationParams:
     top_p: float = 1.0  # 1.0: off
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0.0: off
-    repetition_penalty: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # 1.0: off (HF/vLLM: divides positive logits of prompt + output tokens)
+    presence_penalty: float = 0.0  # OpenAI: minus this from every token already generated once or more
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the number of times a token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI: (token id, bias in [-100, 100]) added to logits
     seed: int = field(default_factory=random_seed)  # same seed, same tokens, whatever shares the batch
     stop: tuple[str, ...] = ()  # text is cut before the first match
     stop_token_ids: tuple[int, ...] = ()
@@ -63,6 +66,10 @@ class GenerationParams:
             "top_k": self.top_k >= 0,
             "min_p": 0.0 <= self.min_p < 1.0,
             "repetition_penalty": math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "presence_penalty": -2.0 <= self.presence_penalty <= 2.0,
+            "frequency_penalty": -2.0 <= self.frequency_penalty <= 2.0,
+            "logit_bias": all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias)
+            and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
             "seed": 0 <= self.seed < SEED_LIMIT,
             "stop": all(isinstance(s, str) and s for s in self.stop),
             "stop_token_ids": all(t >= 0 for t in self.stop_token_ids),

@@ -65,6 +65,8 @@ class PromptBuilder:
                 f"request needs {need} KV blocks ({len(ids)} prompt tokens + {what}, "
                 f"{bm.block_size} per block) but the whole pool has {bm.num_blocks} blocks",
             )
+        if any(t >= self.vocab_size for t, _ in params.logit_bias):
+            raise RequestError("invalid_request", f"logit_bias token ids must lie in [0, {self.vocab_size})")
         matcher = None
         if params.constraint.kind != "none":
             if self.matcher is None:

@@ -1,4 +1,7 @@
-"""Vectorised sampling over the batch: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+"""Vectorised sampling over the batch: greedy, temperature, top-k, top-p, min-p, and the logit
+adjustments before them, in this order: logit_bias (OpenAI), repetition_penalty (HF/vLLM), then
+presence_penalty and frequency_penalty (OpenAI: logit[t] -= presence x [t generated] + frequency x
+count(t generated), over the generated tokens only).
 
 Randomness is counter-based: each row's uniform is splitmix64(seed, step), so a seeded request samples
 the same tokens whatever else is in the batch. One uniform per row, inverse-CDF over the filtered,
@@ -36,12 +39,18 @@ class SamplingBatch:
     seen_token_ids: list[list[int]]  # prompt + generated ids, used only for rows with a penalty
     seeds: list[int]
     steps: list[int]  # tokens generated so far per row: the counter of the RNG
+    presence_penalties: list[float] | None = None  # 0.0 = off; None: every row off
+    frequency_penalties: list[float] | None = None
+    output_token_ids: list[list[int]] | None = None  # generated ids, for rows with either of the two
+    logit_biases: list[tuple[tuple[int, float], ...]] | None = None  # () = off
 
 
 class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         # logits: [B, vocab] float32 -> token ids: [B] int64
+        logits = _apply_logit_bias(logits, batch)
         logits = self._apply_repetition_penalty(logits, batch)
+        logits = _apply_openai_penalties(logits, batch)
         greedy_rows = [t == 0.0 for t in batch.temperatures]
         greedy = logits.argmax(dim=-1)
         if all(greedy_rows):
@@ -119,3 +128,30 @@ def _mask_top_k(sorted_or_raw: Tensor, top_ks: list[int], is_sorted: bool) -> Te
     ranks = torch.arange(vocab, device=sorted_or_raw.device).unsqueeze(0)
     k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=sorted_or_raw.device).unsqueeze(1)
     return sorted_or_raw.masked_fill(ranks >= k, float("-inf"))
+
+
+def _apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    biases = batch.logit_biases
+    rows = [i for i, b in enumerate(biases or ()) if b]
+    if not rows or biases is None:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        ids = torch.tensor([t for t, _ in biases[i]], device=logits.device)
+        logits[i].index_add_(0, ids, torch.tensor([b for _, b in biases[i]], device=logits.device))
+    return logits
+
+
+def _apply_openai_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    pres, freq, outs = batch.presence_penalties, batch.frequency_penalties, batch.output_token_ids
+    if pres is None or freq is None or outs is None:
+        return logits
+    rows = [i for i in range(len(pres)) if (pres[i] != 0.0 or freq[i] != 0.0) and outs[i]]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows:
+        counts = torch.bincount(torch.tensor(outs[i], device=logits.device), minlength=vocab)[:vocab]
+        logits[i] -= freq[i] * counts.to(logits.dtype) + pres[i] * (counts > 0).to(logits.dtype)
+    return logits
