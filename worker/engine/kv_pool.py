@@ -10,7 +10,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.kernels.backend import torch_backend
 from worker.models.layers import AttentionMetadata
-from worker.models.llama import LlamaFamilyModel
+from worker.models.llama import KVCache, LlamaFamilyModel
 
 log = logging.getLogger(__name__)
 
@@ -21,28 +21,38 @@ def kv_bytes_per_token(model: LlamaFamilyModel, dtype: torch.dtype) -> int:
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype.itemsize
 
 
-@torch.inference_mode()
-def _peak_activation_bytes(cfg: EngineConfig, model: LlamaFamilyModel, device: torch.device) -> int:
-    """Run a dummy prefill of one full token budget (with a one-block scratch cache) and measure its peak."""
+def _scratch_prefill(
+    model: LlamaFamilyModel, t: int, block_size: int, device: torch.device
+) -> tuple[list[KVCache], AttentionMetadata]:
+    """A dummy one-sequence prefill of `t` tokens over scratch caches of its own (zeroed, so they are
+    resident before anything is measured): the caches and the step's metadata (positions = slot_mapping)."""
     s = model.spec
     dtype = model.lm_head.weight.dtype
-    t = min(cfg.max_num_batched_tokens, model.rotary.cos.shape[0])
-    nblk = -(-t // cfg.block_size)
-    backend = torch_backend()
-    shape = backend.kv_cache_shape(nblk, cfg.block_size, s.num_kv_heads, s.head_dim)
-    caches = [(torch.empty(shape, dtype=dtype, device=device),) * 2 for _ in range(s.num_layers)]
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    ids = torch.zeros(t, dtype=torch.long, device=device)
-    pos = torch.arange(t, device=device)
+    nblk = -(-t // block_size)
+    shape = torch_backend().kv_cache_shape(nblk, block_size, s.num_kv_heads, s.head_dim)
+    caches = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(s.num_layers)
+    ]
     meta = AttentionMetadata(
         phase="prefill",
-        slot_mapping=pos,
+        slot_mapping=torch.arange(t, device=device),
         block_tables=torch.arange(nblk, dtype=torch.int32, device=device).unsqueeze(0),
         context_lens=torch.tensor([t], dtype=torch.int32, device=device),
         cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=device),
     )
-    hidden = model(ids, pos, meta, caches, backend)
+    return caches, meta
+
+
+@torch.inference_mode()
+def _peak_activation_bytes(cfg: EngineConfig, model: LlamaFamilyModel, device: torch.device) -> int:
+    """Run a dummy prefill of one full token budget (with a scratch cache) and measure its peak."""
+    t = min(cfg.max_num_batched_tokens, model.rotary.cos.shape[0])
+    caches, meta = _scratch_prefill(model, t, cfg.block_size, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(t, dtype=torch.long, device=device)
+    hidden = model(ids, meta.slot_mapping, meta, caches, torch_backend())
     model.compute_logits(hidden[-cfg.max_num_seqs :])
     peak = torch.cuda.max_memory_allocated(device) - before
     del caches, hidden
@@ -62,23 +72,10 @@ def _cpu_step_bytes(cfg: EngineConfig, model: LlamaFamilyModel) -> int:
     """The working memory of the largest step on the CPU, measured: the resident memory a dummy prefill
     of PROBE_TOKENS adds (freed step memory stays in the heap, see cpu_tuning.keep_freed_memory, so it
     shows in RSS), scaled to the token budget."""
-    s = model.spec
-    dtype = model.lm_head.weight.dtype
     t = min(cfg.max_num_batched_tokens, PROBE_TOKENS, model.rotary.cos.shape[0])
-    nblk = -(-t // cfg.block_size)
-    backend = torch_backend()
-    shape = backend.kv_cache_shape(nblk, cfg.block_size, s.num_kv_heads, s.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(s.num_layers)]
+    caches, meta = _scratch_prefill(model, t, cfg.block_size, torch.device("cpu"))
     before = _rss_bytes()  # the scratch cache is resident already: not part of the step
-    pos = torch.arange(t)
-    meta = AttentionMetadata(
-        phase="prefill",
-        slot_mapping=pos,
-        block_tables=torch.arange(nblk, dtype=torch.int32).unsqueeze(0),
-        context_lens=torch.tensor([t], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
-    )
-    hidden = model(torch.zeros(t, dtype=torch.long), pos, meta, caches, backend)
+    hidden = model(torch.zeros(t, dtype=torch.long), meta.slot_mapping, meta, caches, torch_backend())
     model.compute_logits(hidden[-min(t, cfg.max_num_seqs) :])
     grown = max(0, _rss_bytes() - before)
     del caches, hidden
@@ -137,29 +134,14 @@ def calibrate_kv_scales(
     (CALIBRATION_TEXT tokenised), times FP8_HEADROOM, mapped to FP8_MAX. A per-tensor scale keeps small
     values (V is often ~0.01) out of FP8's subnormals and large ones (K after RoPE) below 448.
     Sets each layer's k_scale / v_scale and returns them."""
-    s = model.spec
     attns = model.attentions()
     t = min(len(ids), model.rotary.cos.shape[0])
-    bs = 16
-    nblk = -(-t // bs)
-    backend = torch_backend()
-    dtype = model.lm_head.weight.dtype
-    shape = backend.kv_cache_shape(nblk, bs, s.num_kv_heads, s.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(s.num_layers)]  # fmt: skip
+    caches, meta = _scratch_prefill(model, t, 16, device)
     for a in attns:
         a.k_scale = a.v_scale = 1.0
         a.observed = []
-    pos = torch.arange(t, device=device)
-    meta = AttentionMetadata(
-        phase="prefill",
-        slot_mapping=pos,
-        block_tables=torch.arange(nblk, dtype=torch.int32, device=device).unsqueeze(0),
-        context_lens=torch.tensor([t], dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=device),
-    )
     try:
-        model(torch.tensor(ids[:t], device=device), pos, meta, caches, backend)
+        model(torch.tensor(ids[:t], device=device), meta.slot_mapping, meta, caches, torch_backend())
         observed = [a.observed[0] if a.observed else (1.0, 1.0) for a in attns]
     finally:
         for a in attns:
