@@ -1,8 +1,19 @@
 """Paged decode attention: Triton kernel vs the torch reference on one CUDA GPU; on the CPU, the C
-kernel (worker/kernels/paged_decode.c) vs the torch path of worker/kernels/cpu.py.
+kernel (worker/kernels/paged_decode.c) vs the torch path of worker/kernels/cpu.py. With --linear, the
+CPU linear kernel (worker/kernels/linear.c) against torch and against what the machine allows.
 
     .venv/bin/python benchmarks/kernel_bench.py [--heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16]
     .venv/bin/python benchmarks/kernel_bench.py --cpu [--heads 9 --kv-heads 3 --head-dim 64 --dtype float32]
+    .venv/bin/python benchmarks/kernel_bench.py --linear [--hidden 576 --inter 1536 --vocab 49152 ...]
+
+--linear: the model's real linear shapes (default SmolLM2-135M's: fused QKV, o, fused gate/up, down, LM
+head), each layer's weights a separate copy (--layers of them, cycled) so they are read from DRAM as in
+a decode step. First the machine's bounds, measured in the same run: memory bandwidth (the best of a
+512 MB float32 sum on all threads) and the float32 GEMM peak (a 2048^3 matmul). Then per shape, at
+rows M: torch (F.linear on nn.Linear's [out, in] weight, and x @ W[in, out]), linear.c in float32,
+bfloat16 and int8, and the bound: the longer of streaming the weight once and its FLOPs at the peak.
+Last, one decode step's linears summed over the model at each M, with linear.c's share of the bound.
+Times are the best of --passes passes (the least disturbed by other work on the machine).
 
 GPU: for each (batch, context) it checks the kernel against the reference, then times both with
 triton.testing.do_bench and prints one table: milliseconds, the speed-up, and the kernel's KV-read
@@ -19,6 +30,8 @@ import argparse
 import functools
 import math
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,8 +58,6 @@ def make_inputs(
 
 
 def cpu_decode(args: argparse.Namespace) -> int:
-    import time
-
     from worker.kernels import native, reference
     from worker.kernels.torch_attention import TorchAttention
 
@@ -107,16 +118,139 @@ def cpu_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _best_ms(fn: Callable[[], object], passes: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(passes):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]]) -> None:
+    from worker.kernels import native
+
+    for w, wt, bf16, int8, int8_scale in layers:
+        if kind == "torch F.linear":
+            torch.nn.functional.linear(x, w)
+        elif kind == "torch x@W[in,out]":
+            torch.mm(x, wt)
+        elif kind == "C float32":
+            native.linear(x, w, None, None)
+        elif kind == "C bfloat16":
+            native.linear(x, bf16, None, None)
+        else:
+            native.linear(x, int8, int8_scale, None)
+
+
+def machine_bounds(passes: int = 10) -> tuple[float, float]:
+    """(memory bandwidth in bytes/s, float32 GEMM peak in FLOP/s), measured here and now."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import gemm_ceiling
+
+    big = torch.randn(128 * 1024 * 1024)  # 512 MB: far beyond any cache
+    bandwidth = big.numel() * 4 / (_best_ms(big.sum, passes) / 1e3)
+    del big
+    return bandwidth, gemm_ceiling("float32")
+
+
+def cpu_linear(args: argparse.Namespace) -> int:
+    from worker.kernels import native
+    from worker.models.layers import Linear
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import machine
+
+    if native.linear_library() is None:
+        print("kernel_bench: the C linear kernel is not available here (see the warning above)")
+        return 1
+    m = machine()
+    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    print(f"command: {' '.join(sys.argv)}")
+    bandwidth, peak = machine_bounds()
+    print(f"bounds: memory {bandwidth / 1e9:.1f} GB/s, float32 GEMM peak {peak / 1e9:.0f} GFLOP/s\n")
+    qkv = (args.heads + 2 * args.kv_heads) * args.head_dim
+    shapes = [  # (name, K = in, N = out, copies per step)
+        ("qkv", args.hidden, qkv, args.model_layers),
+        ("o", args.heads * args.head_dim, args.hidden, args.model_layers),
+        ("gate_up", args.hidden, 2 * args.inter, args.model_layers),
+        ("down", args.inter, args.hidden, args.model_layers),
+        ("lm_head", args.hidden, args.vocab, 1),
+    ]
+    rows = [int(r) for r in args.rows.split(",")]
+    kinds = ["torch F.linear", "torch x@W[in,out]", "C float32", "C bfloat16", "C int8"]
+    step: dict[int, dict[str, float]] = {r: dict.fromkeys([*kinds, "bound"], 0.0) for r in rows}
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"{'shape':>8} {'K x N':>12} {'M':>4} | {'F.linear':>8} {'x@W':>7} | {'C f32':>7} {'GB/s':>5} "
+        f"{'GFLOP/s':>7} {'% bound':>7} | {'C bf16':>7} {'C int8':>7} | {'bound':>6}  (ms per call)"
+    )
+    for name, k, n, per_step in shapes:
+        copies = 1 if name == "lm_head" else min(args.layers, per_step)
+        layers = []
+        for _ in range(copies):
+            w = torch.randn(n, k, generator=gen) / k**0.5
+            narrow = []
+            for dtype in (torch.bfloat16, torch.int8):
+                lin = Linear(k, n, bias=False)
+                lin.load(w)
+                lin.quantize(dtype)
+                narrow.append(lin)
+            bf16, int8 = narrow
+            layers.append((w, w.t().contiguous(), bf16.weight, int8.weight, int8.scale))
+        for r in rows:
+            x = torch.randn(r, k, generator=gen)
+            fns = {kind: functools.partial(_linear_pass, kind, x, layers) for kind in kinds}
+            ms = {kind: _best_ms(fn, args.passes) / copies for kind, fn in fns.items()}
+            flops = 2 * r * k * n
+            bound = max(k * n * 4 / bandwidth, flops / peak) * 1e3
+            for kind in kinds:
+                step[r][kind] += ms[kind] * per_step
+            step[r]["bound"] += bound * per_step
+            c = ms["C float32"]
+            print(
+                f"{name:>8} {f'{k}x{n}':>12} {r:>4} | {ms['torch F.linear']:>8.3f} {ms['torch x@W[in,out]']:>7.3f} "
+                f"| {c:>7.3f} {k * n * 4 / c / 1e6:>5.1f} {flops / c / 1e6:>7.1f} {100 * bound / c:>6.0f}% "
+                f"| {ms['C bfloat16']:>7.3f} {ms['C int8']:>7.3f} | {bound:>6.3f}"
+            )
+    print(f"\none decode step's linears ({args.model_layers} layers + LM head), ms:")
+    print(
+        f"{'M':>4} | {'F.linear':>8} {'x@W':>7} | {'C f32':>7} {'speed-up':>8} {'% bound':>7} | "
+        f"{'C bf16':>7} {'C int8':>7} | {'bound f32':>9}"
+    )
+    for r in rows:
+        t = step[r]
+        best_torch = min(t["torch F.linear"], t["torch x@W[in,out]"])
+        print(
+            f"{r:>4} | {t['torch F.linear']:>8.1f} {t['torch x@W[in,out]']:>7.1f} | {t['C float32']:>7.1f} "
+            f"{best_torch / t['C float32']:>7.1f}x {100 * t['bound'] / t['C float32']:>6.0f}% | "
+            f"{t['C bfloat16']:>7.1f} {t['C int8']:>7.1f} | {t['bound']:>9.1f}"
+        )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--linear", action="store_true", help="the CPU linear kernel (linear.c)")
+    parser.add_argument("--hidden", type=int, default=576, help="--linear: the model's shapes")
+    parser.add_argument("--inter", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--model-layers", type=int, default=30)
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="--linear: rows M of x")
+    parser.add_argument("--passes", type=int, default=5, help="--linear: timed passes (the best counts)")
     parser.add_argument("--cpu", action="store_true", help="the CPU kernels, even where a GPU exists")
     parser.add_argument("--layers", type=int, default=30, help="CPU: layers' caches cycled through")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, help="default: 32 (GPU), 9 (--linear, SmolLM2-135M's)")
+    parser.add_argument("--kv-heads", type=int, help="default: 8 (GPU), 3 (--linear)")
+    parser.add_argument("--head-dim", type=int, help="default: 128 (GPU), 64 (--linear)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
+    if args.linear:
+        args.heads, args.kv_heads, args.head_dim = args.heads or 9, args.kv_heads or 3, args.head_dim or 64
+        return cpu_linear(args)
+    args.heads, args.kv_heads, args.head_dim = args.heads or 32, args.kv_heads or 8, args.head_dim or 128
     if args.cpu or not torch.cuda.is_available():
         return cpu_decode(args)
 

@@ -35,6 +35,7 @@ def main() -> int:
     p.add_argument("--policy", default="longest_first")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--admission", default="optimistic", choices=["optimistic", "reserve"])
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"])
     p.add_argument(
         "--ops", type=int, default=0, help="print the top N ops of one prefill and one decode step"
     )
@@ -51,6 +52,7 @@ def main() -> int:
         model=MODEL,
         device="cpu",
         dtype=ns.dtype,
+        weight_dtype=ns.weight_dtype,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         schedule_policy=ns.policy,

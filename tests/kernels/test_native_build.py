@@ -22,9 +22,9 @@ from worker.kernels.torch_attention import TorchAttention
 def fresh_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """library() forgets its cached result and builds into an empty cache dir; restored afterwards."""
     monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
-    native_kernel.library.cache_clear()
+    native_kernel.clear_caches()
     yield tmp_path / "native"
-    native_kernel.library.cache_clear()
+    native_kernel.clear_caches()
 
 
 def _decode_is_right() -> None:
@@ -48,7 +48,7 @@ def test_built_once_then_reused(fresh_library: Path) -> None:
     assert native_kernel.library() is not None
     (built,) = list(fresh_library.glob("paged_decode-*.so"))
     stamp = built.stat().st_mtime_ns
-    native_kernel.library.cache_clear()  # a new process, as far as library() knows
+    native_kernel.clear_caches()  # a new process, as far as library() knows
 
     assert native_kernel.library() is not None
 

@@ -16,6 +16,7 @@ AttentionBackendName = Literal["auto", "torch", "triton"]
 SchedulePolicy = Literal["fcfs", "longest_first"]
 Admission = Literal["optimistic", "reserve"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"]
+WeightDtype = Literal["auto", "float32", "bfloat16", "int8"]
 
 
 class EngineConfig(BaseModel):
@@ -50,6 +51,12 @@ class EngineConfig(BaseModel):
         "halves the pool's bytes per token (twice the sequences) and decode's K/V reads, fp8_e4m3 quarters "
         "them (per-layer scales calibrated at load); K/V are rounded as they are written and attention "
         "still computes in the compute dtype (torch/C path; the Triton kernels take auto only)",
+    )
+    weight_dtype: WeightDtype = Field(
+        default="auto",
+        description="storage of the linear layers' weights; auto: the compute dtype. CPU with float32 compute "
+        "only: bfloat16 halves the bytes a decode step streams, int8 (a scale per output row) quarters them; "
+        "the C linear kernel widens them to float32 as it reads. Both change outputs slightly",
     )
     kv_watermark: float = Field(
         default=0.9,

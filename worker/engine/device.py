@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from worker.engine.config import Device, Dtype, KVCacheDtype
+from worker.engine.config import Device, Dtype, KVCacheDtype, WeightDtype
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +65,15 @@ def pick_dtype(name: Dtype, device: torch.device) -> torch.dtype:
 def pick_kv_dtype(name: KVCacheDtype, compute: torch.dtype) -> torch.dtype:
     """The KV pool's element type: auto = the compute dtype."""
     return compute if name == "auto" else {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}[name]
+
+
+def pick_weight_dtype(name: WeightDtype, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """The linear weights' storage: auto = the compute dtype. A narrower one (bfloat16, int8) only on a
+    CPU with float32 compute, where the C linear kernel widens it as it reads."""
+    want = compute if name == "auto" else {**_DTYPES, "int8": torch.int8}[name]
+    if want != compute and (device.type != "cpu" or compute != torch.float32):
+        raise ValueError(
+            f"weight_dtype {name} needs a CPU with float32 compute (dtype = 'float32'); this engine computes "
+            f"in {str(compute).removeprefix('torch.')} on {device.type}: use weight_dtype = 'auto'"
+        )
+    return want

@@ -18,7 +18,7 @@ import torch
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
-from worker.engine.device import pick_device, pick_dtype, pick_kv_dtype
+from worker.engine.device import pick_device, pick_dtype, pick_kv_dtype, pick_weight_dtype
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
@@ -85,6 +85,7 @@ class Engine:
             device=model_runner.device.type,
             attention=model_runner.backend.name,
             native_decode=model_runner.device.type == "cpu" and native_kernel.library() is not None,
+            native_linear=loaded.model.lm_head.native,
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
             max_model_len=max_model_len,
@@ -110,10 +111,21 @@ class Engine:
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         t0 = time.monotonic()
+        weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device)
         loaded = load_model(cfg.model, dtype, device)
         if device.type == "cpu":
             keep_freed_memory()  # after loading: the checkpoint's copy of the weights goes back to the OS
-            native_kernel.library()  # build the C decode kernel (or warn) now, not in the first decode step
+            native_kernel.library()  # build the C kernels (or warn) now, not in the first step
+            if dtype == torch.float32 and native_kernel.linear_library() is not None:
+                loaded.model.use_native_linears()
+        if weight_dtype != dtype:
+            if native_kernel.linear_library() is None:
+                raise ValueError(
+                    f"weight_dtype {cfg.weight_dtype} needs the C linear kernel, unavailable here (the warning "
+                    "above says why): use weight_dtype = 'auto'"
+                )
+            loaded.model.quantize_weights(weight_dtype)
+            log.info("linear weights stored as %s", weight_dtype)
         backend = select_backend(device, cfg.attention_backend)
         kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype)
         if backend.name == "triton" and kv_dtype != dtype:

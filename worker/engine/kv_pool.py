@@ -27,7 +27,7 @@ def _scratch_prefill(
     """A dummy one-sequence prefill of `t` tokens over scratch caches of its own (zeroed, so they are
     resident before anything is measured): the caches and the step's metadata (positions = slot_mapping)."""
     s = model.spec
-    dtype = model.lm_head.weight.dtype
+    dtype = model.dtype
     nblk = -(-t // block_size)
     shape = torch_backend().kv_cache_shape(nblk, block_size, s.num_kv_heads, s.head_dim)
     caches = [

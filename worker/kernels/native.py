@@ -1,17 +1,23 @@
-"""The CPU decode kernel in C (paged_decode.c): compiled on first use for this machine, loaded by ctypes.
+"""The CPU kernels in C, compiled on first use for this machine and loaded by ctypes.
 
-The torch decode path copies every sequence's K/V blocks into a workspace and then reads them again
-in two batched matmuls; decode is memory-bound, so that copy is most of its time. The C kernel reads
-each block in place, once, on torch's OpenMP threads. On 2 Ice Lake cores, float32, SmolLM2-135M's
-heads (9 over 3 kv heads, dim 64), 64 sequences of 100-850 tokens in shuffled blocks, 30 layers'
-caches so reads come from DRAM: 5.9 ms per layer against 16.1 ms for the torch path, 2.2-2.7x from 8
-to 64 sequences
+paged_decode.c, decode attention: the torch decode path copies every sequence's K/V blocks into a
+workspace and then reads them again in two batched matmuls; decode is memory-bound, so that copy is most
+of its time. The C kernel reads each block in place, once, on torch's OpenMP threads. On 2 Ice Lake
+cores, float32, SmolLM2-135M's heads (9 over 3 kv heads, dim 64), 64 sequences of 100-850 tokens in
+shuffled blocks, 30 layers' caches so reads come from DRAM: 5.9 ms per layer against 16.1 ms for the
+torch path, 2.2-2.7x from 8 to 64 sequences
 (`python benchmarks/kernel_bench.py --cpu --heads 9 --kv-heads 3 --head-dim 64 --dtype float32`).
 
-Building needs a C compiler (`$CC`, else cc, gcc or clang on PATH). The library is cached under
+linear.c, the linear layers (y = x W^T + b, W in nn.Linear's [out, in] layout, float32, bfloat16 or
+int8 with a scale per output row): each weight row is streamed once per call and multiplied with every
+row of x from registers, where MKL's sgemm runs far below memory bandwidth at decode sizes
+(`python benchmarks/kernel_bench.py --linear`).
+
+Building needs a C compiler (`$CC`, else cc, gcc or clang on PATH). Each library is cached under
 $BATCHQ_CACHE_DIR/native, keyed by the source, the compiler, its flags and this CPU's features, and
 written atomically, so concurrent workers share one build. Without a compiler, when the build fails,
-or with BATCHQ_NATIVE_KERNELS=0, the torch path runs instead (one warning says why).
+or with BATCHQ_NATIVE_KERNELS=0, the torch paths run instead (one warning says why);
+BATCHQ_NATIVE_LINEAR=0 turns off the linear kernel alone (to compare the two paths).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from worker.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
+LINEAR_SOURCE = Path(__file__).with_name("linear.c")
 MAX_D, MAX_G = 256, 16  # paged_decode.c's limits
 FLAGS = [
     "-O3",
@@ -67,13 +74,13 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, source: Path) -> Path:
     flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_features()]).encode()
+        "\0".join([source.read_text(), cc, version, *flags, _cpu_features()]).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / "native" / f"paged_decode-{key}.so"
+    target = cache_dir() / "native" / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,32 +88,40 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False
+            [cc, *flags, str(source), "-o", tmp], capture_output=True, text=True, check=False
         )
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: another worker sees the whole library or none
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the CPU decode kernel: %s", target)
+    log.info("built the CPU kernel %s: %s", source.name, target)
     return target
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (with one warning) where it cannot be built or is switched off."""
+def _load(source: Path, what: str) -> ctypes.CDLL | None:
     if os.environ.get("BATCHQ_NATIVE_KERNELS", "1") == "0":
-        log.info("BATCHQ_NATIVE_KERNELS=0: decode attention runs on the torch path")
+        log.info("BATCHQ_NATIVE_KERNELS=0: %s runs on the torch path", what)
         return None
     cc = compiler()
     if cc is None:
-        log.warning("no C compiler (set CC or install gcc): decode attention runs on the slower torch path")
+        log.warning("no C compiler (set CC or install gcc): %s runs on the slower torch path", what)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        return ctypes.CDLL(str(_build(cc, source)))
     except (OSError, RuntimeError) as exc:
-        log.warning("CPU decode kernel unavailable, using the torch path: %s", exc)
+        log.warning("CPU kernel for %s unavailable, using the torch path: %s", what, exc)
+        return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded decode attention kernel, or None (with one warning) where it cannot be built or is
+    switched off."""
+    lib = _load(SOURCE, "decode attention")
+    if lib is None:
         return None
     fn = lib.batchq_paged_decode
     fn.restype = ctypes.c_int
@@ -163,3 +178,60 @@ def paged_decode(
     if rc != 0:
         return None
     return out if lse is not None else out.to(q.dtype)
+
+
+@functools.cache
+def linear_library() -> ctypes.CDLL | None:
+    """The loaded linear kernel (linear.c), or None (with one warning) where it cannot be built or is
+    switched off."""
+    if os.environ.get("BATCHQ_NATIVE_LINEAR", "1") == "0":  # to compare with the torch path
+        log.info("BATCHQ_NATIVE_LINEAR=0: the linear layers run on the torch path")
+        return None
+    lib = _load(LINEAR_SOURCE, "the linear layers")
+    if lib is None:
+        return None
+    fn = lib.batchq_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    return lib
+
+
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
+
+
+def linear_supports(x: Tensor, weight: Tensor) -> bool:
+    """Whether linear.c handles y = x W^T: float32 x on the CPU, a float32, bfloat16 or int8 weight
+    whose input size is a multiple of 16."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype in WEIGHT_TYPES
+        and weight.shape[1] % 16 == 0
+        and linear_library() is not None
+    )
+
+
+def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
+    """y = x W^T (* scale per output) (+ bias). x: [M, K] float32; weight: [N, K] contiguous; scale,
+    bias: [N] float32 or None (scale required for int8). -> [M, N] float32. Check `linear_supports`."""
+    lib = linear_library()
+    assert lib is not None
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.is_contiguous() and weight.shape[1] == k
+    assert (scale is not None) == (weight.dtype == torch.int8)
+    x = x.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.batchq_linear(
+        x.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), m, k, n, WEIGHT_TYPES[weight.dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {k}] {weight.dtype}"
+    return out
+
+
+def clear_caches() -> None:
+    """Forget every loaded library, as a new process would (tests)."""
+    for fn in (_load, library, linear_library):
+        fn.cache_clear()

@@ -6,36 +6,72 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from worker.kernels import native
 
 
 class Linear(nn.Module):
-    """y = x @ weight (+ bias), the weight stored [in, out]: nn.Linear's transpose.
+    """y = x W^T (+ bias), W stored [out, in] as in nn.Linear and Hugging Face checkpoints.
 
-    On the CPU, MKL's fp32 GEMM reads a [in, out] weight about twice as fast as nn.Linear's [out, in]
-    one at the small row counts of decode steps. 2 Ice Lake cores, SmolLM2-135M's gate/up projection
-    (576 -> 3072), 48 rows: 1.38 ms against 2.45 ms. Timing both layouts over all of the model's
-    shapes: this one wins at 4-56 rows, ties from 60 rows on, and loses ~20% at 1-2 rows.
+    On the CPU, with float32 activations, the C kernel of native.py (linear.c) runs every call where it
+    builds: it streams each weight row once and multiplies it with all rows of x from registers. MKL's
+    sgemm, at decode sizes, ran at a third of the memory bandwidth or less on AMD EPYCs (issue #21;
+    `python benchmarks/kernel_bench.py --linear` prints both). Elsewhere (CUDA, bfloat16 compute, no C
+    compiler) F.linear runs, the very op Hugging Face runs.
+
+    `quantize` may store the weight narrower for the C kernel, which widens it to float32 as it reads:
+    bfloat16 (half the bytes) or int8 with a float32 scale per output row (a quarter). Both change
+    outputs slightly, so neither is a default.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.scale: Tensor | None
+        self.register_buffer("scale", None)  # [out] float32: int8 weights only
+        self.native = False  # set by use_native(): run linear.c on CPU float32 activations
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
-        if self.bias is None:
-            return torch.mm(x, self.weight)
-        return torch.addmm(self.bias, x, self.weight)
+        if self.native and native.linear_supports(x, self.weight):
+            return native.linear(x, self.weight, self.scale, self.bias)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> Tensor:
+        """The weight in `dtype` (itself where it is stored so)."""
+        if self.scale is not None:
+            return (self.weight.float() * self.scale[:, None]).to(dtype)
+        return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows `ids` of the weight in `dtype`: a tied embedding's lookup. ids: [T] -> [T, in]."""
+        w = F.embedding(ids, self.weight)
+        if self.scale is not None:
+            return (w.float() * self.scale[ids, None]).to(dtype)
+        return w.to(dtype)
 
     @torch.no_grad()
     def load(self, weight: Tensor, bias: Tensor | None = None) -> None:
         """Copy a Hugging Face weight [out, in] (and bias [out])."""
-        self.weight.copy_(weight.t())
+        self.weight.copy_(weight)
         if self.bias is not None:
             assert bias is not None, "a biased layer needs its bias"
             self.bias.copy_(bias)
+
+    @torch.no_grad()
+    def quantize(self, dtype: torch.dtype) -> None:
+        """Store the weight as bfloat16, or as int8 with a symmetric scale per output row."""
+        w = self.weight.detach().float()
+        if dtype == torch.int8:
+            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+            self.weight = nn.Parameter((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), False)
+            self.scale = scale.contiguous()
+        else:
+            self.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+            self.scale = None
 
 
 class RMSNorm(nn.Module):

@@ -151,9 +151,8 @@ class LlamaFamilyModel(nn.Module):
     def __init__(self, spec: DecoderSpec, rotary: RotaryTable) -> None:
         super().__init__()
         self.spec = spec
-        # Tied embeddings keep one table, lm_head's [hidden, vocab]: embedding rows are read through its
-        # transpose (a strided gather, ~20 ms per 4096-token prefill step on 2 Ice Lake cores) rather
-        # than holding a second copy of the largest matrix (113 MB in float32 for SmolLM2-135M).
+        # Tied embeddings keep one table, lm_head's [vocab, hidden], whose rows are the embeddings, rather
+        # than a second copy of the largest matrix (113 MB in float32 for SmolLM2-135M).
         self.embed_tokens = None if spec.tie_embeddings else nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -168,10 +167,29 @@ class LlamaFamilyModel(nn.Module):
             out.append(layer.self_attn)
         return out
 
+    def linears(self) -> list[Linear]:
+        """Every linear layer, the LM head last."""
+        return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head] + [self.lm_head]
+
+    def use_native_linears(self, on: bool = True) -> None:
+        """Run the linear layers through linear.c (CPU, float32 activations; see layers.Linear)."""
+        for lin in self.linears():
+            lin.native = on
+
+    def quantize_weights(self, dtype: torch.dtype) -> None:
+        """Store every linear weight (the LM head and a tied embedding included) as `dtype`."""
+        for lin in self.linears():
+            lin.quantize(dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (activations, norms, KV cache by default), whatever the weights are stored in."""
+        return self.norm.weight.dtype
+
     def embed(self, input_ids: Tensor) -> Tensor:
         # input_ids: [T] -> [T, hidden]
         if self.embed_tokens is None:
-            return F.embedding(input_ids, self.lm_head.weight.t())
+            return self.lm_head.rows(input_ids, self.norm.weight.dtype)
         return self.embed_tokens(input_ids)
 
     def forward(

@@ -1,0 +1,80 @@
+"""The C linear kernel (linear.c) against a float64 reference: every row/column remainder of its tiles,
+with and without bias, float32, bfloat16 and int8 weights; and the Linear layer's choice of path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.kernels import native
+from worker.models.layers import Linear
+
+pytestmark = pytest.mark.skipif(native.linear_library() is None, reason="no C compiler here")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None):
+    wd = w.double() * (scale.double()[:, None] if scale is not None else 1.0)
+    y = x.double() @ wd.t()
+    return y + bias.double() if bias is not None else y
+
+
+# rows: every remainder of the 4-row tiles and more than one L2 block of W rows; columns: remainders of
+# the 3-/4-row W tiles and of the per-thread split.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, 70])
+@pytest.mark.parametrize(("k", "n"), [(16, 1), (64, 7), (576, 960), (1536, 577), (48, 4099)])
+def test_float32_matches_float64(m: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    bias = torch.randn(n, generator=gen) if n % 2 else None
+
+    y = native.linear(x, w, None, bias)
+
+    want = reference(x, w, None, bias)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("m", [1, 6, 40])
+def test_narrow_weights_widen_exactly(dtype: torch.dtype, m: int) -> None:
+    # The kernel's answer is x times the stored weight as it is (widened exactly), so the reference uses
+    # the same rounded weight: only float32 accumulation separates them.
+    gen = torch.Generator().manual_seed(m)
+    k, n = 320, 203
+    x = torch.randn(m, k, generator=gen)
+    lin = Linear(k, n, bias=True)
+    lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
+    lin.quantize(dtype)
+    assert lin.weight.dtype == dtype and (lin.scale is not None) == (dtype == torch.int8)
+
+    y = native.linear(x, lin.weight, lin.scale, lin.bias)
+
+    want = reference(x, lin.weight.float(), lin.scale, lin.bias)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
+    # ... and the torch fallback (F.linear over the dequantized weight) agrees with it.
+    torch.testing.assert_close(torch.nn.functional.linear(x, lin.dequantized(torch.float32), lin.bias), y)
+
+
+def test_int8_rows_round_to_their_own_scale() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(50, 64, generator=gen) * torch.logspace(-3, 2, 50)[:, None]  # rows of very unlike size
+    lin = Linear(64, 50, bias=False)
+    lin.load(w)
+    lin.quantize(torch.int8)
+    assert lin.scale is not None
+    assert int(lin.weight.abs().amax(1).min()) == 127  # every row uses its full range
+    err = (lin.dequantized(torch.float32) - w).abs().amax(1)
+    assert bool((err <= lin.scale / 2 + 1e-12).all())  # round-to-nearest: half a step per row at most
+
+
+def test_linear_layer_takes_the_kernel_only_where_it_applies() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lin = Linear(40, 24, bias=False)  # K = 40: not a multiple of 16, so the kernel refuses it
+    lin.load(torch.randn(24, 40, generator=gen))
+    lin.native = True
+    x = torch.randn(5, 40, generator=gen)
+    assert not native.linear_supports(x, lin.weight)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    assert not native.linear_supports(x.bfloat16(), torch.empty(24, 48))  # bfloat16 activations: torch
+    assert native.linear_supports(torch.empty(5, 48), torch.empty(24, 48, dtype=torch.bfloat16))
