@@ -120,8 +120,8 @@ def run_contender(mode: str, workload: Path, dtype: str, extra: list[str]) -> di
     return orjson.loads(out.read_bytes())
 
 
-def kv_agreement(wide: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
-    """Greedy outputs of a narrower KV cache against the full-precision one, on the same prompts."""
+def agreement(wide: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
+    """Greedy outputs of a narrower KV cache or narrower weights against full precision, same prompts."""
     first = []
     for rid, a in wide["token_ids"].items():
         b = narrow["token_ids"][rid]
@@ -136,6 +136,10 @@ def kv_agreement(wide: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]
         "mean_first_divergence": sum(first) / len(first) if first else float("nan"),
         "blocks_ratio": narrow["kv_blocks"] / wide["kv_blocks"],
         "speedup": narrow["tokens_per_s"] / wide["tokens_per_s"],
+        "decode_speedup": {
+            b: narrow["decode_tokens_per_s"][b] / wide["decode_tokens_per_s"][b]
+            for b in wide["decode_tokens_per_s"]
+        },
     }
 
 
@@ -160,7 +164,66 @@ def table(info: dict[str, Any], rows: list[dict[str, Any]], hf_tps: float | None
             + ("-" if ratio is None else f"{ratio:.2f}x")
             + " |"
         )
+    decode = [r for r in rows if r.get("decode_tokens_per_s")]
+    if decode:
+        lines += [
+            "",
+            "| decode alone (128 new tokens, EOS ignored) | batch 1 tok/s | batch 8 tok/s |",
+            "|---|---:|---:|",
+        ]
+        for r in decode:
+            d = r["decode_tokens_per_s"]
+            lines.append(f"| {r['name']} | {fmt(d.get('1'), '.1f')} | {fmt(d.get('8'), '.1f')} |")
     return "\n".join(lines)
+
+
+def print_findings(info: dict[str, Any]) -> None:
+    """The lines under the table: how the engine stands against its bounds and its narrower variants."""
+    fb = info["full_batch"]
+    print()
+    print(
+        f"full batch ({fb['batch_size']} seqs) decode: {fb['tokens_per_s']:.1f} tok/s = "
+        f"{100 * fb['flops_fraction']:.1f}% of GEMM ceiling {info['gemm_ceiling_gflops']:.0f} GFLOP/s ({info['dtype']})"
+    )
+    pl = info["physical_limit"]
+    print(
+        f"physical limit: {pl['gemm'] / 1e12:.2f} TFLOP GEMM ({pl['prompt_tokens_computed']} prompt tokens computed, "
+        f"{pl['generated_tokens']} generated) + {pl['attention'] / 1e12:.3f} TFLOP attention = {pl['seconds']:.1f} s "
+        f"at the GEMM peak; engine time = {pl['engine_multiple']:.2f}x the limit"
+    )
+    for kvd, k in info["kv_cache_dtype"].items():
+        print(
+            f"{kvd} KV cache: {k['blocks_ratio']:.2f}x the blocks in the same memory, {k['speedup']:.2f}x the "
+            f"engine's tok/s; greedy text identical to the float32 cache's for {k['identical']}/{k['requests']} "
+            f"requests, the others diverge at token {k['mean_first_divergence']:.1f} on average"
+        )
+    for wd, k in info["weight_dtype"].items():
+        d = k["decode_speedup"]
+        print(
+            f"{wd} weights: {k['speedup']:.2f}x the engine's tok/s, decode alone {d['1']:.2f}x at batch 1 and "
+            f"{d['8']:.2f}x at batch 8; greedy text identical to float32 weights' for {k['identical']}/"
+            f"{k['requests']} requests, the others diverge at token {k['mean_first_divergence']:.1f} on average"
+        )
+    if "llamacpp" in info:
+        print(f"llama.cpp: skipped, {info['llamacpp']}")
+    if "greedy_text_equal_to_llamacpp" in info:
+        print(f"greedy texts identical to llama.cpp: {info['greedy_text_equal_to_llamacpp']}")
+    if "queue_vs_engine" in info:
+        print(f"queue path / engine: {100 * info['queue_vs_engine']:.0f}%")
+    if "worker_rss" in info:
+        w = info["worker_rss"]
+        print(
+            f"worker peak RSS: {w['peak_mb']:.0f} MB (budget weights + KV pool + 1 GB = {w['budget_mb']:.0f} MB)"
+        )
+    if "greedy_text_equal_to_hf" in info:
+        print(f"greedy texts identical to HF: {info['greedy_text_equal_to_hf']}")
+        print(
+            "HF batch-size sweep (tok/s): "
+            + ", ".join(f"bs={k}: {v:.1f}" for k, v in info["hf_sweep_tokens_per_s"].items())
+        )
+    if "enqueue" in info:
+        e = info["enqueue"]
+        print(f"producer submit: {e['lines']} lines in {e['wall_s']:.2f}s = {e['lines_per_s']:.0f} lines/s")
 
 
 def main() -> int:
@@ -178,7 +241,12 @@ def main() -> int:
         "--full-batch", type=int, default=256, help="batch of the decode-rate / GEMM-fraction check"
     )
     p.add_argument("--hf-sweep-s", type=float, default=20.0, help="time per batch size in HF's sweep")
-    p.add_argument("--skip", action="append", default=[], choices=["hf", "queue", "enqueue", "kv-narrow"])
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=["hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp"],
+    )
     p.add_argument("--out", default=None)
     ns = p.parse_args()
 
@@ -212,8 +280,18 @@ def main() -> int:
                 narrow[kvd] = run_contender(
                     "engine", wpath, ns.dtype, [*extra, "--full-batch", "0", "--kv-cache-dtype", kvd]
                 )
+        weights: dict[str, dict[str, Any]] = {}
+        if ns.dtype == "float32" and "weights-narrow" not in ns.skip:  # fewer weight bytes per step
+            for wd in ("bfloat16", "int8"):
+                weights[wd] = run_contender(
+                    "engine", wpath, ns.dtype, [*extra, "--full-batch", "0", "--weight-dtype", wd]
+                )
         queue = None if "queue" in ns.skip else run_contender("queue", wpath, ns.dtype, extra)
-        rows += [*narrow.values(), *(r for r in (queue, hf) if r is not None)]
+        llama = None if "llamacpp" in ns.skip else run_contender("llamacpp", wpath, ns.dtype, [])
+        if llama is not None and "skipped" in llama:
+            info["llamacpp"] = llama["skipped"]
+            llama = None
+        rows += [*narrow.values(), *weights.values(), *(r for r in (queue, llama, hf) if r is not None)]
     ceiling = gemm_ceiling(ns.dtype)
     params = engine.get("params") or SMOLLM2_PARAMS
     info["gemm_ceiling_gflops"] = ceiling / 1e9
@@ -238,7 +316,11 @@ def main() -> int:
         same = sum(engine["texts"][k] == hf["texts"].get(k) for k in engine["texts"])
         info["greedy_text_equal_to_hf"] = f"{same}/{len(engine['texts'])}"
         info["hf_sweep_tokens_per_s"] = hf["sweep_tokens_per_s"]
-    info["kv_cache_dtype"] = {kvd: kv_agreement(engine, r) for kvd, r in narrow.items()}
+    info["kv_cache_dtype"] = {kvd: agreement(engine, r) for kvd, r in narrow.items()}
+    info["weight_dtype"] = {wd: agreement(engine, r) for wd, r in weights.items()}
+    if llama is not None:
+        same = sum(engine["texts"][k] == llama["texts"].get(k) for k in engine["texts"])
+        info["greedy_text_equal_to_llamacpp"] = f"{same}/{len(engine['texts'])} (its weights are Q4_1)"
     if queue is not None:
         info["queue_vs_engine"] = queue["tokens_per_s"] / engine["tokens_per_s"]
         itemsize = 4 if ns.dtype == "float32" else 2
@@ -253,40 +335,7 @@ def main() -> int:
 
     print()
     print(table(info, rows, hf["tokens_per_s"] if hf else None))
-    fb = info["full_batch"]
-    print()
-    print(
-        f"full batch ({fb['batch_size']} seqs) decode: {fb['tokens_per_s']:.1f} tok/s = "
-        f"{100 * fb['flops_fraction']:.1f}% of GEMM ceiling {info['gemm_ceiling_gflops']:.0f} GFLOP/s ({ns.dtype})"
-    )
-    pl = info["physical_limit"]
-    print(
-        f"physical limit: {pl['gemm'] / 1e12:.2f} TFLOP GEMM ({pl['prompt_tokens_computed']} prompt tokens computed, "
-        f"{pl['generated_tokens']} generated) + {pl['attention'] / 1e12:.3f} TFLOP attention = {pl['seconds']:.1f} s "
-        f"at the GEMM peak; engine time = {pl['engine_multiple']:.2f}x the limit"
-    )
-    for kvd, k in info["kv_cache_dtype"].items():
-        print(
-            f"{kvd} KV cache: {k['blocks_ratio']:.2f}x the blocks in the same memory, {k['speedup']:.2f}x the "
-            f"engine's tok/s; greedy text identical to the float32 cache's for {k['identical']}/{k['requests']} "
-            f"requests, the others diverge at token {k['mean_first_divergence']:.1f} on average"
-        )
-    if "queue_vs_engine" in info:
-        print(f"queue path / engine: {100 * info['queue_vs_engine']:.0f}%")
-    if "worker_rss" in info:
-        w = info["worker_rss"]
-        print(
-            f"worker peak RSS: {w['peak_mb']:.0f} MB (budget weights + KV pool + 1 GB = {w['budget_mb']:.0f} MB)"
-        )
-    if "greedy_text_equal_to_hf" in info:
-        print(f"greedy texts identical to HF: {info['greedy_text_equal_to_hf']}")
-        print(
-            "HF batch-size sweep (tok/s): "
-            + ", ".join(f"bs={k}: {v:.1f}" for k, v in info["hf_sweep_tokens_per_s"].items())
-        )
-    if "enqueue" in info:
-        e = info["enqueue"]
-        print(f"producer submit: {e['lines']} lines in {e['wall_s']:.2f}s = {e['lines_per_s']:.0f} lines/s")
+    print_findings(info)
     out = Path(ns.out) if ns.out else ROOT / "benchmarks" / "results" / f"bench-{ns.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))

@@ -1,8 +1,13 @@
-"""The three contenders of bench.py, each run in its own process so peak RSS and threads are its own.
+"""The contenders of bench.py, each run in its own process so peak RSS and threads are its own.
 
-python benchmarks/contenders.py engine WORKLOAD.jsonl OUT.json --dtype float32
+python benchmarks/contenders.py engine WORKLOAD.jsonl OUT.json --dtype float32 [--weight-dtype int8]
 python benchmarks/contenders.py hf WORKLOAD.jsonl OUT.json --dtype float32
 python benchmarks/contenders.py queue WORKLOAD.jsonl OUT.json --dtype float32
+python benchmarks/contenders.py llamacpp WORKLOAD.jsonl OUT.json   # optional: pip install llama-cpp-python
+
+Besides the workload, the engine, HF and llama.cpp each measure decode alone at batch 1 and batch 8
+(DECODE_TOKENS new tokens after one short chat prompt, EOS ignored): a batch job's tail runs at these
+sizes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODEL = "smollm2-135m"
+DECODE_PROMPT = [{"role": "user", "content": "Count slowly from one to one hundred."}]
+DECODE_TOKENS = 128
+DECODE_BATCHES = (1, 8)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -55,8 +63,30 @@ def load_lines(path: str) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- engine
+def engine_decode_rate(engine: Any, batch: int, new_tokens: int) -> float:
+    """Output tok/s of `batch` sequences decoding together: short prompts, then only decode steps timed."""
+    from worker.engine.params import GenerationParams
+    from worker.engine.request import EngineRequest
+
+    for i in range(batch):
+        params = GenerationParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        engine.add_request(EngineRequest(f"decode{batch}-{i}", params, messages=DECODE_PROMPT))
+    while engine.stats().waiting or not all(s.prefilled for s in engine.scheduler.running):
+        engine.step()  # every prompt admitted and computed (the first tokens decode alongside the last chunks)
+    assert engine.stats().running == batch, f"the batch of {batch} did not fit the KV pool"
+    gen0, t0 = engine.stats().tokens_generated, time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return float((engine.stats().tokens_generated - gen0) / (time.perf_counter() - t0))
+
+
 def run_engine(
-    lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, full_batch: int, kv_cache_dtype: str = "auto"
+    lines: list[dict[str, Any]],
+    dtype: str,
+    max_num_seqs: int,
+    full_batch: int,
+    kv_cache_dtype: str = "auto",
+    weight_dtype: str = "auto",
 ) -> dict[str, Any]:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
@@ -67,7 +97,12 @@ def run_engine(
     t0 = time.perf_counter()
     engine = Engine.load(
         EngineConfig(
-            model=MODEL, device="cpu", dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype
+            model=MODEL,
+            device="cpu",
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype,
+            weight_dtype=weight_dtype,
         )
     )
     load_s = time.perf_counter() - t0
@@ -88,7 +123,8 @@ def run_engine(
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
 
     peak_rss = _peak_rss_mb()
-    prompt = [{"role": "user", "content": "Count slowly from one to one hundred."}]
+    decode_rates = {str(b): engine_decode_rate(engine, b, DECODE_TOKENS) for b in DECODE_BATCHES}
+    prompt = DECODE_PROMPT
     text = engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     prompt_len = len(engine.tokenizer(text, add_special_tokens=False).input_ids)
     kv_bytes = kv_bytes_per_token(engine.model_runner.model, engine.model_runner.kv_caches[0][0].dtype)
@@ -97,8 +133,13 @@ def run_engine(
     flops = workload_flops(engine.model_runner.model, results)
     kv_blocks = engine.stats().kv_blocks_total
     del engine
+    name = "batchq engine"
+    if kv_cache_dtype != "auto":
+        name += f", {kv_cache_dtype} KV cache"
+    if weight_dtype != "auto":
+        name += f", {weight_dtype} weights"
     summary = _summary(
-        "batchq engine" if kv_cache_dtype == "auto" else f"batchq engine, {kv_cache_dtype} KV cache",
+        name,
         wall,
         tokens,
         len(results),
@@ -111,6 +152,7 @@ def run_engine(
         kv_blocks=kv_blocks,
         params=params,
         workload_flops=flops,
+        decode_tokens_per_s=decode_rates,
     )
     if full_batch == 0:
         return summary
@@ -127,20 +169,10 @@ def run_engine(
             max_num_seqs=full_batch,
             kv_cache_gb=need / 1024**3,
             kv_cache_dtype=kv_cache_dtype,
+            weight_dtype=weight_dtype,
         )
     )
-    for r in reqs(
-        [{"id": f"full{i}", "max_new_tokens": 48, "messages": prompt} for i in range(full_batch)],
-        ignore_eos=True,
-    ):
-        big.add_request(r)
-    while big.stats().waiting or not all(s.prefilled for s in big.scheduler.running):
-        big.step()  # every prompt admitted and computed (the first tokens decode alongside the last chunks)
-    assert big.stats().running == full_batch, "the full batch did not fit the KV pool"
-    gen0, t1 = big.stats().tokens_generated, time.perf_counter()
-    while big.has_work():
-        big.step()
-    decode_tps = (big.stats().tokens_generated - gen0) / (time.perf_counter() - t1)
+    decode_tps = engine_decode_rate(big, full_batch, 48)
     return {**summary, "full_batch_tokens_per_s": decode_tps, "full_batch_size": full_batch}
 
 
@@ -244,6 +276,7 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
     best = max(progress, key=lambda b: sweep[str(b)])
     p = progress[best]
     run(p, best, None)
+    decode_rates = {str(b): hf_decode_rate(model, tok, b, pad) for b in DECODE_BATCHES}
     tokens, wall, ttfts, outs = p.tokens, p.wall, p.ttfts, p.outs
     return _summary(
         f"HF generate (bs={best})",
@@ -255,6 +288,89 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
         texts=outs,
         sweep_tokens_per_s=sweep,
         batch_size=best,
+        decode_tokens_per_s=decode_rates,
+    )
+
+
+def hf_decode_rate(model: Any, tok: Any, batch: int, pad: int) -> float:
+    """HF generate's decode tok/s at `batch`: a DECODE_TOKENS + 1 token generation minus a 1-token one
+    (the prefill), the better of two tries."""
+    import torch
+
+    text = tok.apply_chat_template(DECODE_PROMPT, add_generation_prompt=True, tokenize=False)
+    enc = tok([text] * batch, return_tensors="pt", add_special_tokens=False)
+
+    def timed(new: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - t0
+
+    best = min(timed(DECODE_TOKENS + 1) - timed(1) for _ in range(2))
+    return batch * DECODE_TOKENS / best
+
+
+# --------------------------------------------------------------------------- llama.cpp
+def run_llamacpp(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp (llama-cpp-python) on the same GGUF the engine loads (SmolLM2-135M-Instruct, Q4_1), the
+    same prompt tokens (HF's chat template and tokenizer), greedy, EOS honoured. Its Python API decodes
+    one sequence at a time, so the workload runs request after request and batch 8 is not measured."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python to add it)"}
+    import torch
+    from transformers import AutoTokenizer
+
+    from worker.models.loader import resolve_checkpoint, smollm2_gguf_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_checkpoint(MODEL))
+    threads = torch.get_num_threads()
+    llm = Llama(
+        model_path=str(smollm2_gguf_path()), n_ctx=4096, n_batch=512, n_threads=threads, verbose=False
+    )
+    eos = {llm.token_eos(), *([tok.eos_token_id] if tok.eos_token_id is not None else [])}
+
+    def generate(ids: list[int], max_new: int, stop_at_eos: bool) -> tuple[list[int], float | None]:
+        out: list[int] = []
+        first: float | None = None
+        for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            if stop_at_eos and t in eos:
+                break
+            out.append(t)
+            if len(out) >= max_new:
+                break
+        return out, first
+
+    def prompt_ids(messages: list[dict[str, Any]]) -> list[int]:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tok(text, add_special_tokens=False).input_ids)
+
+    generate(prompt_ids(lines[0]["messages"]), 4, True)  # warm-up
+    tokens, ttfts, texts = 0, [], {}
+    t0 = time.perf_counter()
+    for ln in lines:
+        ids, first = generate(prompt_ids(ln["messages"]), ln["max_new_tokens"], True)
+        tokens += len(ids)
+        ttfts.append((first or time.perf_counter()) - t0)  # all requests are there at t=0
+        texts[ln["id"]] = tok.decode(ids, skip_special_tokens=True)
+    wall = time.perf_counter() - t0
+    decode_ids = prompt_ids(DECODE_PROMPT)
+    best = float("inf")
+    for _ in range(2):
+        ids, first = generate(decode_ids, DECODE_TOKENS + 1, False)
+        best = min(best, time.perf_counter() - (first or 0.0))
+    return _summary(
+        "llama.cpp (Q4_1 GGUF, one sequence at a time)",
+        wall,
+        tokens,
+        len(lines),
+        ttfts,
+        peak_rss_mb=_peak_rss_mb(),
+        texts=texts,
+        decode_tokens_per_s={"1": DECODE_TOKENS / best},
     )
 
 
@@ -318,7 +434,7 @@ def _proc_peak_rss_mb(pid: int) -> float | None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["engine", "hf", "queue"])
+    p.add_argument("mode", choices=["engine", "hf", "queue", "llamacpp"])
     p.add_argument("workload")
     p.add_argument("out")
     p.add_argument("--dtype", default="float32")
@@ -328,10 +444,13 @@ def main() -> int:
         "--full-batch", type=int, default=256, help="sequences in the decode-rate measurement (0: skip it)"
     )
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--weight-dtype", default="auto")
     ns = p.parse_args()
     lines = load_lines(ns.workload)
     if ns.mode == "engine":
-        res = run_engine(lines, ns.dtype, ns.max_num_seqs, ns.full_batch, ns.kv_cache_dtype)
+        res = run_engine(lines, ns.dtype, ns.max_num_seqs, ns.full_batch, ns.kv_cache_dtype, ns.weight_dtype)
+    elif ns.mode == "llamacpp":
+        res = run_llamacpp(lines)
     elif ns.mode == "hf":
         res = run_hf(lines, ns.dtype, ns.hf_sweep_s)
     else:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from worker.kernels import native
-from worker.models.layers import Linear
+from worker.models.layers import Linear, RMSNorm, RotaryTable, apply_rotary
 
 pytestmark = pytest.mark.skipif(native.linear_library() is None, reason="no C compiler here")
 
@@ -72,9 +72,42 @@ def test_linear_layer_takes_the_kernel_only_where_it_applies() -> None:
     gen = torch.Generator().manual_seed(0)
     lin = Linear(40, 24, bias=False)  # K = 40: not a multiple of 16, so the kernel refuses it
     lin.load(torch.randn(24, 40, generator=gen))
-    lin.native = True
+    lin.use_native()
     x = torch.randn(5, 40, generator=gen)
-    assert not native.linear_supports(x, lin.weight)
+    assert not lin.native and not native.linear_supports(x, lin.weight)
     assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
     assert not native.linear_supports(x.bfloat16(), torch.empty(24, 48))  # bfloat16 activations: torch
     assert native.linear_supports(torch.empty(5, 48), torch.empty(24, 48, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("t", [1, 7, 300])
+def test_rmsnorm_matches_the_torch_formula(t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen))
+    x = torch.randn(t, 576, generator=gen) * 3
+    want = norm(x)  # the torch path (native off)
+
+    got = native.rmsnorm(x, norm.weight, norm.eps)
+
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("t", [1, 5, 130])
+def test_rotary_in_place_matches_the_torch_formula_on_a_fused_qkv_view(t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    heads, kv_heads, d = 9, 3, 64
+    table = RotaryTable(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0, 512)
+    cos, sin = table(torch.randint(0, 512, (t,), generator=gen), torch.float32)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(t, heads, d), k.view(t, kv_heads, d)
+    want_q, want_k, want_v = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone()
+
+    apply_rotary(q, cos, sin, in_place=True)
+    apply_rotary(k, cos, sin, in_place=True)
+
+    torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, want_v)  # the V columns of the fused output are left alone

@@ -116,8 +116,6 @@ class Engine:
         if device.type == "cpu":
             keep_freed_memory()  # after loading: the checkpoint's copy of the weights goes back to the OS
             native_kernel.library()  # build the C kernels (or warn) now, not in the first step
-            if dtype == torch.float32 and native_kernel.linear_library() is not None:
-                loaded.model.use_native_linears()
         if weight_dtype != dtype:
             if native_kernel.linear_library() is None:
                 raise ValueError(
@@ -126,6 +124,8 @@ class Engine:
                 )
             loaded.model.quantize_weights(weight_dtype)
             log.info("linear weights stored as %s", weight_dtype)
+        if device.type == "cpu" and dtype == torch.float32 and native_kernel.linear_library() is not None:
+            loaded.model.use_native_ops()
         backend = select_backend(device, cfg.attention_backend)
         kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype)
         if backend.name == "triton" and kv_dtype != dtype:

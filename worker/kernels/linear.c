@@ -17,6 +17,7 @@
    L2 for the other tiles, and the MR x NR accumulators stay in registers. float32 accumulation for
    every weight type; bfloat16 and int8 rows are widened as they are read (int8 times its row's scale
    after the sum). */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -185,4 +186,42 @@ int batchq_linear(
         }
     }
     return 0;
+}
+
+/* The small per-token ops around the linear layers, one call each instead of a chain of torch ops (at
+   decode sizes each torch op costs more in dispatch than in arithmetic: an RMSNorm was 8 ops).
+
+   RMSNorm, Hugging Face's float32 formula: y = w * (x * 1/sqrt(mean(x^2) + eps)). x, y: [T, D] rows
+   (y may be x). */
+void batchq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps) {
+#pragma omp parallel for if ((long)T * D > (1L << 16)) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * D;
+        float *yr = y + (size_t)t * D;
+        float ss = 0.0f;
+        for (int i = 0; i < D; i++) ss += xr[i] * xr[i];
+        const float r = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int i = 0; i < D; i++) yr[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* Rotary embedding in place, Hugging Face's rotate-half form: for i < D/2, with a = x[i], b = x[i + D/2],
+   x[i] = a cos[i] - b sin[i] and x[i + D/2] = b cos[i + D/2] + a sin[i + D/2]. x: T rows of H heads of D
+   floats (row stride, head stride in floats; the heads of a fused QKV output stay where they are);
+   cos, sin: [T, D], each token's row. */
+void batchq_rotary(float *x, int T, int H, long row_stride, long head_stride, const float *cos, const float *sin,
+                   int D) {
+    const int half = D / 2;
+#pragma omp parallel for if ((long)T * H * D > (1L << 16)) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
+        for (int h = 0; h < H; h++) {
+            float *v = x + (size_t)t * row_stride + (size_t)h * head_stride;
+            for (int i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
 }

@@ -193,6 +193,11 @@ def linear_library() -> ctypes.CDLL | None:
     fn = lib.batchq_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    lib.batchq_rmsnorm.restype = None
+    lib.batchq_rmsnorm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    lib.batchq_rotary.restype = None
+    lib.batchq_rotary.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_long] * 2
+    lib.batchq_rotary.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -202,24 +207,29 @@ WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c'
 def linear_supports(x: Tensor, weight: Tensor) -> bool:
     """Whether linear.c handles y = x W^T: float32 x on the CPU, a float32, bfloat16 or int8 weight
     whose input size is a multiple of 16."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and weight_supported(weight)
+
+
+def weight_supported(weight: Tensor) -> bool:
+    """Whether linear.c takes this weight [N, K]: on the CPU, contiguous, float32, bfloat16 or int8,
+    K a multiple of 16."""
     return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
+        weight.device.type == "cpu"
         and weight.dtype in WEIGHT_TYPES
+        and weight.is_contiguous()
         and weight.shape[1] % 16 == 0
         and linear_library() is not None
     )
 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
-    """y = x W^T (* scale per output) (+ bias). x: [M, K] float32; weight: [N, K] contiguous; scale,
-    bias: [N] float32 or None (scale required for int8). -> [M, N] float32. Check `linear_supports`."""
+    """y = x W^T (* scale per output) (+ bias). x: [M, K] float32; weight: [N, K] (weight_supported);
+    scale, bias: [N] float32 or None (scale required for int8). -> [M, N] float32. Called once per
+    linear layer per step, so it checks only what is cheap."""
     lib = linear_library()
-    assert lib is not None
+    assert lib is not None and (scale is not None) == (weight.dtype == torch.int8)
     m, k = x.shape
     n = weight.shape[0]
-    assert weight.is_contiguous() and weight.shape[1] == k
-    assert (scale is not None) == (weight.dtype == torch.int8)
     x = x.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
     rc = lib.batchq_linear(
@@ -227,8 +237,29 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None)
         None if bias is None else bias.data_ptr(), out.data_ptr(), m, k, n, WEIGHT_TYPES[weight.dtype],
         torch.get_num_threads(),
     )  # fmt: skip
-    assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {k}] {weight.dtype}"
+    assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {weight.shape[1]}] {weight.dtype}"
     return out
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face's RMSNorm of float32 rows x [T, D] (contiguous) with a float32 weight [D]."""
+    lib = linear_library()
+    assert lib is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    t, d = x.shape
+    lib.batchq_rmsnorm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), t, d, eps)
+    return out
+
+
+def rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate float32 x [T, H, D] in place (any row and head strides, unit stride within a head) by the
+    contiguous float32 rows cos, sin [T, D]: Hugging Face's rotate-half rotary embedding."""
+    lib = linear_library()
+    assert lib is not None and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(2) == 1
+    assert cos.is_contiguous() and sin.is_contiguous()
+    t, h, d = x.shape
+    lib.batchq_rotary(x.data_ptr(), t, h, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), d)
 
 
 def clear_caches() -> None:

@@ -34,9 +34,13 @@ class Linear(nn.Module):
         self.register_buffer("scale", None)  # [out] float32: int8 weights only
         self.native = False  # set by use_native(): run linear.c on CPU float32 activations
 
+    def use_native(self, on: bool = True) -> None:
+        """Run linear.c (on float32 activations) where it takes this weight."""
+        self.native = on and native.weight_supported(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
-        if self.native and native.linear_supports(x, self.weight):
+        if self.native and x.dtype == torch.float32:
             return native.linear(x, self.weight, self.scale, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
@@ -72,6 +76,7 @@ class Linear(nn.Module):
         else:
             self.weight = nn.Parameter(w.to(dtype), requires_grad=False)
             self.scale = None
+        self.use_native(self.native)
 
 
 class RMSNorm(nn.Module):
@@ -81,9 +86,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.native = False  # linear.c's batchq_rmsnorm for float32 rows on the CPU (set at load)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., dim] -> [..., dim]
+        if self.native and x.dtype == torch.float32 and x.dim() == 2:
+            return native.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -106,8 +114,12 @@ class RotaryTable(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, in_place: bool = False) -> Tensor:
+    # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]. in_place: float32 on the CPU, rotated by
+    # linear.c's batchq_rotary in x's own memory (x may be a view into the fused QKV output).
+    if in_place:
+        native.rotary_(x, cos.squeeze(1), sin.squeeze(1))
+        return x
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

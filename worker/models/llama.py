@@ -73,6 +73,7 @@ class Attention(nn.Module):
         # the output is multiplied by s_v, so the kernels never see a scale.
         self.k_scale = self.v_scale = 1.0
         self.observed: list[tuple[float, float]] | None = None  # calibration: each call's max |K|, |V|
+        self.native = False  # rotary in place by linear.c (CPU, float32; set at load)
 
     def forward(
         self,
@@ -91,7 +92,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, self.native), apply_rotary(k, cos, sin, self.native)
         if self.observed is not None:
             self.observed.append((float(k.abs().max()), float(v.abs().max())))
         scale = self.scale
@@ -171,10 +172,15 @@ class LlamaFamilyModel(nn.Module):
         """Every linear layer, the LM head last."""
         return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head] + [self.lm_head]
 
-    def use_native_linears(self, on: bool = True) -> None:
-        """Run the linear layers through linear.c (CPU, float32 activations; see layers.Linear)."""
+    def use_native_ops(self, on: bool = True) -> None:
+        """Run the linear layers, RMSNorms and rotary embeddings through linear.c (CPU, float32
+        activations; see layers.Linear). Where a linear's weight does not suit it, that layer stays on
+        torch."""
         for lin in self.linears():
-            lin.native = on
+            lin.use_native(on)
+        for m in self.modules():
+            if isinstance(m, RMSNorm | Attention):
+                m.native = on
 
     def quantize_weights(self, dtype: torch.dtype) -> None:
         """Store every linear weight (the LM head and a tied embedding included) as `dtype`."""
