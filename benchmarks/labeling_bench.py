@@ -8,8 +8,8 @@ against plain decoding. The engine directly, SmolLM2-135M, one process.
    asks) and with `choices` (the task's labels, scored exactly). Requests per second.
 2. Decode: 64 requests x 64 new tokens (EOS ignored) plain, under a JSON schema that lets them write
    that long, and with logprobs + top_logprobs=5. Decode tokens per second over the decode steps.
-3. In float32: the labeling requests again with kv_cache_dtype = bfloat16 and fp8_e4m3, and how far
-   the label probabilities move from the float32 cache's.
+3. In float32: the labeling requests again with kv_cache_dtype = bfloat16 and fp8_e4m3, and with
+   weight_dtype = bfloat16 and int8, and how far the label probabilities move from float32's.
 Prints a table and writes benchmarks/results/labeling-<dtype>.json.
 """
 
@@ -49,8 +49,9 @@ def run(engine: Any, reqs: list[Any]) -> tuple[float, list[Any]]:
     return time.perf_counter() - t0, out
 
 
-def kv_drift(narrow: Any, warm: Any, reqs: list[Any], scored: list[Any]) -> dict[str, Any]:
-    """The labeling requests on an engine with a narrower KV cache against the float32 cache's scores."""
+def drift_of(narrow: Any, warm: Any, reqs: list[Any], scored: list[Any]) -> dict[str, Any]:
+    """The labeling requests on an engine with a narrower KV cache or narrower weights against float32's
+    scores."""
     warm(narrow)
     narrow_s, narrow_scored = run(narrow, reqs)
     diffs, same_top = [], 0
@@ -60,6 +61,32 @@ def kv_drift(narrow: Any, warm: Any, reqs: list[Any], scored: list[Any]) -> dict
         same_top += pa.index(max(pa)) == pb.index(max(pb))
     return {"requests": len(scored), "max_abs_prob_diff": max(diffs), "mean_abs_prob_diff": sum(diffs) / len(diffs),
             "same_top_label": same_top, "wall_s": narrow_s}  # fmt: skip
+
+
+def report(info: dict[str, Any]) -> None:
+    rows, decode_rows, drift = info["labeling"], info["decode"], info["narrow_drift"]
+    m = info["machine"]
+    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, dtype {info['dtype']}")
+    print()
+    print("| labeling share of the standard workload | requests | wall s | req/s |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['name']} | {r['requests']} | {r['wall_s']:.1f} | {r['requests'] / r['wall_s']:.2f} |")
+    print()
+    base = decode_rows[0]["decode_tokens_per_s"]
+    print("| 64 x 64 tokens | decode tok/s | vs plain |")
+    print("|---|---:|---:|")
+    for r in decode_rows:
+        print(f"| {r['name']} | {r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / base:.2f}x |")
+    if drift:
+        print()
+    for what, d in drift.items():
+        print(
+            f"{what} (float32 compute) vs float32, {d['requests']} `choices` requests: "
+            f"label probabilities differ by {d['mean_abs_prob_diff']:.1e} on average, "
+            f"{d['max_abs_prob_diff']:.1e} at most; top label identical for {d['same_top_label']}/"
+            f"{d['requests']}; {d['requests'] / d['wall_s']:.2f} req/s"
+        )
 
 
 def main() -> int:
@@ -83,10 +110,15 @@ def main() -> int:
 
         ns.dtype = str(cpu_auto_dtype()).removeprefix("torch.")
 
-    def load(kv_cache_dtype: str = "auto") -> Any:
-        return Engine.load(
-            EngineConfig(model="smollm2-135m", device="cpu", dtype=ns.dtype, kv_cache_dtype=kv_cache_dtype)
+    def load(kv_cache_dtype: str = "auto", weight_dtype: str = "auto") -> Any:
+        cfg = EngineConfig(
+            model="smollm2-135m",
+            device="cpu",
+            dtype=ns.dtype,
+            kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+            weight_dtype=weight_dtype,  # type: ignore[arg-type]
         )
+        return Engine.load(cfg)
 
     engine = load()
     lines = [ln for ln in wl.generate(ns.n, 0, engine.tokenizer) if ln["messages"][0]["content"] in LABELS]
@@ -146,41 +178,20 @@ def main() -> int:
         decode_rows.append({"name": name, "tokens": tokens, "wall_s": wall,
                             "decode_tokens_per_s": tokens / max(after.decode_s - before.decode_s, 1e-9)})  # fmt: skip
     drift = {}
-    if ns.dtype == "float32":  # narrower KV caches: how far they move the label probabilities
+    if ns.dtype == "float32":  # narrower KV caches and weights: how far they move the label probabilities
         del engine
-        drift = {
-            kvd: kv_drift(load(kvd), warm, labeling("choice", True), scored)
-            for kvd in ("bfloat16", "fp8_e4m3")
-        }
+        for kvd in ("bfloat16", "fp8_e4m3"):
+            drift[f"{kvd} KV cache"] = drift_of(load(kvd), warm, labeling("choice", True), scored)
+        for wd in ("bfloat16", "int8"):
+            drift[f"{wd} weights"] = drift_of(load(weight_dtype=wd), warm, labeling("choice", True), scored)
     info = {
         "machine": machine(),
         "dtype": ns.dtype,
         "labeling": rows,
         "decode": decode_rows,
-        "kv_cache_dtype_drift": drift,
+        "narrow_drift": drift,
     }
-    m = info["machine"]
-    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, dtype {ns.dtype}")
-    print()
-    print("| labeling share of the standard workload | requests | wall s | req/s |")
-    print("|---|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['name']} | {r['requests']} | {r['wall_s']:.1f} | {r['requests'] / r['wall_s']:.2f} |")
-    print()
-    base = decode_rows[0]["decode_tokens_per_s"]
-    print("| 64 x 64 tokens | decode tok/s | vs plain |")
-    print("|---|---:|---:|")
-    for r in decode_rows:
-        print(f"| {r['name']} | {r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / base:.2f}x |")
-    if drift:
-        print()
-    for kvd, d in drift.items():
-        print(
-            f"{kvd} KV cache (float32 compute) vs float32 cache, {d['requests']} `choices` requests: "
-            f"label probabilities differ by {d['mean_abs_prob_diff']:.1e} on average, "
-            f"{d['max_abs_prob_diff']:.1e} at most; top label identical for {d['same_top_label']}/"
-            f"{d['requests']}; {d['requests'] / d['wall_s']:.2f} req/s"
-        )
+    report(info)
     out = ROOT / "benchmarks" / "results" / f"labeling-{ns.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))

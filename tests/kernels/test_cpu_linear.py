@@ -3,6 +3,10 @@ with and without bias, float32, bfloat16 and int8 weights; and the Linear layer'
 
 from __future__ import annotations
 
+import ctypes
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -111,3 +115,41 @@ def test_rotary_in_place_matches_the_torch_formula_on_a_fused_qkv_view(t: int) -
     torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
     assert torch.equal(v, want_v)  # the V columns of the fused output are left alone
+
+
+def _load_for(flags: tuple[str, ...]) -> ctypes.CDLL:
+    cc = native.compiler()
+    assert cc is not None
+    lib = ctypes.CDLL(str(native._build(cc, native.LINEAR_SOURCE, flags)))
+    lib.batchq_linear.restype = ctypes.c_int
+    lib.batchq_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    return lib
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize(
+    "flags", [("-march=x86-64-v3", "-mno-avx512f"), ("-march=x86-64",)], ids=["avx2", "generic"]
+)
+def test_narrower_instruction_sets_give_the_same_answers(
+    flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The AVX2 path (8-float vectors, its own widenings) and the generic one, built on this machine with
+    # a narrower -march: AVX-512 machines then test what AVX2-only CPUs run.
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    lib = _load_for(flags)
+    gen = torch.Generator().manual_seed(11)
+    m, k, n = 9, 96, 37
+    x = torch.randn(m, k, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        lin = Linear(k, n, bias=True)
+        lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
+        if dtype != torch.float32:
+            lin.quantize(dtype)
+        y = torch.empty(m, n)
+        scale = None if lin.scale is None else lin.scale.data_ptr()
+        assert lib.batchq_linear(
+            x.data_ptr(), lin.weight.data_ptr(), scale, lin.bias.data_ptr(), y.data_ptr(), m, k, n,
+            native.WEIGHT_TYPES[dtype], 2,
+        ) == 0  # fmt: skip
+        want = reference(x, lin.weight.float(), lin.scale, lin.bias)
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)

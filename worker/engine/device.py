@@ -24,6 +24,7 @@ def pick_device(name: Device) -> torch.device:
 
 # auto on CPU takes bfloat16 only where its matmuls are clearly faster than float32 (AMX, Zen 4): on
 # CPUs that merely convert bf16 (AVX512-BF16 without AMX) bf16 GEMMs are slower and float32 is exact.
+# float32's rate is the better of torch's matmul and linear.c's (the path float32 runs on the CPU).
 BF16_MIN_SPEEDUP = 1.3
 
 
@@ -40,11 +41,28 @@ def gemm_flops(dtype: torch.dtype, n: int = 1024, reps: int = 4) -> float:
     return 2 * n**3 / best
 
 
+def native_gemm_flops(n: int = 1024, reps: int = 4) -> float:
+    """FLOP/s of linear.c on an n x n x n product (0 where it is not available)."""
+    from worker.kernels import native
+
+    if native.linear_library() is None:
+        return 0.0
+    a, w = torch.randn(n, n), torch.randn(n, n)
+    native.linear(a, w, None, None)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        native.linear(a, w, None, None)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
 def cpu_auto_dtype() -> torch.dtype:
-    """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32 here, else float32."""
+    """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32's here, else float32."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return torch.float32
-    f32, bf16 = gemm_flops(torch.float32), gemm_flops(torch.bfloat16)
+    f32 = max(gemm_flops(torch.float32), native_gemm_flops())
+    bf16 = gemm_flops(torch.bfloat16)
     choice = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * f32 else torch.float32
     log.info(
         "dtype auto: CPU matmul %.0f GFLOP/s float32, %.0f bfloat16 -> %s",

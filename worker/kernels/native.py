@@ -74,8 +74,9 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build(cc: str, source: Path) -> Path:
-    flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
+def _build(cc: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The library built from `source` for this machine (extra_flags: e.g. a narrower -march, in tests)."""
+    flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else []) + list(extra_flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
         "\0".join([source.read_text(), cc, version, *flags, _cpu_features()]).encode()
