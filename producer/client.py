@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from producer import keys, store
 from producer.contract import BatchStatus, Result, SamplingParams
 from producer.submit import InputError, SubmitReport, submit_stream
+from producer.workers import Heartbeat, live_workers
 
 ProgressFn = Callable[[BatchStatus], Awaitable[None] | None]
 
@@ -162,6 +163,10 @@ class BatchqClient:
 
     async def list_batches(self, limit: int = 50) -> list[BatchStatus]:
         return await store.list_batches(self.redis, limit=limit)
+
+    async def workers(self, queue: str | None = None) -> list[Heartbeat]:
+        """Live workers (those on `queue` only, when given), from their heartbeats."""
+        return await live_workers(self.redis, queue)
 
     async def batch_meta(self, batch_id: str) -> dict[str, str]:
         return await store.get_meta(self.redis, batch_id)

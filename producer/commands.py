@@ -23,11 +23,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.client import BatchqClient, WaitTimeout
 from producer.contract import BatchStatus, SamplingParams
-from producer.openai_format import openai_line
+from producer.openai_format import openai_line, output_model_and_created
 from producer.progress import Progress
 from producer.serde import mask_url
 from producer.store import BatchNotFound
 from producer.submit import InputError, new_batch_id
+from producer.workers import NoWorkerWarning
 
 OK, FAILED, INVALID, TIMED_OUT, SOME_FAILED = 0, 1, 2, 3, 4
 _DEFAULT_FIELDS = (
@@ -138,8 +139,7 @@ def _open_out(path: str | None) -> Any:
 async def _write_results(client: BatchqClient, batch_id: str, path: str | None, fmt: str) -> int:
     n = 0
     meta = await client.batch_meta(batch_id) if fmt == "openai" else {}
-    model = meta.get("model") or meta.get("body_model") or "batchq"
-    created = int(float(meta.get("finished_at") or meta.get("created_at") or time.time()))
+    model, created = output_model_and_created(meta)
     with _open_out(path) as out:
         async for result, chat in client.results_with_kind(batch_id):
             if fmt == "openai":
@@ -154,15 +154,22 @@ async def _write_results(client: BatchqClient, batch_id: str, path: str | None, 
 
 async def _wait(client: BatchqClient, batch_id: str, timeout: float | None) -> tuple[int, BatchStatus]:
     progress = Progress(sys.stderr)
+    no_worker = NoWorkerWarning(client.redis, progress.note)
+
+    async def on_progress(s: BatchStatus) -> None:
+        progress(s)
+        await no_worker(s)
+
     try:
         status = await client.wait(
-            batch_id, timeout, on_progress=progress, poll_s=0.5 if progress.tty else 1.0
+            batch_id, timeout, on_progress=on_progress, poll_s=0.5 if progress.tty else 1.0
         )
     except WaitTimeout as e:
         progress.finish()
         _err(str(e))
         return TIMED_OUT, e.status
-    progress.finish()
+    finally:
+        progress.finish()  # also on Ctrl-C or a Redis error: the terminal gets its cursor back
     return (OK if status.completed == status.total else SOME_FAILED), status
 
 

@@ -93,3 +93,44 @@ def queue_fingerprint(queue: str) -> str:
 def batch_chat(batch_id: str) -> str:
     """bitmap: bit `index` is 1 when the request was a chat request (OpenAI output needs the object type)."""
     return f"{PREFIX}batch:{batch_id}:chat"
+
+
+# ---- The OpenAI-compatible HTTP API (`producer serve`, producer/server.py). Servers keep no state of their
+# own: every file and batch object lives here, so any instance serves any of them. `owner` is a hash of
+# the API key that created an object (producer/auth.py), never the key.
+
+API_PREFIX = PREFIX + "api:"
+DEFAULT_FILE_TTL_S = 30 * 24 * 3600  # OpenAI's default expiry of batch files; API batch objects last as long
+
+
+def api_file(file_id: str) -> str:
+    """hash: a file's object fields (filename, bytes, purpose, created/expires), owner, block count, and the
+    request counts by kind of an input file."""
+    return f"{API_PREFIX}file:{file_id}"
+
+
+def api_file_content(file_id: str) -> str:
+    """list: a file's bytes in blocks of up to 1 MiB, in order (written before the file's hash exists)."""
+    return f"{API_PREFIX}file:{file_id}:content"
+
+
+def api_batch(batch_id: str) -> str:
+    """hash: an API batch's own fields (endpoint, input file, window, metadata, owner, timestamps), and once
+    it has ended its final status, counts, usage and output/error file ids. Progress before that is read
+    from the batchq batch of the same id (batch_meta)."""
+    return f"{API_PREFIX}batch:{batch_id}"
+
+
+def api_batch_lock(batch_id: str) -> str:
+    """string with TTL (a redis-py lock): the server instance now submitting or finalising the batch."""
+    return f"{API_PREFIX}batch:{batch_id}:lock"
+
+
+def api_owner_files(owner: str) -> str:
+    """zset: file id -> created_at, the files one API key owns (listing, newest first)."""
+    return f"{API_PREFIX}owner:{owner}:files"
+
+
+def api_owner_batches(owner: str) -> str:
+    """zset: batch id -> created_at, the batches one API key created (listing, newest first)."""
+    return f"{API_PREFIX}owner:{owner}:batches"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -11,6 +12,13 @@ from producer.contract import Result, TokenLogprob
 
 # OpenAI knows only "stop" and "length": a timeout or a repetition cut truncates output like a length limit.
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "repetition": "length"}
+
+
+def output_model_and_created(meta: dict[str, str]) -> tuple[str, int]:
+    """`model` and `created` of a batch's output lines, from its batchq meta (store.get_meta)."""
+    model = meta.get("model") or meta.get("body_model") or "batchq"
+    created = int(float(meta.get("finished_at") or meta.get("created_at") or time.time()))
+    return model, created
 
 
 def openai_line(result: Result, *, chat: bool, batch_id: str, model: str, created: int) -> bytes:

@@ -1,14 +1,18 @@
-"""Progress display for `producer wait`: a bar redrawn in place on a TTY, plain periodic lines otherwise."""
+"""Progress display for `producer wait`: rich's bar redrawn in place on a TTY, plain periodic lines otherwise."""
 
 from __future__ import annotations
 
 import time
 from typing import TextIO
 
+from rich.console import Console
+from rich.progress import BarColumn, TaskID, TextColumn
+from rich.progress import Progress as RichProgress
+
 from producer.contract import BatchStatus
 
 
-def _eta(seconds: float | None) -> str:
+def eta_text(seconds: float | None) -> str:
     if seconds is None:
         return "--:--"
     s = int(seconds)
@@ -24,6 +28,12 @@ class Progress:
         self.done0: int | None = None
         self.tokens0 = 0
         self.last_line = float("-inf")
+        self.bar: RichProgress | None = None
+        self.task: TaskID | None = None
+        if self.tty:
+            console = Console(file=stream, force_terminal=True)
+            columns = (BarColumn(bar_width=24), TextColumn("{task.fields[line]}"))
+            self.bar = RichProgress(*columns, console=console, auto_refresh=False)
 
     def text(self, s: BatchStatus) -> str:
         elapsed = max(1e-6, time.monotonic() - self.t0)
@@ -37,24 +47,35 @@ class Progress:
         extra += f" cancelled={s.cancelled}" if s.cancelled else ""
         return (
             f"{s.done}/{s.total} ({pct:5.1f}%) running={s.running}{extra} "
-            f"{tok_s:,.0f} tok/s ETA {_eta(eta if s.done < s.total else 0)}"
+            f"{tok_s:,.0f} tok/s ETA {eta_text(eta if s.done < s.total else 0)}"
         )
 
     def __call__(self, s: BatchStatus) -> None:
         line = self.text(s)
-        if self.tty:
-            width = 24
-            filled = int(width * s.done / s.total) if s.total else width
-            self.stream.write(f"\r\x1b[2K[{'#' * filled}{'.' * (width - filled)}] {line}")
-        else:
-            now = time.monotonic()
-            if now - self.last_line < self.line_every_s and s.done < s.total:
-                return
-            self.last_line = now
-            self.stream.write(line + "\n")
+        if self.bar is not None:
+            total, done = (s.total, s.done) if s.total else (1, 1)
+            if self.task is None:
+                self.task = self.bar.add_task("", total=total, completed=done, line=line)
+                self.bar.start()  # draws the first frame
+            else:
+                self.bar.update(self.task, total=total, completed=done, line=line)
+                self.bar.refresh()
+            return
+        now = time.monotonic()
+        if now - self.last_line < self.line_every_s and s.done < s.total:
+            return
+        self.last_line = now
+        self.stream.write(line + "\n")
         self.stream.flush()
 
-    def finish(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
+    def note(self, message: str) -> None:
+        """A line of its own (a warning), printed above the bar on a TTY."""
+        if self.bar is not None:
+            self.bar.console.print(message, markup=False, highlight=False)
+        else:
+            self.stream.write(message + "\n")
             self.stream.flush()
+
+    def finish(self) -> None:
+        if self.bar is not None and self.bar.live.is_started:
+            self.bar.stop()

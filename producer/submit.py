@@ -10,6 +10,7 @@ enqueue_job costs a round trip plus a WATCH per job: far too slow for big files)
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import tempfile
 import time
@@ -424,12 +425,14 @@ async def submit_stream(
     result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
     result_cache: bool = True,
     on_created: Callable[[str], None] | None = None,
+    offload: bool = False,
 ) -> SubmitReport:
     """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything.
 
     `on_created(batch_id)` is called once the batch exists, before its jobs are enqueued: from then on an
     interrupted submit is finished by submitting again with the same batch id. Requests whose answer the
     result cache holds are answered now and never enqueued (result_cache=False: none are).
+    `offload`: validate (pass 1, CPU-bound) in a thread, so that a server's event loop keeps serving.
     """
     report = SubmitReport(batch_id=check_batch_id(batch_id) if batch_id else new_batch_id())
     qname = keys.queue_name(queue)
@@ -438,7 +441,8 @@ async def submit_stream(
         raw = await done(redis.get(keys.queue_fingerprint(qname)))
         fingerprint = raw.decode() if raw is not None else None
     with tempfile.TemporaryFile(prefix="batchq-spool-") as spool:
-        validate_to_spool(
+        validate = functools.partial(
+            validate_to_spool,
             stream,
             spool,
             report,
@@ -447,6 +451,10 @@ async def submit_stream(
             fingerprint=fingerprint,
             result_cache=result_cache,
         )
+        if offload:
+            await asyncio.to_thread(validate)
+        else:
+            validate()
         if report.total == 0:
             raise InputError("input is empty: no request lines")
         if report.invalid and not skip_invalid:

@@ -55,6 +55,12 @@ class WorkerConfig(BaseModel):
     )
     heartbeat_s: float = Field(default=5.0, gt=0, description="heartbeat interval")
     log_interval_s: float = Field(default=10.0, gt=0, description="stats line interval")
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (0: any free port; default: off)",
+    )
     result_ttl_s: float = Field(
         default=float(keys.DEFAULT_RESULT_TTL_S), gt=0, description="how long results are kept (7 days)"
     )

@@ -2,48 +2,100 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import socket
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
 
-import orjson
+from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from producer import keys
+from producer.workers import Heartbeat
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("batchq.worker")
 
 
-def snapshot(cfg: WorkerConfig, engine: AsyncEngine) -> dict[str, Any]:
-    s = engine.core.stats()
-    return {
-        "worker_id": cfg.worker_id,
-        "host": socket.gethostname(),
-        "queue": keys.queue_name(cfg.queue),
-        "model": cfg.engine.model,
-        "ts": time.time(),
-        "running": s.running,
-        "waiting": s.waiting,
-        "kv_blocks_used": s.kv_blocks_used,
-        "kv_blocks_total": s.kv_blocks_total,
-        "tokens_generated": s.tokens_generated,
-        "progress_age_s": round(time.monotonic() - engine.last_progress, 3),
-        "stall_s": cfg.stall_s,
-    }
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("batchq")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
-async def beat(redis: Redis, cfg: WorkerConfig, engine: AsyncEngine) -> None:
-    snap = snapshot(cfg, engine)
-    ttl = max(1, int(cfg.heartbeat_s * 3))
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.set(keys.worker_heartbeat(cfg.worker_id), orjson.dumps(snap), ex=ttl)
-        pipe.zadd(keys.WORKERS, {cfg.worker_id: snap["ts"]})
-        await pipe.execute()
+VERSION = _package_version()
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine runs on, fixed at load: heartbeats and the metrics' info carry it."""
+
+    device: str  # "cpu", "cuda:0"
+    dtype: str  # compute dtype
+    kv_cache_dtype: str
+    attention: str  # the attention backend
+    block_size: int
+
+    @classmethod
+    def of(cls, engine: AsyncEngine) -> EngineFacts:
+        runner = engine.core.model_runner
+        return cls(
+            device=str(runner.device),
+            dtype=str(runner.model.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(runner.kv_caches[0][0].dtype).removeprefix("torch."),
+            attention=runner.backend.name,
+            block_size=runner.block_size,
+        )
+
+
+class Heartbeats:
+    """Writes the worker's heartbeat (producer/workers.py's Heartbeat) with its throughput since the last one."""
+
+    def __init__(self, cfg: WorkerConfig, engine: AsyncEngine, metrics_port: int | None = None) -> None:
+        self.cfg, self.engine, self.metrics_port = cfg, engine, metrics_port
+        self.facts = EngineFacts.of(engine)
+        self.started_at = time.time()
+        self._t, self._tokens = time.monotonic(), engine.core.stats().tokens_generated
+
+    def snapshot(self) -> Heartbeat:
+        s = self.engine.core.stats()
+        now = time.monotonic()
+        tok_s = (s.tokens_generated - self._tokens) / max(now - self._t, 1e-9)
+        self._t, self._tokens = now, s.tokens_generated
+        return Heartbeat(
+            worker_id=self.cfg.worker_id,
+            host=socket.gethostname(),
+            queue=keys.queue_name(self.cfg.queue),
+            model=self.cfg.engine.model,
+            ts=time.time(),
+            running=s.running,
+            waiting=s.waiting,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_total=s.kv_blocks_total,
+            tokens_generated=s.tokens_generated,
+            progress_age_s=round(now - self.engine.last_progress, 3),
+            stall_s=self.cfg.stall_s,
+            version=VERSION,
+            device=self.facts.device,
+            dtype=self.facts.dtype,
+            kv_cache_dtype=self.facts.kv_cache_dtype,
+            tok_s=round(tok_s, 1),
+            started_at=self.started_at,
+            metrics_port=self.metrics_port,
+        )
+
+    async def beat(self, redis: Redis) -> None:
+        snap = self.snapshot()
+        ttl = max(1, int(self.cfg.heartbeat_s * 3))
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.worker_heartbeat(self.cfg.worker_id), snap.model_dump_json(), ex=ttl)
+            pipe.zadd(keys.WORKERS, {self.cfg.worker_id: snap.ts})
+            await pipe.execute()
 
 
 class StatsLogger:
@@ -117,12 +169,15 @@ async def check(redis: Redis, queue: str, worker_id: str | None) -> tuple[bool, 
         raw = await redis.get(keys.worker_heartbeat(wid))
         if raw is None:
             continue
-        snap = orjson.loads(raw)
-        if worker_id is None and (snap.get("host") != host or snap.get("queue") != qname):
+        try:
+            snap = Heartbeat.model_validate_json(raw)
+        except ValidationError:
             continue
-        if snap["progress_age_s"] > snap["stall_s"] and snap["running"] + snap["waiting"] > 0:
-            return False, f"worker {wid} is stalled ({snap['progress_age_s']:.0f}s without progress)"
-        return True, f"worker {wid} healthy: running={snap['running']} waiting={snap['waiting']}"
+        if worker_id is None and (snap.host != host or snap.queue != qname):
+            continue
+        if snap.stalled():
+            return False, f"worker {wid} is stalled ({snap.progress_age_s:.0f}s without progress)"
+        return True, f"worker {wid} healthy: running={snap.running} waiting={snap.waiting}"
     return False, f"no live worker heartbeat for queue {qname!r}" + (
         f" and id {worker_id!r}" if worker_id else ""
     )

@@ -25,6 +25,7 @@ from producer.contract import Request, Result, Timing
 from worker.adapter import cancelled_result, engine_request, error_result, to_result
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
+from worker.metrics import REDIS_ERRORS_SEEN, WorkerMetrics
 from worker.result_cache import ResultCache, key_of
 
 log = logging.getLogger("batchq.worker")
@@ -41,6 +42,7 @@ async def retrying(fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwa
         try:
             return await fn(*args, **kwargs)
         except REDIS_ERRORS as e:
+            REDIS_ERRORS_SEEN.note("request", retried=True)
             log.warning("redis unavailable (%s); retrying in %.1fs", type(e).__name__, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
@@ -61,6 +63,7 @@ class JobHandler:
 
     def __post_init__(self) -> None:
         self.result_cache = ResultCache(self.redis, self.engine.core.fingerprint, self.cfg.result_cache_ttl_s)
+        self.metrics = WorkerMetrics(self.cfg, self.engine)  # served by service.py when metrics_port is set
 
     async def run(self, payload: Any, job_id: str, job_try: int) -> str:
         try:
@@ -124,6 +127,7 @@ class JobHandler:
             try:
                 await self.result_cache.put(key, result)
             except REDIS_ERRORS as e:  # the result is stored; only a later rerun loses the shortcut
+                REDIS_ERRORS_SEEN.note("result_cache")
                 log.warning("result cache not updated (%s)", type(e).__name__)
         return result.finish_reason
 
@@ -136,11 +140,13 @@ class JobHandler:
                 pipe.srem(keys.batch_running(req.batch_id), str(req.index))
                 await pipe.execute()
         except REDIS_ERRORS as e:
+            REDIS_ERRORS_SEEN.note("hand_back")
             log.warning("could not hand back %s (%s); its lease will expire", job_id, type(e).__name__)
 
     async def _store(self, batch_id: str, result: Result) -> None:
         written = await retrying(self._write, batch_id, result)
         if written:
+            self.metrics.observe(result)
             if result.finish_reason == "error":
                 self.failed += 1
             else:

@@ -25,6 +25,7 @@ from redis.exceptions import ResponseError, WatchError
 
 from producer import keys, serde
 from worker.jobs import REDIS_ERRORS, JobHandler, retrying
+from worker.metrics import REDIS_ERRORS_SEEN
 
 log = logging.getLogger("batchq.worker")
 
@@ -69,6 +70,7 @@ class QueueWorker(Worker):
         try:
             await super()._poll_iteration()
         except REDIS_ERRORS as e:
+            REDIS_ERRORS_SEEN.note("poll", retried=True)
             self._backoff = min(max(self._backoff * 2, 0.2), 5.0)
             log.warning("redis unavailable (%s); polling again in %.1fs", type(e).__name__, self._backoff)
             await asyncio.sleep(self._backoff)
@@ -176,6 +178,7 @@ class QueueWorker(Worker):
         try:
             await super().run_job(job_id, score)
         except REDIS_ERRORS as e:
+            REDIS_ERRORS_SEEN.note("start")
             log.warning(
                 "request %s not started: redis unavailable (%s); it runs again after its lease",
                 job_id,

@@ -19,6 +19,7 @@ from worker import health
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.jobs import REDIS_ERRORS, JobHandler, retrying
+from worker.metrics import REDIS_ERRORS_SEEN
 from worker.queue_worker import QueueWorker
 
 log = logging.getLogger("batchq.worker")
@@ -66,6 +67,7 @@ async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) ->
         try:
             await fn()
         except REDIS_ERRORS as e:
+            REDIS_ERRORS_SEEN.note("housekeeping")
             log.debug("%s skipped: redis unavailable (%s)", what, type(e).__name__)
         except QueueBindingError:
             raise
@@ -94,12 +96,17 @@ async def serve(cfg: WorkerConfig) -> int:
     worker = QueueWorker(handler, redis_pool=redis)
     health.start_watchdog(aengine, cfg.stall_s)
     stats_log = health.StatsLogger(aengine)
+    metrics_port = None
+    if cfg.metrics_port is not None:
+        metrics_port = handler.metrics.serve(cfg.metrics_port)
+        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", metrics_port)
+    heartbeats = health.Heartbeats(cfg, aengine, metrics_port)
 
     async def log_stats() -> None:
         log.info(stats_log.line(handler.completed, handler.failed, handler.from_cache))
 
     async def heartbeat() -> None:
-        await health.beat(redis, cfg, aengine)
+        await heartbeats.beat(redis)
         await bind_queue(redis, cfg)
         if cfg.result_cache:
             await handler.result_cache.publish(keys.queue_name(cfg.queue))
@@ -147,6 +154,7 @@ async def serve(cfg: WorkerConfig) -> int:
         with contextlib.suppress(*REDIS_ERRORS):
             await redis.delete(keys.worker_heartbeat(cfg.worker_id))
             await redis.zrem(keys.WORKERS, cfg.worker_id)
+        handler.metrics.close()
         await aengine.stop()
         await redis.aclose(close_connection_pool=True)
     log.info("worker %s stopped", cfg.worker_id)

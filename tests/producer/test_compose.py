@@ -22,7 +22,8 @@ def _compose_available() -> bool:
 @pytest.mark.skipif(not _compose_available(), reason="docker compose client not installed")
 def test_docker_compose_config_is_valid() -> None:
     out = subprocess.run(
-        ["docker", "compose", "-f", str(COMPOSE), "--profile", "cpu", "--profile", "tools", "config", "-q"],
+        ["docker", "compose", "-f", str(COMPOSE), "--profile", "cpu", "--profile", "tools", "--profile", "monitoring",
+         "config", "-q"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -31,7 +32,7 @@ def test_docker_compose_config_is_valid() -> None:
 def test_compose_services_volumes_gpu_and_profiles() -> None:
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
-    assert set(services) == {"redis", "worker", "worker-cpu", "producer"}
+    assert set(services) == {"redis", "worker", "worker-cpu", "producer", "prometheus", "grafana"}
     redis = services["redis"]
     assert redis["image"] == "redis:7" and "--appendonly" in redis["command"]
     assert redis["volumes"][0].split(":")[0] in spec["volumes"]
@@ -43,11 +44,36 @@ def test_compose_services_volumes_gpu_and_profiles() -> None:
         "smollm2-135m",
         "--redis-url",
         "redis://redis:6379/0",
+        "--metrics-port",
+        "9400",
     ]
-    assert services["worker-cpu"]["profiles"] == ["cpu"] and services["worker-cpu"]["command"][-2:] == [
-        "--device",
-        "cpu",
-    ]
+    cpu = services["worker-cpu"]
+    assert cpu["profiles"] == ["cpu"] and cpu["command"][-4:] == ["--device", "cpu", "--metrics-port", "9400"]
     assert services["producer"]["profiles"] == ["tools"] and services["producer"]["entrypoint"] == [
         "producer"
     ]
+
+
+def test_monitoring_profile_scrapes_every_worker_and_provisions_the_dashboard() -> None:
+    root = COMPOSE.parent
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    prom, grafana = services["prometheus"], services["grafana"]
+    assert prom["profiles"] == grafana["profiles"] == ["monitoring"]
+    # Every volume the two services mount from the repository exists there.
+    for volume in prom["volumes"] + grafana["volumes"]:
+        source = volume.split(":")[0]
+        if source.startswith("./"):
+            assert (root / source).exists(), source
+    scrape = yaml.safe_load((root / "configs" / "prometheus.yml").read_text())["scrape_configs"]
+    (dns,) = [sd for job in scrape for sd in job.get("dns_sd_configs", [])]
+    # It scrapes both worker services on the port their command serves metrics on.
+    assert set(dns["names"]) == {"worker", "worker-cpu"} and dns["port"] == 9400
+    datasources = yaml.safe_load(
+        (root / "configs/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
+    (ds,) = datasources["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and ds["type"] == "prometheus"
+    providers = yaml.safe_load((root / "configs/grafana/provisioning/dashboards/batchq.yml").read_text())
+    dashboards_dir = providers["providers"][0]["options"]["path"]
+    assert any(v.endswith(f":{dashboards_dir}:ro") for v in grafana["volumes"])
+    assert (root / "configs/grafana/dashboards/batchq.json").is_file()

@@ -21,11 +21,15 @@ def test_tty_bar_is_redrawn_in_place_with_done_total_rate_and_eta() -> None:
     p(status(0, 0))
     p.t0 -= 2.0  # two seconds later: 4 requests and 100 tokens done
     p(status(4, 100))
+    p.note("a warning")
     p.finish()
-    frames = out.getvalue().split("\r\x1b[2K")[1:]
-    assert len(frames) == 2 and "\n" not in frames[0]
-    assert frames[1].startswith("[#########.......") and "4/10 ( 40.0%)" in frames[1]
-    assert "50 tok/s" in frames[1] and "ETA 00:03" in frames[1] and frames[1].endswith("\n")
+    text = out.getvalue()
+    frames = [f for f in text.split("\r\x1b[2K")[1:] if "/10" in f]
+    assert len(frames) >= 2 and "\n" not in frames[0]  # each frame overwrites the last, on one line
+    assert "4/10 ( 40.0%)" in frames[-1] and "50 tok/s" in frames[-1] and "ETA 00:03" in frames[-1]
+    assert "━" in frames[-1]  # rich's bar
+    assert "a warning\n" in text  # printed above the bar, not through it
+    assert text.endswith("\x1b[?25h")  # finish() leaves the line and shows the cursor again
 
 
 def test_non_tty_prints_plain_lines_at_most_every_interval_and_always_the_last() -> None:
