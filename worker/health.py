@@ -106,7 +106,7 @@ class StatsLogger:
         self._t = time.monotonic()
         s = engine.core.stats()
         self._tokens, self._steps, self._prefills = s.tokens_generated, s.steps, s.prefill_steps
-        self._busy = s.prefill_s + s.decode_s
+        self._busy = s.prefill_s + s.decode_s + s.score_s
         self._prompt, self._cached = s.prompt_tokens, s.cached_prompt_tokens
         self._preempted = s.preemptions
 
@@ -114,7 +114,7 @@ class StatsLogger:
         s = self.engine.core.stats()
         now = time.monotonic()
         rate = (s.tokens_generated - self._tokens) / max(now - self._t, 1e-9)
-        busy = s.prefill_s + s.decode_s
+        busy = s.prefill_s + s.decode_s + s.score_s
         # model busy = share of the interval spent inside forward passes (the rest: scheduling, stop
         # rules, detokenising, waiting for work, and whatever else competes for the CPU)
         busy_pct = 100.0 * (busy - self._busy) / max(now - self._t, 1e-9)

@@ -169,17 +169,16 @@ class WorkerCollector(Collector):
             "sequences preempted when the KV pool ran out (recomputed later)",
             s.preemptions,
         )
-        # EngineStats' split: a step with prompt chunks is "prefill" (decode rows may ride along); the
-        # others, decode-only steps and `choices` scoring steps, are "decode" in the count, while the
-        # scoring steps' time is kept with prefill's.
-        prefill = s.prefill_steps
+        # EngineStats' split: a step with prompt chunks is "prefill" (decode rows may ride along), a
+        # decode-only step "decode", a `choices` label-scoring step "score".
         yield self._by(
             "batchq_engine_steps", "engine steps (forward passes) by phase", "phase",
-            {"prefill": prefill, "decode": s.steps - prefill},
+            {"prefill": s.prefill_steps, "decode": s.steps - s.prefill_steps - s.score_steps,
+             "score": s.score_steps},
         )  # fmt: skip
         yield self._by(
             "batchq_engine_step_seconds", "time in forward passes by phase", "phase",
-            {"prefill": s.prefill_s, "decode": s.decode_s},
+            {"prefill": s.prefill_s, "decode": s.decode_s, "score": s.score_s},
         )  # fmt: skip
         depth = self.depth()
         if depth is not None:

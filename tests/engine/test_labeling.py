@@ -89,7 +89,12 @@ def test_label_scores_equal_the_hf_teacher_forced_sum(tiny) -> None:  # type: ig
     eos = engine.eos_token_ids[0]
     reqs = [EngineRequest(f"c{i}", GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS),
                           prompt_token_ids=p) for i, p in enumerate(PROMPTS)]  # fmt: skip
-    for prompt, res in zip(PROMPTS, engine.generate(reqs), strict=True):
+    before = engine.stats()
+    results = engine.generate(reqs)
+    after = engine.stats()
+    # The label rows ran as scoring steps, counted and timed as such (not as prefill or decode).
+    assert after.score_steps > before.score_steps and after.score_s > before.score_s
+    for prompt, res in zip(PROMPTS, results, strict=True):
         assert res.label_scores is not None and [s.label for s in res.label_scores] == list(LABELS)
         for s, label in zip(res.label_scores, labels_of(engine), strict=True):
             assert abs(s.logprob - hf_label_logprob(hf, prompt, label, eos)) < TOL, s

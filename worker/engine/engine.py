@@ -98,6 +98,8 @@ class Engine:
         self._prefill_steps = 0
         self._prefill_s = 0.0
         self._decode_s = 0.0
+        self._score_steps = 0
+        self._score_s = 0.0
         self._tokens_generated = 0
         self._prompt_tokens = 0
         self._cached_prompt_tokens = 0
@@ -215,8 +217,11 @@ class Engine:
         self._steps += 1
         if batch.phase == "decode":
             self._decode_s += seconds
-        else:  # a step with prompt chunks (decode rows beside them or not), or a score step
-            self._prefill_steps += batch.phase != "score"
+        elif batch.phase == "score":
+            self._score_steps += 1
+            self._score_s += seconds
+        else:  # a step with prompt chunks (decode rows beside them or not)
+            self._prefill_steps += 1
             self._prefill_s += seconds
 
     def _take_token(
@@ -259,6 +264,8 @@ class Engine:
             preemptions=self.scheduler.preemptions,
             prefill_s=self._prefill_s,
             decode_s=self._decode_s,
+            score_steps=self._score_steps,
+            score_s=self._score_s,
         )
 
     def abort_all(self, error: EngineError) -> list[EngineResult]:

@@ -100,3 +100,5 @@ class EngineStats:
     preemptions: int  # sequences whose blocks were taken back when the pool ran out (optimistic admission)
     prefill_s: float  # time in the model for prefill steps
     decode_s: float  # time in the model for decode steps
+    score_steps: int = 0  # `choices` scoring steps (label rows only; in `steps`, not in prefill_steps)
+    score_s: float = 0.0  # time in the model for scoring steps
