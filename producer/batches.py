@@ -33,7 +33,7 @@ from producer.batch_object import BatchRecord, CreateRequest, batch_object, chec
 from producer.contract import BatchStatus
 from producer.files import OUTPUT_PURPOSE, FileRecord, FileStore
 from producer.lua import done
-from producer.openai_format import openai_line, output_model_and_created
+from producer.openai_format import is_error_line, openai_line, output_model_and_created
 from producer.submit import InputError, submit_stream
 
 log = logging.getLogger("batchq.server")
@@ -223,8 +223,11 @@ class BatchStore:
         await out.start()
         await err.start()
         async for result, chat in store.iter_results(self.redis, rec.id):
-            line = openai_line(result, chat=chat, batch_id=rec.id, model=model, created=created)
-            await (err if result.finish_reason in ("error", "cancelled") else out).write(line + b"\n")
+            expired = bool(rec.expiring_at)
+            line = openai_line(
+                result, chat=chat, batch_id=rec.id, model=model, created=created, expired=expired
+            )
+            await (err if is_error_line(result) else out).write(line + b"\n")
         out_id = (await out.commit()).id if out.record.bytes else ""
         err_id = (await err.commit()).id if err.record.bytes else ""
         return out_id, err_id

@@ -47,6 +47,11 @@ def _results_opts(p: argparse.ArgumentParser) -> None:
         default="jsonl",
         help="jsonl: batchq result lines; openai: OpenAI Batch output lines (default jsonl)",
     )
+    p.add_argument(
+        "--errors",
+        metavar="FILE",
+        help="write failed and cancelled requests to FILE instead (OpenAI's error file, with --format openai)",
+    )
 
 
 def _submit_opts(p: argparse.ArgumentParser) -> None:
@@ -148,10 +153,29 @@ def build_parser() -> argparse.ArgumentParser:
         "results",
         commands.results,
         "write a batch's results in input order",
-        "producer results BATCH -o results.jsonl --format openai",
+        "producer results BATCH -o results.jsonl --format openai --errors errors.jsonl",
     )
     p.add_argument("batch_id", metavar="BATCH")
     _results_opts(p)
+    p.add_argument(
+        "--only",
+        choices=("completed", "failed", "cancelled"),
+        help="only the requests counted as completed (any answer, timeouts too), failed or cancelled",
+    )
+
+    p = _cmd(
+        sub,
+        "retry",
+        commands.retry,
+        "enqueue a batch's failed / cancelled / timed-out requests again (default: all three) as new "
+        "attempts; each new result replaces the old one, what succeeded is untouched",
+        "producer retry BATCH --failed --timed-out && producer wait BATCH",
+    )
+    p.add_argument("batch_id", metavar="BATCH")
+    p.add_argument("--failed", action="store_true", help="requests that ended with an error")
+    p.add_argument("--cancelled", action="store_true", help="requests that were cancelled")
+    p.add_argument("--timed-out", action="store_true", help="requests cut by their timeout_s")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     p = _cmd(
         sub,

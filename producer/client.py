@@ -21,6 +21,8 @@ from redis.asyncio import Redis
 
 from producer import keys, store
 from producer.contract import BatchStatus, Result, SamplingParams
+from producer.redis_url import connect
+from producer.retry import RetryReport, Selection, finish_reasons, retry_batch
 from producer.submit import InputError, SubmitReport, submit_stream
 from producer.workers import Heartbeat, live_workers
 
@@ -65,8 +67,8 @@ class BatchqClient:
 
     @classmethod
     def from_url(cls, url: str) -> BatchqClient:
-        """redis://, rediss:// (TLS) and user:password@ URLs all work."""
-        return cls(Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30))
+        """redis://, rediss:// (TLS), user:password@ and redis+sentinel://h1:26379,h2:26379/master/db URLs."""
+        return cls(connect(url, socket_connect_timeout=5, health_check_interval=30))
 
     async def __aenter__(self) -> BatchqClient:
         return self
@@ -157,6 +159,19 @@ class BatchqClient:
         """(result, was_chat) in input order: what the OpenAI output format needs."""
         async for pair in store.iter_results(self.redis, batch_id):
             yield pair
+
+    async def retry(
+        self, batch_id: str, *, failed: bool = False, cancelled: bool = False, timed_out: bool = False
+    ) -> RetryReport:
+        """Enqueue the batch's failed / cancelled / timed-out requests again (none chosen: all three) as new
+        attempts; each new result replaces the old one, and a request already being retried is skipped."""
+        flags: tuple[tuple[Selection, bool], ...] = (
+            ("failed", failed),
+            ("cancelled", cancelled),
+            ("timed-out", timed_out),
+        )
+        chosen = [name for name, on in flags if on]
+        return await retry_batch(self.redis, batch_id, finish_reasons(chosen))
 
     async def cancel(self, batch_id: str) -> int:
         return await store.cancel_batch(self.redis, batch_id)

@@ -23,10 +23,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.client import BatchqClient, WaitTimeout
 from producer.contract import BatchStatus, SamplingParams
-from producer.openai_format import openai_line, output_model_and_created
+from producer.openai_format import is_error_line, openai_line, output_model_and_created
 from producer.progress import Progress
 from producer.serde import mask_url
-from producer.store import BatchNotFound
+from producer.store import BatchNotFound, counter_for
 from producer.submit import InputError, new_batch_id
 from producer.workers import NoWorkerWarning
 
@@ -136,17 +136,29 @@ def _open_out(path: str | None) -> Any:
     return open(path, "wb") if path else nullcontext(sys.stdout.buffer)
 
 
-async def _write_results(client: BatchqClient, batch_id: str, path: str | None, fmt: str) -> int:
+async def _write_results(
+    client: BatchqClient,
+    batch_id: str,
+    path: str | None,
+    fmt: str,
+    *,
+    only: str | None = None,
+    errors: str | None = None,
+) -> int:
+    """Write results in input order; `only`: those counted as completed / failed / cancelled; `errors`: a
+    file that takes the failed and cancelled ones (OpenAI's error file), the rest going to `path`."""
     n = 0
     meta = await client.batch_meta(batch_id) if fmt == "openai" else {}
     model, created = output_model_and_created(meta)
-    with _open_out(path) as out:
+    with _open_out(path) as out, open(errors, "wb") if errors else nullcontext(out) as err_out:
         async for result, chat in client.results_with_kind(batch_id):
+            if only is not None and counter_for(result.finish_reason) != only:
+                continue
             if fmt == "openai":
                 line = openai_line(result, chat=chat, batch_id=batch_id, model=model, created=created)
             else:
                 line = result.to_user_json()
-            out.write(line + b"\n")
+            (err_out if is_error_line(result) else out).write(line + b"\n")
             n += 1
         out.flush()
     return n
@@ -222,7 +234,7 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
         return OK
     code, _status = await _wait(client, report.batch_id, args.wait_timeout)
     if code != TIMED_OUT:
-        await _write_results(client, report.batch_id, args.output, args.format)
+        await _write_results(client, report.batch_id, args.output, args.format, errors=args.errors)
     return code
 
 
@@ -256,9 +268,26 @@ async def wait(client: BatchqClient, args: argparse.Namespace) -> int:
 
 async def results(client: BatchqClient, args: argparse.Namespace) -> int:
     s = await client.status(args.batch_id)
-    n = await _write_results(client, args.batch_id, args.output, args.format)
-    if n < s.total:
+    n = await _write_results(
+        client, args.batch_id, args.output, args.format, only=args.only, errors=args.errors
+    )
+    if n < s.total and args.only is None:
         print(f"note: {s.total - n} of {s.total} requests have no result yet", file=sys.stderr)
+    return OK
+
+
+async def retry(client: BatchqClient, args: argparse.Namespace) -> int:
+    report = await client.retry(
+        args.batch_id, failed=args.failed, cancelled=args.cancelled, timed_out=args.timed_out
+    )
+    if args.json:
+        print(orjson.dumps(report.to_dict()).decode())
+    else:
+        print(
+            f"batch {report.batch_id}: {report.enqueued} of {report.selected} selected requests re-enqueued; "
+            f"{report.in_flight} already being retried, {report.not_retryable} not retryable "
+            "(rejected at submit)"
+        )
     return OK
 
 

@@ -288,6 +288,7 @@ class Request(_Strict):
     model: str | None = None
     enqueued_at: float = 0.0
     result_cache: bool = True  # False: compute afresh even when the result cache holds the answer
+    attempt: int = Field(default=0, ge=0)  # 0: as submitted; n: the n-th `producer retry` of this request
 
     @model_validator(mode="after")
     def _one_input(self) -> Request:
@@ -377,6 +378,7 @@ class Result(_Strict):
     cached: bool = False  # answered from the result cache: the stored answer of an identical request
     label_scores: list[LabelScore] | None = None  # `choices` requests: one per label, in request order
     logprobs: ChoiceLogprobs | None = None  # `logprobs` requests: one entry per generated token
+    attempt: int = Field(default=0, ge=0)  # the request's attempt that wrote it (producer retry)
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(mode="json"))
@@ -384,6 +386,8 @@ class Result(_Strict):
     def to_user_json(self) -> bytes:
         """The JSONL output line (docs/architecture.md; no internal fields, no labeling fields not asked for)."""
         exclude = {"index", "worker"}
+        if not self.attempt:
+            exclude.add("attempt")
         if self.label_scores is None:
             exclude.add("label_scores")
         if self.logprobs is None:
@@ -408,6 +412,7 @@ class BatchStatus(_Strict):
     completion_tokens: int
     cached_prompt_tokens: int = 0  # of prompt_tokens, served from workers' prefix caches
     from_result_cache: int = 0  # results answered from the result cache
+    retrying: int = 0  # requests re-enqueued by `producer retry` whose new attempt has no result yet
     created_at: float
     finished_at: float | None = None
     queue: str | None = None
@@ -415,7 +420,9 @@ class BatchStatus(_Strict):
 
     @property
     def done(self) -> int:
-        return self.completed + self.failed + self.cancelled
+        """Requests with a final result. A retried request's old result still counts in completed / failed /
+        cancelled (the counters are the sum of the stored results) but not here until its new attempt ends."""
+        return self.completed + self.failed + self.cancelled - self.retrying
 
 
 # ---- Input lines (docs/architecture.md, "Input"): what a user may write on one JSONL line. ----

@@ -40,12 +40,20 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process. `.url`, `.port`, `.start()`, `.stop()`, `.kill()`."""
 
-    def __init__(self, *, appendonly: bool = True, appendfsync: str = "always", data_dir: str | None = None):
+    def __init__(
+        self,
+        *,
+        appendonly: bool = True,
+        appendfsync: str = "always",
+        data_dir: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.port = free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="batchq-redis-")
         self.dir = data_dir or (self._tmp.name if self._tmp else ".")
         self.appendonly = appendonly
         self.appendfsync = appendfsync
+        self.extra_args = extra_args  # more redis-server options, e.g. ("--replicaof", "127.0.0.1", "6379")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -65,6 +73,7 @@ class RedisServer:
             "--appendfsync", self.appendfsync,
             "--protected-mode", "no",
             "--loglevel", "warning",
+            *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s

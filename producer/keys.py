@@ -48,9 +48,10 @@ def batch_running(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}:running"
 
 
-def job_id(batch_id: str, index: int) -> str:
-    """Deterministic arq job id: resubmitting the same batch enqueues nothing twice."""
-    return f"{job_id_prefix(batch_id)}{index}"
+def job_id(batch_id: str, index: int, attempt: int = 0) -> str:
+    """Deterministic arq job id: resubmitting the same batch enqueues nothing twice. A retry's attempt n > 0
+    gets its own id (`<batch>:<index>.<n>`), so the finishing of an older attempt never touches its job."""
+    return f"{job_id_prefix(batch_id)}{index}" + (f".{attempt}" if attempt else "")
 
 
 def job_id_prefix(batch_id: str) -> str:
@@ -58,9 +59,23 @@ def job_id_prefix(batch_id: str) -> str:
     return f"{batch_id}:"
 
 
-def split_job_id(jid: str) -> tuple[str, int]:
-    batch_id, _, idx = jid.rpartition(":")
-    return batch_id, int(idx)
+def split_job_id(jid: str) -> tuple[str, int, int]:
+    """(batch id, index, attempt) of a job id made by job_id."""
+    batch_id, _, rest = jid.rpartition(":")
+    idx, _, attempt = rest.partition(".")
+    return batch_id, int(idx), int(attempt or 0)
+
+
+def batch_attempts(batch_id: str) -> str:
+    """hash: request index -> its current attempt number, for requests `producer retry` re-enqueued (absent:
+    attempt 0). A result is stored only by its request's current attempt (store.write_result)."""
+    return f"{PREFIX}batch:{batch_id}:attempts"
+
+
+def batch_requests(batch_id: str) -> str:
+    """hash: request index -> the request's queue payload (JSON), kept for requests that ended failed,
+    cancelled or timed out, so that `producer retry` can enqueue them again."""
+    return f"{PREFIX}batch:{batch_id}:requests"
 
 
 def worker_heartbeat(worker_id: str) -> str:

@@ -21,16 +21,53 @@ def output_model_and_created(meta: dict[str, str]) -> tuple[str, int]:
     return model, created
 
 
-def openai_line(result: Result, *, chat: bool, batch_id: str, model: str, created: int) -> bytes:
+# batchq error type -> (HTTP status, OpenAI error type, param) of the line's response. Anything else is the
+# server's fault (a worker died on it, an engine error): 500, server_error.
+_ERRORS: dict[str, tuple[int, str, str | None]] = {
+    "invalid_request": (400, "invalid_request_error", None),
+    "prompt_too_long": (400, "invalid_request_error", "messages"),
+    "kv_capacity": (400, "invalid_request_error", "max_tokens"),
+    "model_mismatch": (404, "invalid_request_error", "model"),
+}
+_SERVER_ERROR = (500, "server_error", None)
+_EXPIRED = "This request could not be executed before the completion window expired."
+
+
+def is_error_line(result: Result) -> bool:
+    """Whether the result goes to OpenAI's error file (failed and cancelled requests) or the output file."""
+    return result.finish_reason in ("error", "cancelled")
+
+
+def openai_line(
+    result: Result, *, chat: bool, batch_id: str, model: str, created: int, expired: bool = False
+) -> bytes:
+    """One OpenAI Batch output line. A failed request answers like the API would have: a non-200 response
+    whose body is an OpenAI error object (code: batchq's error type); a cancelled one gets no response and
+    a top-level error, batch_cancelled (batch_expired when `expired`: the batch ran out of its window)."""
     request_id = keys.job_id(batch_id, result.index)
     line: dict[str, Any] = {"id": f"batch_req_{request_id}", "custom_id": result.id}
-    if result.finish_reason in ("error", "cancelled"):
-        err = result.error
+    err = result.error
+    if result.finish_reason == "cancelled":
         line["response"] = None
-        line["error"] = {
-            "code": err.type if err else result.finish_reason,
-            "message": err.message if err else result.finish_reason,
+        line["error"] = (
+            {"code": "batch_expired", "message": _EXPIRED}
+            if expired
+            else {"code": "batch_cancelled", "message": err.message if err else "the batch was cancelled"}
+        )
+        return orjson.dumps(line)
+    if result.finish_reason == "error":
+        etype = err.type if err else "error"
+        status, kind, param = _ERRORS.get(etype, _SERVER_ERROR)
+        if param == "messages" and not chat:
+            param = "prompt"
+        body = {
+            "message": err.message if err else "request failed",
+            "type": kind,
+            "param": param,
+            "code": etype,
         }
+        line["response"] = {"status_code": status, "request_id": request_id, "body": {"error": body}}
+        line["error"] = None
         return orjson.dumps(line)
     choice: dict[str, Any] = {"index": 0}
     content = result.logprobs.content if result.logprobs is not None else None

@@ -48,6 +48,12 @@ def job_deserializer(raw: bytes) -> dict[str, Any]:
 
 def mask_url(url: str) -> str:
     """The URL with its password (and a lone username-as-password) replaced by ***, for messages and logs."""
+    if url.startswith("redis+sentinel://"):  # several hosts: urlsplit cannot take the netloc apart
+        head, at, rest = url.partition("://")[2].rpartition("@")
+        if not at:
+            return url
+        user, colon, _ = head.partition(":")
+        return f"redis+sentinel://{user + ':***' if colon else '***'}@{rest}"
     try:
         parts = urlsplit(url)
         if parts.password is None and parts.username is None:

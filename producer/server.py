@@ -34,6 +34,7 @@ from producer.batch_object import expires_after
 from producer.batches import BatchStore
 from producer.files import FileStore
 from producer.lua import done
+from producer.redis_url import connect
 from producer.serde import mask_url
 
 log = logging.getLogger("batchq.server")
@@ -189,7 +190,7 @@ def create_app(settings: ServerSettings) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = Redis.from_url(settings.redis_url, socket_connect_timeout=5, health_check_interval=30)
+        redis = connect(settings.redis_url, socket_connect_timeout=5, health_check_interval=30)
         app.state.api = Api(redis, settings)
         try:
             yield

@@ -38,28 +38,59 @@ def counter_for(finish_reason: str) -> str:
     return "completed"
 
 
-# KEYS: meta, results, running, chat. ARGV: index, result json, counter, prompt_tokens, completion_tokens,
-# now, fallback ttl, cached prompt tokens, 1 if answered from the result cache. The batch's own
-# result_ttl_s (set at submit) wins over the caller's fallback.
+# KEYS: meta, results, running, chat, attempts, requests. ARGV: index, result json, counter, prompt_tokens,
+# completion_tokens, now, fallback ttl, cached prompt tokens, 1 if answered from the result cache, attempt,
+# request payload to keep for a retry ('' for none).
+#
+# Only the request's current attempt (attempts hash, absent: 0) may write, once: a late result of an attempt
+# a retry superseded is refused, and so is a second result of the same attempt. A newer attempt replaces the
+# stored result of an older one, taking the old result out of the counters and token totals as it adds its
+# own, so the counters stay the sum of the stored results. `retrying` counts claimed attempts not yet written.
+# The batch's own result_ttl_s (set at submit) wins over the caller's fallback.
 _WRITE_RESULT = LuaScript("""
-if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
+local idx, attempt = ARGV[1], tonumber(ARGV[10])
+if attempt ~= tonumber(redis.call('HGET', KEYS[5], idx) or '0') then return 0 end
+local old = redis.call('HGET', KEYS[2], idx)
+if old then
+  local o = cjson.decode(old)
+  if attempt <= (tonumber(o.attempt) or 0) then return 0 end
+  local c = 'completed'
+  if o.finish_reason == 'error' then c = 'failed' elseif o.finish_reason == 'cancelled' then c = 'cancelled' end
+  local u = o.usage
+  local d = u.prompt_tokens_details
+  -- Subtract with 0 - n: -(0) prints as "-0", which HINCRBY refuses.
+  local out = {prompt_tokens = tonumber(u.prompt_tokens) or 0, completion_tokens = tonumber(u.completion_tokens) or 0,
+               cached_prompt_tokens = type(d) == 'table' and (tonumber(d.cached_tokens) or 0) or 0,
+               from_result_cache = o.cached == true and 1 or 0}
+  out[c] = 1
+  for f, n in pairs(out) do
+    if n ~= 0 then redis.call('HINCRBY', KEYS[1], f, 0 - n) end
+  end
+end
+if attempt > 0 then redis.call('HINCRBY', KEYS[1], 'retrying', -1) end
+redis.call('HSET', KEYS[2], idx, ARGV[2])
+if ARGV[11] ~= '' then redis.call('HSET', KEYS[6], idx, ARGV[11]) elseif attempt > 0 then
+  redis.call('HDEL', KEYS[6], idx)
+end
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5])
 if ARGV[8] ~= '0' then redis.call('HINCRBY', KEYS[1], 'cached_prompt_tokens', ARGV[8]) end
 if ARGV[9] ~= '0' then redis.call('HINCRBY', KEYS[1], 'from_result_cache', 1) end
-redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('SREM', KEYS[3], idx)
 local m = redis.call('HMGET', KEYS[1], 'total', 'completed', 'failed', 'cancelled', 'finished_at',
-                     'result_ttl_s')
+                     'result_ttl_s', 'retrying')
 local ttl = tonumber(m[6]) or tonumber(ARGV[7])
 local total = tonumber(m[1])
-local done = (tonumber(m[2]) or 0) + (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0)
+local done = (tonumber(m[2]) or 0) + (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0) - (tonumber(m[7]) or 0)
 if total == nil or (done >= total and not m[5]) then
   if total ~= nil then redis.call('HSET', KEYS[1], 'finished_at', ARGV[6]) end
-  for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ttl) end
+  for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
 end
 return 1
 """)
+
+RETRYABLE = frozenset({"error", "cancelled", "timeout"})  # finish reasons `producer retry` can select
 
 # KEYS: queue, running. ARGV: job ids then indices (n each). Removes jobs no worker holds yet and
 # returns {index, payload} pairs so the caller can write their "cancelled" results.
@@ -97,19 +128,32 @@ def _int(v: Any) -> int:
     return int(v) if v not in (None, b"", "") else 0
 
 
-async def write_result(
-    redis: Redis, batch_id: str, result: Result, *, ttl_s: int = keys.DEFAULT_RESULT_TTL_S
-) -> bool:
-    """Store `result` once (first write wins) and update the batch counters atomically.
-
-    Returns True if this call stored it, False if a result for that index already existed.
-    """
-    keys_ = [
+def batch_keys(batch_id: str) -> list[str]:
+    """The keys of a batch's state that expire together once it has finished."""
+    return [
         keys.batch_meta(batch_id),
         keys.batch_results(batch_id),
         keys.batch_running(batch_id),
         keys.batch_chat(batch_id),
+        keys.batch_attempts(batch_id),
+        keys.batch_requests(batch_id),
     ]
+
+
+async def write_result(
+    redis: Redis,
+    batch_id: str,
+    result: Result,
+    *,
+    ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
+    request: bytes | None = None,
+) -> bool:
+    """Store `result` once per attempt (`result.attempt`) and update the batch counters atomically.
+
+    Returns True if this call stored it, False if this attempt's result already existed or a retry has
+    superseded the attempt. `request`: the request's queue payload, kept when the result is one a retry
+    can select (RETRYABLE), so that `producer retry` can enqueue it again.
+    """
     args = [
         str(result.index),
         result.to_json(),
@@ -120,12 +164,28 @@ async def write_result(
         ttl_s,
         result.usage.prompt_tokens_details.cached_tokens,
         int(result.cached),
+        result.attempt,
+        request if request is not None and result.finish_reason in RETRYABLE else b"",
     ]
-    return bool(await _WRITE_RESULT(redis, keys_, args))
+    return bool(await _WRITE_RESULT(redis, batch_keys(batch_id), args))
 
 
-async def has_result(redis: Redis, batch_id: str, index: int) -> bool:
-    return bool(await done(redis.hexists(keys.batch_results(batch_id), str(index))))
+async def has_result(redis: Redis, batch_id: str, index: int, attempt: int = 0) -> bool:
+    """True when attempt `attempt` of the request has nothing left to do: its result is stored, or a retry
+    has superseded it (a worker then drops the job without running it)."""
+    results = keys.batch_results(batch_id)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hget(keys.batch_attempts(batch_id), str(index))
+        if attempt:
+            pipe.hget(results, str(index))
+        else:
+            pipe.hexists(results, str(index))
+        current, stored = await pipe.execute()
+    if _int(current) != attempt:
+        return True
+    if not attempt:
+        return bool(stored)
+    return stored is not None and Result.from_json(stored).attempt >= attempt
 
 
 async def mark_running(redis: Redis, batch_id: str, index: int) -> None:
@@ -139,11 +199,12 @@ async def is_cancelled(redis: Redis, batch_id: str) -> bool:
 def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
     m = {_str(k): v for k, v in meta.items()}
     total = _int(m.get("total"))
-    done = sum(_int(m.get(f)) for f in DONE_FIELDS)
+    retrying = _int(m.get("retrying"))
+    done = sum(_int(m.get(f)) for f in DONE_FIELDS) - retrying
     if done >= total:
         state = "cancelled" if _str(m.get(CANCEL_FLAG, b"0")) == "1" else "completed"
     else:
-        state = "running" if done or running else "queued"
+        state = "running" if done or running or retrying else "queued"
     finished = m.get("finished_at")
     return BatchStatus(
         batch_id=batch_id,
@@ -158,6 +219,7 @@ def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
         completion_tokens=_int(m.get("completion_tokens")),
         cached_prompt_tokens=_int(m.get("cached_prompt_tokens")),
         from_result_cache=_int(m.get("from_result_cache")),
+        retrying=retrying,
         created_at=float(m.get("created_at") or 0.0),
         finished_at=float(finished) if finished else None,
         queue=_str(m["queue"]) if m.get("queue") else None,
@@ -203,10 +265,11 @@ async def cancel_batch(redis: Redis, batch_id: str, *, chunk: int = CHUNK) -> in
     meta = keys.batch_meta(batch_id)
     await done(redis.hset(meta, CANCEL_FLAG, "1"))
     queue = status.queue or keys.DEFAULT_QUEUE
+    attempts = {int(k): int(v) for k, v in (await done(redis.hgetall(keys.batch_attempts(batch_id)))).items()}
     cancelled = 0
     for start in range(0, status.total, chunk):
         idx = range(start, min(start + chunk, status.total))
-        args = [keys.job_id(batch_id, i) for i in idx] + [str(i) for i in idx]
+        args = [keys.job_id(batch_id, i, attempts.get(i, 0)) for i in idx] + [str(i) for i in idx]
         out = await _DEQUEUE(redis, [queue, keys.batch_running(batch_id)], args)
         for k in range(0, len(out), 2):
             index, payload = int(out[k]), out[k + 1]
@@ -217,8 +280,11 @@ async def cancel_batch(redis: Redis, batch_id: str, *, chunk: int = CHUNK) -> in
                 finish_reason="cancelled",
                 error=ErrorInfo(type="cancelled", message="batch cancelled before this request started"),
                 metadata=req.get("metadata"),
+                attempt=attempts.get(index, 0),
             )
-            cancelled += await write_result(redis, batch_id, result)
+            cancelled += await write_result(
+                redis, batch_id, result, request=orjson.dumps(req) if req else None
+            )
     return cancelled
 
 

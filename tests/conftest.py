@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
@@ -17,6 +18,9 @@ import redis as sync_redis
 from redis.asyncio import Redis
 
 from producer.embedded_redis import RedisServer
+
+if TYPE_CHECKING:
+    from tests.worker.conftest import Worker
 
 # Test modules share helpers as `tests.<area>.conftest`; the `pytest` script does not put the repo root on
 # sys.path by itself (only `python -m pytest` does), so do it here, once, for every area.
@@ -71,3 +75,49 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
     yield start
     for server in started:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random Llama with SmolLM2's tokenizer: real loading code, fast workers, long contexts."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from tests.tiny_models import tiny_config
+    from worker.models.loader import resolve_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
+    cfg = tiny_config(
+        "llama",
+        vocab_size=len(tok),
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    d = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def shared_worker(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RedisServer, Worker]]:
+    """One worker process on the tiny model and a Redis of its own, shared by the modules that only need
+    requests answered (retry, OpenAI output). Batch ids and prompts of each test are its own."""
+    from tests.worker.conftest import Worker
+
+    with RedisServer(appendonly=False) as server:
+        args = ["--max-num-seqs", "4", "--repetition-repeats", "0", "--lease-s", "2", "--kv-cache-gb", "0.05",
+                "--poll-delay-s", "0.05"]  # fmt: skip
+        worker = Worker(
+            server.url, str(tiny_model_dir), tmp_path_factory.mktemp("shared-worker"), "shared", *args
+        )
+        try:
+            yield server, worker.wait_ready()
+        finally:
+            worker.stop()

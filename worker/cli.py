@@ -106,11 +106,10 @@ def _serve(cfg: WorkerConfig) -> int:
 
 
 async def _check(cfg: WorkerConfig, worker_id: str | None) -> int:
-    from redis.asyncio import Redis
-
+    from producer.redis_url import connect
     from worker.health import check
 
-    redis = Redis.from_url(cfg.redis_url, socket_connect_timeout=3)
+    redis = connect(cfg.redis_url, socket_connect_timeout=3)
     try:
         ok, msg = await check(redis, cfg.queue, worker_id)
     except Exception as e:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
+import orjson
 from arq.constants import in_progress_key_prefix, retry_key_prefix
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -69,35 +70,48 @@ class JobHandler:
         try:
             req = Request.model_validate(payload)
         except ValidationError as e:
-            batch_id, index = keys.split_job_id(job_id)
+            batch_id, index, attempt = keys.split_job_id(job_id)
             msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
-            await self._store(batch_id, error_result(str(index + 1), index, "invalid_request", msg))
+            result = error_result(str(index + 1), index, "invalid_request", msg)
+            await self._store(batch_id, result.model_copy(update={"attempt": attempt}))
             return "invalid"
-        if await retrying(store.has_result, self.redis, req.batch_id, req.index):
-            return "duplicate"  # ran before (a lease expired while it finished elsewhere): first write won
+        if await retrying(store.has_result, self.redis, req.batch_id, req.index, req.attempt):
+            # Ran before (a lease expired while it finished elsewhere: first write won), or a retry has
+            # superseded this attempt (its result would be refused).
+            return "duplicate"
+        store_ = self._storer(req, payload)
         if job_try > self.cfg.max_tries:
             msg = (
                 f"request failed {self.cfg.max_tries} times: a worker died or was killed while running it "
                 f"(max_tries={self.cfg.max_tries})"
             )
-            await self._store(req.batch_id, error_result(req.id, req.index, "max_tries_exceeded", msg, req))
+            await store_(error_result(req.id, req.index, "max_tries_exceeded", msg, req))
             return "max_tries"
         if req.model is not None and req.model != self.cfg.engine.model:
             msg = f"request is for model {req.model!r} but this worker serves {self.cfg.engine.model!r}"
-            await self._store(req.batch_id, error_result(req.id, req.index, "model_mismatch", msg, req))
+            await store_(error_result(req.id, req.index, "model_mismatch", msg, req))
             return "model_mismatch"
         if await retrying(store.is_cancelled, self.redis, req.batch_id):
-            await self._store(req.batch_id, cancelled_result(req))
+            await store_(cancelled_result(req))
             return "cancelled"
-        return await self._generate(req, job_id)
+        return await self._generate(req, job_id, store_)
 
-    async def _generate(self, req: Request, job_id: str) -> str:
+    def _storer(self, req: Request, payload: Any) -> Callable[[Result], Awaitable[None]]:
+        """Stores a result of this request's attempt, keeping the payload where a retry may need it."""
+        raw = orjson.dumps(payload)
+
+        async def store_(result: Result) -> None:
+            await self._store(req.batch_id, result.model_copy(update={"attempt": req.attempt}), raw)
+
+        return store_
+
+    async def _generate(self, req: Request, job_id: str, store_: Callable[[Result], Awaitable[None]]) -> str:
         picked_at = time.time()
         await retrying(store.mark_running, self.redis, req.batch_id, req.index)
         try:
             ereq = engine_request(req, job_id)
         except ValueError as e:  # the contract admits what the engine refuses: a bug, reported per request
-            await self._store(req.batch_id, error_result(req.id, req.index, "invalid_request", str(e), req))
+            await store_(error_result(req.id, req.index, "invalid_request", str(e), req))
             return "invalid"
         key = key_of(self.result_cache.fingerprint, req) if self.cfg.result_cache else None
         queued_s = max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None
@@ -108,7 +122,7 @@ class JobHandler:
                 result = answer.result(
                     req.id, req.index, req.metadata, timing=timing, worker=self.cfg.worker_id
                 )
-                await self._store(req.batch_id, result)
+                await store_(result)
                 self.from_cache += 1
                 return answer.finish_reason
         self.inflight[job_id] = req.batch_id
@@ -122,7 +136,7 @@ class JobHandler:
         finally:
             self.inflight.pop(job_id, None)
         result = to_result(req, res, queued_s, self.cfg.worker_id)
-        await self._store(req.batch_id, result)
+        await store_(result)
         if key is not None:
             try:
                 await self.result_cache.put(key, result)
@@ -143,8 +157,8 @@ class JobHandler:
             REDIS_ERRORS_SEEN.note("hand_back")
             log.warning("could not hand back %s (%s); its lease will expire", job_id, type(e).__name__)
 
-    async def _store(self, batch_id: str, result: Result) -> None:
-        written = await retrying(self._write, batch_id, result)
+    async def _store(self, batch_id: str, result: Result, request: bytes | None = None) -> None:
+        written = await retrying(self._write, batch_id, result, request)
         if written:
             self.metrics.observe(result)
             if result.finish_reason == "error":
@@ -152,8 +166,9 @@ class JobHandler:
             else:
                 self.completed += 1
 
-    async def _write(self, batch_id: str, result: Result) -> bool:
-        return await store.write_result(self.redis, batch_id, result, ttl_s=int(self.cfg.result_ttl_s))
+    async def _write(self, batch_id: str, result: Result, request: bytes | None) -> bool:
+        ttl = int(self.cfg.result_ttl_s)
+        return await store.write_result(self.redis, batch_id, result, ttl_s=ttl, request=request)
 
     async def poll_cancellations(self) -> None:
         """Running requests of a cancelled batch stop at their next engine step."""

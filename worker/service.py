@@ -10,11 +10,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 from arq.connections import ArqRedis
-from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from producer import keys, serde
+from producer.redis_url import pool_from_url
 from worker import health
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
@@ -30,7 +31,8 @@ class QueueBindingError(RuntimeError):
 
 
 def connect(cfg: WorkerConfig) -> ArqRedis:
-    pool = ConnectionPool.from_url(
+    """The worker's client: redis://, rediss:// or redis+sentinel:// (it follows the master after a failover)."""
+    pool = pool_from_url(
         cfg.redis_url,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=3),
         retry_on_error=[ConnectionError, OSError],

@@ -156,7 +156,13 @@ def test_failures_make_wait_exit_4_and_openai_lines_carry_the_error(redis_url: s
     asyncio.run(finish(redis_url, "b2", [ok(0, "a"), err]))
     assert cli(redis_url, "wait", "b2").returncode == 4
     oa = [orjson.loads(x) for x in cli(redis_url, "results", "b2", "--format", "openai").stdout.splitlines()]
-    assert oa[1]["response"] is None and oa[1]["error"] == {"code": "prompt_too_long", "message": "no"}
+    assert oa[1]["error"] is None and oa[1]["response"]["status_code"] == 400
+    assert oa[1]["response"]["body"]["error"] == {
+        "message": "no",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "prompt_too_long",
+    }
 
 
 def test_cancel_then_wait_exits_4(redis_url: str, tmp_path: Path) -> None:

@@ -183,8 +183,9 @@ def test_the_sync_client_uploads_runs_a_chat_batch_and_downloads_output_and_erro
             assert body.usage is not None
             assert body.usage.completion_tokens == mine["usage"]["completion_tokens"]
         (err,) = output_lines(c, b.error_file_id)
-        assert err["custom_id"] == "too-long" and err["response"] is None
-        assert err["error"]["code"] == "prompt_too_long"
+        assert err["custom_id"] == "too-long" and err["error"] is None
+        assert err["response"]["status_code"] == 400
+        assert err["response"]["body"]["error"]["code"] == "prompt_too_long"
 
         out_file = c.files.retrieve(b.output_file_id)
         assert out_file.purpose == "batch_output" and out_file.expires_at == out_file.created_at + 7200
@@ -316,7 +317,7 @@ def test_cancel_mid_batch_keeps_what_finished_and_reports_the_rest_as_errors(sta
         out = output_lines(c, b.output_file_id)
         errors = output_lines(c, b.error_file_id)
         assert len(out) == done and len(out) + len(errors) == 40
-        assert {x["error"]["code"] for x in errors} == {"cancelled"}
+        assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
         assert all(x["response"]["body"]["usage"]["completion_tokens"] == 30 for x in out)
         with pytest.raises(openai.BadRequestError, match="cancelled"):
             c.batches.cancel(b.id)

@@ -29,32 +29,6 @@ def server() -> Iterator[RedisServer]:
         yield s
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small random Llama with SmolLM2's tokenizer: real loading code, fast workers, long contexts."""
-    import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from tests.tiny_models import tiny_config
-    from worker.models.loader import resolve_checkpoint
-
-    tok = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
-    cfg = tiny_config(
-        "llama",
-        vocab_size=len(tok),
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
 class Worker:
     """A `worker` process (python -m worker.cli) with its log in a file."""
 
