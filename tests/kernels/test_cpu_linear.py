@@ -153,3 +153,22 @@ def test_narrower_instruction_sets_give_the_same_answers(
         ) == 0  # fmt: skip
         want = reference(x, lin.weight.float(), lin.scale, lin.bias)
         torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
+
+
+def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
+    gen = torch.Generator().manual_seed(4)
+    lin = Linear(64, 48, bias=True)
+    lin.load(torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen))
+    lin.quantize(torch.bfloat16)
+    lin.use_native()
+    lin.bf16_gemm_rows = 4
+    small, big = torch.randn(3, 64, generator=gen), torch.randn(4, 64, generator=gen)
+
+    # Below the threshold: linear.c, float32 activations times the stored weight, exactly as the kernel.
+    assert torch.equal(lin(small), native.linear(small, lin.weight, None, lin.bias))
+    # From it on: bf16 activations through torch's GEMM, float32 out, close to the float32-activation answer.
+    got = lin(big)
+    assert got.dtype == torch.float32
+    want = reference(big, lin.weight.float(), None, lin.bias).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+    assert not torch.equal(got, native.linear(big, lin.weight, None, lin.bias))

@@ -57,19 +57,21 @@ def native_gemm_flops(n: int = 1024, reps: int = 4) -> float:
     return 2 * n**3 / best
 
 
-def cpu_auto_dtype() -> torch.dtype:
-    """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32's here, else float32."""
+def cpu_bf16_gemm_speedup() -> float:
+    """bf16 GEMM FLOP/s over float32's (the better of torch's and linear.c's) on this CPU; 0 without oneDNN."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return torch.float32
+        return 0.0
     f32 = max(gemm_flops(torch.float32), native_gemm_flops())
     bf16 = gemm_flops(torch.bfloat16)
-    choice = torch.bfloat16 if bf16 >= BF16_MIN_SPEEDUP * f32 else torch.float32
-    log.info(
-        "dtype auto: CPU matmul %.0f GFLOP/s float32, %.0f bfloat16 -> %s",
-        f32 / 1e9,
-        bf16 / 1e9,
-        str(choice).removeprefix("torch."),
-    )
+    log.info("CPU matmul %.0f GFLOP/s float32, %.0f bfloat16", f32 / 1e9, bf16 / 1e9)
+    return bf16 / f32
+
+
+def cpu_auto_dtype() -> torch.dtype:
+    """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32's here, else float32."""
+    speedup = cpu_bf16_gemm_speedup()
+    choice = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
+    log.info("dtype auto -> %s (bf16 GEMMs %.2fx float32's)", str(choice).removeprefix("torch."), speedup)
     return choice
 
 

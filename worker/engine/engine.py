@@ -18,7 +18,14 @@ import torch
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
-from worker.engine.device import pick_device, pick_dtype, pick_kv_dtype, pick_weight_dtype
+from worker.engine.device import (
+    BF16_MIN_SPEEDUP,
+    cpu_bf16_gemm_speedup,
+    pick_device,
+    pick_dtype,
+    pick_kv_dtype,
+    pick_weight_dtype,
+)
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
@@ -40,6 +47,11 @@ from worker.engine.stop_rules import StopRules
 from worker.kernels import native as native_kernel
 from worker.kernels.backend import select_backend
 from worker.models.loader import LoadedModel, load_model
+
+# bfloat16 weights on a CPU whose bf16 GEMMs are fast: steps of at least this many rows (prompt chunks)
+# take oneDNN's bf16 GEMM, smaller ones (decode) linear.c. 2 Zen 5 cores, 128 requests of the standard
+# workload: 251.5 tok/s against 166.7 with linear.c for every step, batch-1 decode unchanged (91 vs 89).
+BF16_GEMM_ROWS = 64
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +98,7 @@ class Engine:
             attention=model_runner.backend.name,
             native_decode=model_runner.device.type == "cpu" and native_kernel.library() is not None,
             native_linear=loaded.model.lm_head.native,
+            bf16_gemm_rows=loaded.model.lm_head.bf16_gemm_rows,
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
             max_model_len=max_model_len,
@@ -128,6 +141,10 @@ class Engine:
             log.info("linear weights stored as %s", weight_dtype)
         if device.type == "cpu" and dtype == torch.float32 and native_kernel.linear_library() is not None:
             loaded.model.use_native_ops()
+            if weight_dtype == torch.bfloat16 and cpu_bf16_gemm_speedup() >= BF16_MIN_SPEEDUP:
+                # Prompt-sized steps through oneDNN's bf16 GEMM (Zen 4/5, AMX), decode through linear.c.
+                for lin in loaded.model.linears():
+                    lin.bf16_gemm_rows = BF16_GEMM_ROWS
         backend = select_backend(device, cfg.attention_backend)
         kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype)
         if backend.name == "triton" and kv_dtype != dtype:

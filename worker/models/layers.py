@@ -33,6 +33,9 @@ class Linear(nn.Module):
         self.scale: Tensor | None
         self.register_buffer("scale", None)  # [out] float32: int8 weights only
         self.native = False  # set by use_native(): run linear.c on CPU float32 activations
+        # bfloat16 weights: steps of at least this many rows run oneDNN's bf16 GEMM instead (0: never); set
+        # at load where bf16 GEMMs are much faster than float32 ones (device.cpu_auto_dtype's probe)
+        self.bf16_gemm_rows = 0
 
     def use_native(self, on: bool = True) -> None:
         """Run linear.c (on float32 activations) where it takes this weight."""
@@ -41,6 +44,15 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
         if self.native and x.dtype == torch.float32:
+            if (
+                self.bf16_gemm_rows
+                and self.weight.dtype == torch.bfloat16
+                and x.shape[0] >= self.bf16_gemm_rows
+            ):
+                # Prompt-sized steps on a CPU with fast bf16 GEMMs (oneDNN): bf16 activations, float32 out.
+                return F.linear(
+                    x.bfloat16(), self.weight, None if self.bias is None else self.bias.bfloat16()
+                ).float()
             return native.linear(x, self.weight, self.scale, self.bias)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
