@@ -56,7 +56,8 @@ class EngineConfig(BaseModel):
         default="auto",
         description="storage of the linear layers' weights; auto: the compute dtype. CPU with float32 compute "
         "only: bfloat16 halves the bytes a decode step streams, int8 (a scale per output row) quarters them; "
-        "the C linear kernel widens them to float32 as it reads. Both change outputs slightly",
+        "the C linear kernel widens them to float32 as it reads (bfloat16 on CPUs with fast bf16 GEMMs: prompt "
+        "steps take oneDNN's bf16 GEMM). Both change outputs slightly",
     )
     kv_watermark: float = Field(
         default=0.9,
