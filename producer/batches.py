@@ -222,8 +222,8 @@ class BatchStore:
         )  # fmt: skip
         await out.start()
         await err.start()
+        expired = bool(rec.expiring_at)
         async for result, chat in store.iter_results(self.redis, rec.id):
-            expired = bool(rec.expiring_at)
             line = openai_line(
                 result, chat=chat, batch_id=rec.id, model=model, created=created, expired=expired
             )

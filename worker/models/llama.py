@@ -195,7 +195,7 @@ class LlamaFamilyModel(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         # input_ids: [T] -> [T, hidden]
         if self.embed_tokens is None:
-            return self.lm_head.rows(input_ids, self.norm.weight.dtype)
+            return self.lm_head.rows(input_ids, self.dtype)
         return self.embed_tokens(input_ids)
 
     def forward(
