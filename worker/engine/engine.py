@@ -98,6 +98,7 @@ class Engine:
             attention=model_runner.backend.name,
             native_decode=model_runner.device.type == "cpu" and native_kernel.library() is not None,
             native_linear=loaded.model.lm_head.native,
+            native_stack=loaded.model.native and native_kernel.stack_library() is not None,
             bf16_gemm_rows=loaded.model.lm_head.bf16_gemm_rows,
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
@@ -141,6 +142,7 @@ class Engine:
             log.info("linear weights stored as %s", weight_dtype)
         if device.type == "cpu" and dtype == torch.float32 and native_kernel.linear_library() is not None:
             loaded.model.use_native_ops()
+            native_kernel.stack_library()  # build the decode stack now, not in the first decode step
             if weight_dtype == torch.bfloat16 and cpu_bf16_gemm_speedup() >= BF16_MIN_SPEEDUP:
                 # Prompt-sized steps through oneDNN's bf16 GEMM (Zen 4/5, AMX), decode through linear.c.
                 for lin in loaded.model.linears():

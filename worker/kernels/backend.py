@@ -37,12 +37,21 @@ class AttentionBackend:
     paged_decode_attention: Callable[..., Tensor]
     # (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k=new_k, v=new_v)
     paged_prefill_attention: Callable[..., Tensor]
+    # (k_cache, block_tables, context_lens) -> whether this decode step's attention would be the plain C
+    # kernel of paged_decode.c, so that the model may run the whole step in C (decode_stack.c); None:
+    # never
+    plain_native_decode: Callable[[Tensor, Tensor, Tensor], bool] | None = None
 
 
 def torch_backend() -> AttentionBackend:
     attn = TorchAttention()
     return AttentionBackend(
-        "torch", attn.kv_cache_shape, attn.write_kv, attn.paged_decode_attention, attn.paged_prefill_attention
+        "torch",
+        attn.kv_cache_shape,
+        attn.write_kv,
+        attn.paged_decode_attention,
+        attn.paged_prefill_attention,
+        attn.plain_native_decode,
     )
 
 

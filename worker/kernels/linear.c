@@ -94,7 +94,7 @@ static inline float hsum(vf v) {
 /* One mr x nr tile over all of K: mr x rows from x (stride K), nr W rows from w (stride K elements). */
 static inline __attribute__((always_inline)) void tile(
     const float *x, const char *w, float *y, const int K, const int N, const int mr, const int nr,
-    const int elem, const float *wscale, const float *bias
+    const int elem, const float *wscale, const float *bias, const int accumulate
 ) {
     const size_t wrow = (size_t)K * ELEM_BYTES[elem];
     vf acc[MR][NR];
@@ -117,21 +117,23 @@ static inline __attribute__((always_inline)) void tile(
             float s = hsum(acc[i][j]);
             if (wscale) s *= wscale[j];
             if (bias) s += bias[j];
-            y[(size_t)i * N + j] = s;
+            float *out = y + (size_t)i * N + j;
+            *out = accumulate ? *out + s : s; /* accumulate: a residual added as torch's `h + y` would */
         }
 }
 
 /* Constant mr, nr and elem per call site, so each specialisation keeps its accumulators in registers. */
 #define TILE_NR(mr, elem)                                                                              \
     static __attribute__((noinline)) void tile_##mr##_##elem(                                         \
-        const float *x, const char *w, float *y, int K, int N, int nr, const float *s, const float *b \
+        const float *x, const char *w, float *y, int K, int N, int nr, const float *s, const float *b, \
+        int acc                                                                                        \
     ) {                                                                                                \
         switch (nr) {                                                                                  \
-        case 1: tile(x, w, y, K, N, MRC(mr), 1, elem, s, b); break;                                    \
-        case 2: tile(x, w, y, K, N, MRC(mr), 2, elem, s, b); break;                                    \
-        case 3: tile(x, w, y, K, N, MRC(mr), 3 < NR ? 3 : NR, elem, s, b); break;                      \
-        case 4: tile(x, w, y, K, N, MRC(mr), 4 < NR ? 4 : NR, elem, s, b); break;                      \
-        default: tile(x, w, y, K, N, MRC(mr), NR, elem, s, b); break;                                  \
+        case 1: tile(x, w, y, K, N, MRC(mr), 1, elem, s, b, acc); break;                               \
+        case 2: tile(x, w, y, K, N, MRC(mr), 2, elem, s, b, acc); break;                               \
+        case 3: tile(x, w, y, K, N, MRC(mr), 3 < NR ? 3 : NR, elem, s, b, acc); break;                 \
+        case 4: tile(x, w, y, K, N, MRC(mr), 4 < NR ? 4 : NR, elem, s, b, acc); break;                 \
+        default: tile(x, w, y, K, N, MRC(mr), NR, elem, s, b, acc); break;                             \
         }                                                                                              \
     }
 
@@ -143,47 +145,55 @@ TILES(0)
 TILES(1)
 TILES(2)
 
-typedef void (*tile_fn)(const float *, const char *, float *, int, int, int, const float *, const float *);
+typedef void (*tile_fn)(const float *, const char *, float *, int, int, int, const float *, const float *, int);
 static const tile_fn TILE_FNS[3][8] = {
     {tile_1_0, tile_2_0, tile_3_0, tile_4_0, tile_5_0, tile_6_0, tile_7_0, tile_8_0},
     {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1, tile_7_1, tile_8_1},
     {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2, tile_7_2, tile_8_2},
 };
 
+/* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): contiguous ranges of whole
+   NR-row groups of W, so every thread streams its own part of the weight. Called inside a parallel
+   region: by batchq_linear below, and by decode_stack.c for every linear layer of a decode step. */
+void batchq_linear_part(
+    const float *x, const void *w, const float *wscale, const float *bias, float *y, int M, int K, int N,
+    int elem, int t, int nt, int accumulate
+) {
+    const size_t wrow = (size_t)K * ELEM_BYTES[elem];
+    int block = (int)(WBLOCK_BYTES / wrow);
+    block = block < NR ? NR : block - block % NR;
+    const int groups = (N + NR - 1) / NR;
+    const int g0 = (int)((long)groups * t / nt), g1 = (int)((long)groups * (t + 1) / nt);
+    const int n_begin = g0 * NR, n_end = g1 * NR < N ? g1 * NR : N;
+    for (int b0 = n_begin; b0 < n_end; b0 += block) {
+        const int b1 = b0 + block < n_end ? b0 + block : n_end;
+        for (int m0 = 0; m0 < M; m0 += MR) {
+            const int mr = M - m0 < MR ? M - m0 : MR;
+            const tile_fn fn = TILE_FNS[elem][mr - 1];
+            for (int n0 = b0; n0 < b1; n0 += NR) {
+                const int nr = b1 - n0 < NR ? b1 - n0 : NR;
+                fn(x + (size_t)m0 * K, (const char *)w + (size_t)n0 * wrow, y + (size_t)m0 * N + n0, K, N, nr,
+                   wscale ? wscale + n0 : NULL, bias ? bias + n0 : NULL, accumulate);
+            }
+        }
+    }
+}
+
 int batchq_linear(
     const float *x, const void *w, const float *wscale, const float *bias, float *y, int M, int K, int N,
     int elem, int threads
 ) {
     if (K % VL != 0 || elem < 0 || elem > 2) return 1;
-    const size_t wrow = (size_t)K * ELEM_BYTES[elem];
-    int block = (int)(WBLOCK_BYTES / wrow);
-    block = block < NR ? NR : block - block % NR;
     const int nthreads = threads > 0 ? threads : 1;
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
         extern int omp_get_thread_num(void);
         extern int omp_get_num_threads(void);
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        batchq_linear_part(x, w, wscale, bias, y, M, K, N, elem, omp_get_thread_num(), omp_get_num_threads(), 0);
 #else
-        const int t = 0, nt = 1;
+        batchq_linear_part(x, w, wscale, bias, y, M, K, N, elem, 0, 1, 0);
 #endif
-        /* Contiguous ranges of whole NR-row groups: every thread streams its own part of W. */
-        const int groups = (N + NR - 1) / NR;
-        const int g0 = (int)((long)groups * t / nt), g1 = (int)((long)groups * (t + 1) / nt);
-        const int n_begin = g0 * NR, n_end = g1 * NR < N ? g1 * NR : N;
-        for (int b0 = n_begin; b0 < n_end; b0 += block) {
-            const int b1 = b0 + block < n_end ? b0 + block : n_end;
-            for (int m0 = 0; m0 < M; m0 += MR) {
-                const int mr = M - m0 < MR ? M - m0 : MR;
-                const tile_fn fn = TILE_FNS[elem][mr - 1];
-                for (int n0 = b0; n0 < b1; n0 += NR) {
-                    const int nr = b1 - n0 < NR ? b1 - n0 : NR;
-                    fn(x + (size_t)m0 * K, (const char *)w + (size_t)n0 * wrow, y + (size_t)m0 * N + n0, K, N,
-                       nr, wscale ? wscale + n0 : NULL, bias ? bias + n0 : NULL);
-                }
-            }
-        }
     }
     return 0;
 }
@@ -193,35 +203,36 @@ int batchq_linear(
 
    RMSNorm, Hugging Face's float32 formula: y = w * (x * 1/sqrt(mean(x^2) + eps)). x, y: [T, D] rows
    (y may be x). */
+void batchq_rmsnorm_row(const float *x, const float *w, float *y, int D, float eps) {
+    float ss = 0.0f;
+    for (int i = 0; i < D; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int i = 0; i < D; i++) y[i] = w[i] * (x[i] * r);
+}
+
 void batchq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps) {
 #pragma omp parallel for if ((long)T * D > (1L << 16)) schedule(static)
-    for (int t = 0; t < T; t++) {
-        const float *xr = x + (size_t)t * D;
-        float *yr = y + (size_t)t * D;
-        float ss = 0.0f;
-        for (int i = 0; i < D; i++) ss += xr[i] * xr[i];
-        const float r = 1.0f / sqrtf(ss / (float)D + eps);
-        for (int i = 0; i < D; i++) yr[i] = w[i] * (xr[i] * r);
-    }
+    for (int t = 0; t < T; t++) batchq_rmsnorm_row(x + (size_t)t * D, w, y + (size_t)t * D, D, eps);
 }
 
 /* Rotary embedding in place, Hugging Face's rotate-half form: for i < D/2, with a = x[i], b = x[i + D/2],
    x[i] = a cos[i] - b sin[i] and x[i + D/2] = b cos[i + D/2] + a sin[i + D/2]. x: T rows of H heads of D
    floats (row stride, head stride in floats; the heads of a fused QKV output stay where they are);
    cos, sin: [T, D], each token's row. */
+void batchq_rotary_head(float *v, const float *c, const float *s, int D) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
 void batchq_rotary(float *x, int T, int H, long row_stride, long head_stride, const float *cos, const float *sin,
                    int D) {
-    const int half = D / 2;
 #pragma omp parallel for if ((long)T * H * D > (1L << 16)) schedule(static)
-    for (int t = 0; t < T; t++) {
-        const float *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
-        for (int h = 0; h < H; h++) {
-            float *v = x + (size_t)t * row_stride + (size_t)h * head_stride;
-            for (int i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
-        }
-    }
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++)
+            batchq_rotary_head(x + (size_t)t * row_stride + (size_t)h * head_stride, cos + (size_t)t * D,
+                               sin + (size_t)t * D, D);
 }

@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 LINEAR_SOURCE = Path(__file__).with_name("linear.c")
+# decode_stack.c calls into the other two: the three are linked into one library
+STACK_SOURCES = (Path(__file__).with_name("decode_stack.c"), LINEAR_SOURCE, SOURCE)
 MAX_D, MAX_G = 256, 16  # paged_decode.c's limits
 FLAGS = [
     "-O3",
@@ -74,14 +77,16 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build(cc: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The library built from `source` for this machine (extra_flags: e.g. a narrower -march, in tests)."""
+def _build(cc: str, source: Path | tuple[Path, ...], extra_flags: tuple[str, ...] = ()) -> Path:
+    """The library built from `source` (one file, or several linked into one library) for this machine
+    (extra_flags: e.g. a narrower -march, in tests)."""
+    sources = (source,) if isinstance(source, Path) else source
     flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else []) + list(extra_flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(
-        "\0".join([source.read_text(), cc, version, *flags, _cpu_features()]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / "native" / f"{source.stem}-{key}.so"
+    headers = sorted(sources[0].parent.glob("*.h"))  # what the sources #include
+    texts = [f.read_text() for f in (*sources, *headers)]
+    key = hashlib.sha256("\0".join([*texts, cc, version, *flags, _cpu_features()]).encode()).hexdigest()[:16]
+    target = cache_dir() / "native" / f"{sources[0].stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,20 +94,20 @@ def _build(cc: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *flags, str(source), "-o", tmp], capture_output=True, text=True, check=False
+            [cc, *flags, *map(str, sources), "-o", tmp], capture_output=True, text=True, check=False
         )
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {sources[0].name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: another worker sees the whole library or none
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the CPU kernel %s: %s", source.name, target)
+    log.info("built the CPU kernel %s: %s", sources[0].name, target)
     return target
 
 
 @functools.cache
-def _load(source: Path, what: str) -> ctypes.CDLL | None:
+def _load(source: Path | tuple[Path, ...], what: str) -> ctypes.CDLL | None:
     if os.environ.get("BATCHQ_NATIVE_KERNELS", "1") == "0":
         log.info("BATCHQ_NATIVE_KERNELS=0: %s runs on the torch path", what)
         return None
@@ -265,5 +270,191 @@ def rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
 
 def clear_caches() -> None:
     """Forget every loaded library, as a new process would (tests)."""
-    for fn in (_load, library, linear_library):
+    for fn in (_load, library, linear_library, stack_library):
         fn.cache_clear()
+
+
+# --------------------------------------------------------------------------- the fused decode stack
+class _Lin(ctypes.Structure):
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("elem", ctypes.c_int),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Lin),
+        ("o", _Lin),
+        ("gate_up", _Lin),
+        ("down", _Lin),
+        *((name, ctypes.c_void_p) for name in ("ln1", "ln2", "q_norm", "k_norm", "k_cache", "v_cache")),
+    ]
+
+
+class _Spec(ctypes.Structure):
+    _fields_ = [
+        *(
+            (name, ctypes.c_int)
+            for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter")
+        ),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *((name, ctypes.c_int) for name in ("kv_elem", "num_blocks", "block_size")),
+        ("final_norm", ctypes.c_void_p),
+    ]
+
+
+@functools.cache
+def stack_library() -> ctypes.CDLL | None:
+    """The loaded decode stack (decode_stack.c with linear.c and paged_decode.c), or None where it cannot
+    be built or is switched off (BATCHQ_NATIVE_STACK=0 alone, or with the linear kernel)."""
+    if os.environ.get("BATCHQ_NATIVE_STACK", "1") == "0" or linear_library() is None:
+        log.info("the decode stack runs layer by layer")
+        return None
+    lib = _load(STACK_SOURCES, "the decode stack")
+    if lib is None:
+        return None
+    lib.batchq_decode_stack.restype = ctypes.c_int
+    lib.batchq_decode_stack.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 5
+    lib.batchq_decode_stack.argtypes += [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int]
+    lib.batchq_decode_stack_workspace.restype = ctypes.c_long
+    lib.batchq_decode_stack_workspace.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3
+    return lib
+
+
+STACK_CACHE_TYPES = (torch.float32, torch.bfloat16)  # decode_stack.c writes these caches itself
+
+
+@dataclass
+class StackLinear:
+    weight: Tensor  # [out, in]: weight_supported
+    scale: Tensor | None  # [out] float32, int8 weights only
+    bias: Tensor | None  # [out] float32
+
+
+@dataclass
+class StackLayer:
+    qkv: StackLinear  # q, k, v stacked as rows
+    o: StackLinear
+    gate_up: StackLinear  # gate rows, then up rows
+    down: StackLinear
+    input_norm: Tensor  # [hidden] float32
+    post_attention_norm: Tensor
+    q_norm: Tensor | None  # [head_dim] (Qwen3)
+    k_norm: Tensor | None
+    k_cache: Tensor  # [kv_heads, num_blocks, block_size, head_dim] float32 or bfloat16
+    v_cache: Tensor
+
+
+class DecodeStack:
+    """Every layer of a decode step in one call of decode_stack.c: pointers to the weights, norms and caches
+    are gathered once; the call passes the step's rows and metadata. Check `stack_supported` first."""
+
+    def __init__(
+        self,
+        layers: list[StackLayer],
+        final_norm: Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        lib = stack_library()
+        assert lib is not None
+        self._lib = lib
+        self._keep = (layers, final_norm)  # the pointers below stay valid while these live
+        first = layers[0]
+        _, nb, bs, _ = first.k_cache.shape
+        self.hidden = first.input_norm.shape[0]
+        self.spec = _Spec(
+            len(layers), self.hidden, heads, kv_heads, head_dim, first.down.weight.shape[1], eps, scale,
+            ELEMENT_TYPES[first.k_cache.dtype], nb, bs, final_norm.data_ptr(),
+        )  # fmt: skip
+
+        def opt(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        def lin(x: StackLinear) -> _Lin:
+            return _Lin(x.weight.data_ptr(), opt(x.scale), opt(x.bias), WEIGHT_TYPES[x.weight.dtype])
+
+        self.layers = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    lin(x.qkv),
+                    lin(x.o),
+                    lin(x.gate_up),
+                    lin(x.down),
+                    x.input_norm.data_ptr(),
+                    x.post_attention_norm.data_ptr(),
+                    opt(x.q_norm),
+                    opt(x.k_norm),
+                    x.k_cache.data_ptr(),
+                    x.v_cache.data_ptr(),
+                )
+                for x in layers
+            )
+        )
+        self._workspace = torch.empty(0, dtype=torch.float32)
+
+    def __call__(
+        self, h: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, block_tables: Tensor, context_lens: Tensor
+    ) -> Tensor:
+        """h: [M, hidden] float32, the embedded tokens (updated in place: the residual stream); cos, sin:
+        [M, head_dim]; slots: [M] int64; block_tables: [M, W] int32; context_lens: [M] int32.
+        -> [M, hidden]: the final norm of the last layer's output."""
+        m = h.shape[0]
+        threads = torch.get_num_threads()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        max_len = max(int(lens.max()), 1) if m else 1
+        need = self._lib.batchq_decode_stack_workspace(ctypes.byref(self.spec), m, max_len, threads)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(max(need, 2 * self._workspace.numel()), dtype=torch.float32)
+        out = torch.empty(m, self.hidden, dtype=torch.float32)
+        rc = self._lib.batchq_decode_stack(
+            ctypes.byref(self.spec), self.layers, h.data_ptr(), out.data_ptr(), m, cos.data_ptr(),
+            sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], max_len,
+            self._workspace.data_ptr(), threads,
+        )  # fmt: skip
+        assert rc == 0
+        return out
+
+
+def stack_supported(layers: list[StackLayer], heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether decode_stack.c takes these layers: every linear weight_supported, float32 norms, biases and
+    activations' sizes multiples of 16, a float32 or bfloat16 cache in the kv-head-major layout, and
+    paged_decode.c's head limits."""
+    if stack_library() is None or not layers:
+        return False
+    cache = layers[0].k_cache
+    for x in layers:
+        for lin in (x.qkv, x.o, x.gate_up, x.down):
+            if not weight_supported(lin.weight) or (lin.scale is not None) != (
+                lin.weight.dtype == torch.int8
+            ):
+                return False
+            if any(
+                t is not None and (t.dtype != torch.float32 or not t.is_contiguous())
+                for t in (lin.scale, lin.bias)
+            ):
+                return False
+        norms = (x.input_norm, x.post_attention_norm, x.q_norm, x.k_norm)
+        if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in norms):
+            return False
+        caches = (x.k_cache, x.v_cache)
+        if any(
+            c.dtype not in STACK_CACHE_TYPES or not c.is_contiguous() or c.device.type != "cpu"
+            for c in caches
+        ):
+            return False
+        if any(c.shape != cache.shape or c.dtype != cache.dtype for c in caches):
+            return False
+    if cache.shape[0] != kv_heads or cache.shape[3] != head_dim:
+        return False
+    return head_dim % 16 == 0 and head_dim <= MAX_D and heads % kv_heads == 0 and heads // kv_heads <= MAX_G

@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #define MAX_D 256
 #define MAX_G 16
 
@@ -48,26 +50,6 @@ enum { F32 = 0, BF16 = 1, FP8 = 2 }; /* the cache's element type */
 static inline v16 load_row(const char *p, const int elem) {
     return elem == BF16 ? load_bf16((const uint16_t *)p) : elem == FP8 ? load_fp8((const uint8_t *)p)
                                                                        : load_f32((const float *)p);
-}
-
-/* e^x for x <= 0 (scores minus their max): 2^(x log2 e) split as 2^n * 2^f, |f| <= 1/2, with a
-   degree-6 polynomial for 2^f (relative error ~2e-7, float32's own rounding). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.44269504088896341f;
-    float n = __builtin_roundf(t);
-    float f = t - n;
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6180944e-3f;
-    p = p * f + 5.5503324e-2f;
-    p = p * f + 2.4022648e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 static inline float hsum(v16 x) {
@@ -173,6 +155,17 @@ static void task(const Job *job, int b, int kh, float *scores, int elem) {
         task_body(job, b, kh, scores, job->heads / job->kv_heads, job->head_dim, FP8);
     else
         task_body(job, b, kh, scores, job->heads / job->kv_heads, job->head_dim, F32);
+}
+
+/* Task i = (sequence i / kv_heads, kv head i % kv_heads) of batchq_paged_decode, alone: decode_stack.c
+   runs the tasks of every layer inside its own parallel region. scores: G * max_len floats. */
+void batchq_paged_decode_task(const float *q, const void *k, const void *v, float *out,
+                              const int32_t *block_tables, const int32_t *context_lens, int batch, int heads,
+                              int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
+                              int elem, int i, float *scores) {
+    const Job job = {q, k, v, out, NULL, block_tables, context_lens, batch, heads, kv_heads, head_dim,
+                     block_size, num_blocks, width, max_len};
+    task(&job, i / kv_heads, i % kv_heads, scores, elem);
 }
 
 /* lse: NULL, or [batch, heads] floats that receive each row's log-sum-exp of its (scaled) scores, which

@@ -102,8 +102,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., dim] -> [..., dim]
-        if self.native and x.dtype == torch.float32 and x.dim() == 2:
-            return native.rmsnorm(x, self.weight, self.eps)
+        if self.native and x.dtype == torch.float32:  # rows of any shape (Qwen3's per-head norms: 3-D)
+            return native.rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from worker.kernels import native
 from worker.kernels.backend import AttentionBackend
 from worker.models.layers import AttentionMetadata, Linear, RMSNorm, RotaryTable, apply_rotary
 
@@ -159,6 +160,8 @@ class LlamaFamilyModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+        self.native = False  # use_native_ops(): decode steps may run the whole stack in C (decode_stack.c)
+        self._stack: tuple[tuple[int, ...], native.DecodeStack | None] | None = None  # (caches' key, stack)
 
     def attentions(self) -> list[Attention]:
         """Every layer's attention module, in order."""
@@ -181,11 +184,14 @@ class LlamaFamilyModel(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm | Attention):
                 m.native = on
+        self.native = on
+        self._stack = None
 
     def quantize_weights(self, dtype: torch.dtype) -> None:
         """Store every linear weight (the LM head and a tied embedding included) as `dtype`."""
         for lin in self.linears():
             lin.quantize(dtype)
+        self._stack = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -208,12 +214,78 @@ class LlamaFamilyModel(nn.Module):
     ) -> Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         h = self.embed(input_ids)
+        if meta.phase == "decode" and self.native and h.dtype == torch.float32:
+            stack = self.decode_stack(kv_caches, backend, meta, h.shape[0])
+            if stack is not None:  # every layer in one C call (same kernels, without the ops between them)
+                cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+                return stack(h, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens)
         cos, sin = self.rotary(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, backend)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    def decode_stack(
+        self, kv_caches: list[KVCache], backend: AttentionBackend, meta: AttentionMetadata, rows: int
+    ) -> native.DecodeStack | None:
+        """The C decode stack for this step, or None where the layer-by-layer path must run: the stack
+        cannot take these weights or caches (FP8, K/V scales, calibration), the backend's decode
+        attention this step is not its plain C kernel (e.g. cascade attention over a shared prefix), or
+        bfloat16 weights with enough rows for oneDNN's bf16 GEMM."""
+        if backend.plain_native_decode is None or not backend.plain_native_decode(
+            kv_caches[0][0], meta.block_tables, meta.context_lens
+        ):
+            return None
+        if self.lm_head.bf16_gemm_rows and rows >= self.lm_head.bf16_gemm_rows:
+            return None
+        key = (id(kv_caches), *(c.data_ptr() for kv in kv_caches for c in kv))
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, self._build_stack(kv_caches))
+        return self._stack[1]
+
+    def _build_stack(self, kv_caches: list[KVCache]) -> native.DecodeStack | None:
+        s = self.spec
+        layers = []
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.k_scale != 1.0 or attn.v_scale != 1.0 or attn.observed is not None:
+                return None
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(lin.native for lin in projections):
+                return None
+            qkv, o, gate_up, down = (
+                native.StackLinear(lin.weight, lin.scale, lin.bias) for lin in projections
+            )
+            layers.append(
+                native.StackLayer(
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                    input_norm=layer.input_layernorm.weight,
+                    post_attention_norm=layer.post_attention_layernorm.weight,
+                    q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+                    k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+                    k_cache=k_cache,
+                    v_cache=v_cache,
+                )
+            )
+        if not native.stack_supported(layers, s.num_heads, s.num_kv_heads, s.head_dim):
+            return None
+        # the rotary table's rows are read as float32 [positions, head_dim]
+        if self.rotary.cos.dtype != torch.float32 or self.norm.weight.dtype != torch.float32:
+            return None
+        return native.DecodeStack(
+            layers,
+            self.norm.weight,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            s.rms_norm_eps,
+            s.head_dim**-0.5,
+        )
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [B, hidden] -> logits: [B, vocab] float32

@@ -1,0 +1,209 @@
+"""The C decode stack (decode_stack.c): a whole decode step in one call computes what the layer-by-layer
+path computes, for every Llama-family variant, weight and cache dtype it takes, and steps aside where it
+does not apply. Tiny random checkpoints through the production loader; HF parity of the same decode
+steps is tests/engine/test_tiny_models.py's (the engine runs the stack there)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import build_tiny_checkpoint
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.params import GenerationParams
+from worker.engine.request import EngineRequest
+from worker.engine.scheduler import ScheduledBatch
+from worker.kernels import native
+
+pytestmark = pytest.mark.skipif(native.stack_library() is None, reason="no C compiler here")
+
+ARCHS = {
+    "llama-biased": ("llama", {"attention_bias": True, "mlp_bias": True}),  # q/k/v/o and MLP biases
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases only
+    "qwen3": ("qwen3", {"head_dim": 32}),  # per-head q/k RMSNorm, head_dim != hidden / heads
+    "mha": ("llama", {"num_key_value_heads": 4}),  # one query head per kv head
+}
+# contexts from one token to several blocks (block_size 8), so rows straddle block edges
+PROMPTS = [[5], list(range(10, 47)), [200, 100] * 20, [42, 43, 44, 45, 46, 47, 48], list(range(3, 120, 2))]
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch, overrides = ARCHS[request.param]
+    return build_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
+
+
+def load(path: Path, weight_dtype: str = "auto", kv_cache_dtype: str = "auto", **kw: object) -> Engine:
+    cfg = EngineConfig(
+        dtype="float32",
+        model=str(path),
+        kv_cache_gb=0.01,
+        block_size=8,
+        weight_dtype=weight_dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        **kw,  # type: ignore[arg-type]
+    )
+    return Engine.load(cfg)
+
+
+def decode_batch(engine: Engine, prompts: list[list[int]]) -> ScheduledBatch:
+    """Prefill `prompts`, append each one's greedy token, and return the decode step that follows."""
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"p{i}", GenerationParams(max_new_tokens=4), prompt_token_ids=p))
+    engine._intake()
+    prefill = engine.scheduler.schedule()
+    assert prefill is not None and prefill.phase == "prefill" and len(prefill.seqs) == len(prompts)
+    first = engine.model_runner.compute_logits(prefill).argmax(-1).tolist()
+    assert engine.scheduler.computed(prefill) == prefill.seqs
+    for seq, t in zip(prefill.seqs, first, strict=True):
+        seq.output_ids.append(t)
+    batch = engine.scheduler.schedule()
+    assert batch is not None and batch.phase == "decode"
+    return batch
+
+
+def both_paths(engine: Engine, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """The step's logits and KV caches after it, through the stack and layer by layer, each from the
+    same caches."""
+    runner = engine.model_runner
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    stacked = runner.compute_logits(batch)
+    assert runner.model._stack is not None and runner.model._stack[1] is not None, "the stack did not run"
+    caches_stacked = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    backend = runner.backend
+    runner.backend = dataclasses.replace(backend, plain_native_decode=None)
+    try:
+        layered = runner.compute_logits(batch)
+    finally:
+        runner.backend = backend
+    return stacked, layered, caches_stacked, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+
+def new_slots(batch: ScheduledBatch, block_size: int) -> list[tuple[int, int]]:
+    """(block, offset) of each sequence's token written by the step."""
+    out = []
+    for seq, table in zip(batch.seqs, batch.block_tables, strict=True):
+        pos = seq.num_tokens - 1
+        out.append((table[pos // block_size], pos % block_size))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("weight_dtype", "kv_cache_dtype"),
+    [("float32", "auto"), ("float32", "bfloat16"), ("bfloat16", "auto"), ("int8", "bfloat16")],
+)
+def test_stack_computes_the_layer_by_layer_step(
+    checkpoint: Path, weight_dtype: str, kv_cache_dtype: str
+) -> None:
+    engine = load(checkpoint, weight_dtype, kv_cache_dtype)
+    batch = decode_batch(engine, PROMPTS)
+    stacked, layered, caches_s, caches_l = both_paths(engine, batch)
+    # The same kernels in the same order; only the SiLU's exponential differs (by ~1 float32 rounding).
+    torch.testing.assert_close(stacked, layered, rtol=1e-4, atol=1e-4)
+    assert stacked.argmax(-1).tolist() == layered.argmax(-1).tolist()
+    slots = new_slots(batch, 8)
+    for layer, ((ks, vs), (kl, vl)) in enumerate(zip(caches_s, caches_l, strict=True)):
+        for block, off in slots:
+            got = torch.stack([ks[:, block, off], vs[:, block, off]]).float()
+            want = torch.stack([kl[:, block, off], vl[:, block, off]]).float()
+            assert not torch.isnan(got).any()
+            if layer == 0:  # nothing differs before the first MLP: bit for bit
+                assert torch.equal(got, want)
+            else:  # ~1e-7 apart before rounding; a bfloat16 cache may round them one ulp apart
+                tol = 2**-7 if ks.dtype == torch.bfloat16 else 1e-4
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        # the step wrote only its own slots
+        ks_other, kl_other = ks.clone(), kl.clone()
+        for block, off in slots:
+            ks_other[:, block, off] = 0
+            kl_other[:, block, off] = 0
+        assert torch.equal(ks_other.float().nan_to_num(), kl_other.float().nan_to_num())
+
+
+def test_one_sequence_and_many(checkpoint: Path) -> None:
+    """Batch 1 (one thread busy in the per-row phases) and a batch of more rows than threads."""
+    for prompts in ([PROMPTS[1]], [[100 + i, *p] for i in range(4) for p in PROMPTS]):
+        engine = load(checkpoint, max_num_seqs=32, max_num_batched_tokens=4096)
+        batch = decode_batch(engine, prompts)
+        stacked, layered, _, _ = both_paths(engine, batch)
+        torch.testing.assert_close(stacked, layered, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_through_the_stack_equals_layer_by_layer(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def run() -> list[list[int]]:
+        engine = load(checkpoint)
+        reqs = [
+            EngineRequest(f"g{i}", GenerationParams(temperature=0, max_new_tokens=24), prompt_token_ids=p)
+            for i, p in enumerate(PROMPTS)
+        ]
+        return [r.token_ids for r in engine.generate(reqs)]
+
+    stacked = run()
+    monkeypatch.setenv("BATCHQ_NATIVE_STACK", "0")
+    native.stack_library.cache_clear()
+    try:
+        assert native.stack_library() is None
+        layered = run()
+    finally:
+        monkeypatch.delenv("BATCHQ_NATIVE_STACK")
+        native.stack_library.cache_clear()
+    assert stacked == layered
+
+
+def test_fp8_cache_and_k_scales_step_aside(tmp_path: Path) -> None:
+    path = build_tiny_checkpoint(tmp_path / "llama", "llama")
+    engine = load(path, kv_cache_dtype="fp8_e4m3")
+    batch = decode_batch(engine, PROMPTS[:2])
+    logits = engine.model_runner.compute_logits(batch)
+    assert engine.model_runner.model._stack is not None and engine.model_runner.model._stack[1] is None
+    assert torch.isfinite(logits).all()
+
+
+def test_a_shared_prefix_keeps_cascade_attention(tmp_path: Path) -> None:
+    """Sequences holding the same cached prefix blocks decode with cascade attention (faster there), so
+    the step runs layer by layer."""
+    path = build_tiny_checkpoint(tmp_path / "llama", "llama")
+    engine = load(path)
+    shared = list(range(3, 83))  # 80 tokens: 10 full blocks, above cascade's 64-token minimum
+    engine.generate(
+        [EngineRequest("warm", GenerationParams(max_new_tokens=1), prompt_token_ids=[*shared, 9])]
+    )
+    batch = decode_batch(engine, [[*shared, 5, 6], [*shared, 7]])
+    runner = engine.model_runner
+    assert batch.block_tables[0][:10] == batch.block_tables[1][:10]
+    runner.model._stack = None
+    logits = runner.compute_logits(batch)
+    assert runner.model._stack is None  # never consulted: the backend said the step is not plain
+    assert runner.backend.plain_native_decode is not None
+    k_cache = runner.kv_caches[0][0]
+    tables = runner.decode_inputs(batch.seqs, batch.block_tables).meta
+    assert not runner.backend.plain_native_decode(k_cache, tables.block_tables, tables.context_lens)
+    assert torch.isfinite(logits).all()
+
+
+def test_bf16_gemm_rows_take_the_torch_path(tmp_path: Path) -> None:
+    """bfloat16 weights on a CPU with fast bf16 GEMMs: steps of bf16_gemm_rows rows or more run oneDNN's
+    GEMM layer by layer; smaller ones the stack."""
+    path = build_tiny_checkpoint(tmp_path / "llama", "llama")
+    engine = load(path, weight_dtype="bfloat16")
+    model = engine.model_runner.model
+    for lin in model.linears():
+        lin.bf16_gemm_rows = 2
+    engine.model_runner.compute_logits(decode_batch(engine, PROMPTS[:1]))
+    assert model._stack is not None and model._stack[1] is not None
+    engine = load(path, weight_dtype="bfloat16")
+    model = engine.model_runner.model
+    for lin in model.linears():
+        lin.bf16_gemm_rows = 2
+    engine.model_runner.compute_logits(decode_batch(engine, PROMPTS[1:3]))
+    assert model._stack is None

@@ -1,0 +1,197 @@
+/* A whole decode step of a Llama-family decoder on the CPU, every layer in one call.
+
+   Built and loaded by worker/kernels/native.py together with linear.c and paged_decode.c, whose
+   per-thread pieces it calls (batchq_linear_part, batchq_paged_decode_task, the RMSNorm and rotary
+   rows): the arithmetic is theirs, so a step computes what the layer-by-layer path computes, in the same
+   order (the SiLU excepted, see silu_mul).
+
+   Why: at decode sizes the layer-by-layer path spent more time between its kernels than in them. One
+   SmolLM2-135M step at batch 1 with int8 weights was ~1,000 torch ops, ~120 ctypes calls and as many
+   OpenMP fork/joins: 7.2 ms for 106 MB of weights that stream in ~2 ms (issue #21). Here one OpenMP
+   region runs the whole stack; the phases of a layer are separated by barriers (~1 us with 2 threads).
+
+   Per layer, for M decode rows (one token per sequence), h [M, hidden] updated in place:
+     xn = rmsnorm(h)                         rows split over threads
+     qkv = xn Wqkv^T (+ b)                   output columns split (linear.c streams each weight once)
+     q, k: per-head RMSNorm (Qwen3), rotary; q scaled into qs; k, v written to the paged cache
+     att = attention(qs, cache)              (sequence, kv head) tasks, dynamic (paged_decode.c)
+     h += att Wo^T (+ b)                     the residual added in the linear's epilogue
+     xn = rmsnorm(h)
+     gu = xn Wgu^T (+ b); act = silu(gate) * up
+     h += act Wdown^T (+ b)
+   then out = rmsnorm(h) with the final norm.
+
+   Caches: [kv_heads, num_blocks, block_size, head_dim], float32 or bfloat16 (kv_elem 0 or 1; native.py
+   sends FP8 caches and per-tensor K/V scales down the layer-by-layer path). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* linear.c */
+void batchq_linear_part(const float *x, const void *w, const float *wscale, const float *bias, float *y, int M,
+                        int K, int N, int elem, int t, int nt, int accumulate);
+void batchq_rmsnorm_row(const float *x, const float *w, float *y, int D, float eps);
+void batchq_rotary_head(float *v, const float *c, const float *s, int D);
+/* paged_decode.c */
+void batchq_paged_decode_task(const float *q, const void *k, const void *v, float *out,
+                              const int32_t *block_tables, const int32_t *context_lens, int batch, int heads,
+                              int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
+                              int elem, int i, float *scores);
+
+typedef struct {
+    const void *w;       /* [n, k]: float32, bfloat16 or int8 (elem 0, 1, 2: linear.c's) */
+    const float *scale;  /* [n] for int8, else NULL */
+    const float *bias;   /* [n] or NULL */
+    int elem;
+} Lin;
+
+typedef struct {
+    Lin qkv, o, gate_up, down;
+    const float *ln1, *ln2;       /* input_layernorm, post_attention_layernorm: [hidden] */
+    const float *q_norm, *k_norm; /* [head_dim] (Qwen3) or NULL */
+    void *k_cache, *v_cache;
+} Layer;
+
+typedef struct {
+    int num_layers, hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale; /* RMSNorm epsilon; attention's softmax scale */
+    int kv_elem, num_blocks, block_size;
+    const float *final_norm; /* [hidden] */
+} Spec;
+
+#define ALIGN_FLOATS 16 /* every workspace array starts on a 64-byte line */
+
+static long aligned(long n) { return (n + ALIGN_FLOATS - 1) / ALIGN_FLOATS * ALIGN_FLOATS; }
+
+/* The workspace's arrays, in floats, in the order decode_stack lays them out. */
+typedef struct {
+    long xn, qkv, qs, att, gu, act, scores_per_thread;
+} Sizes;
+
+static Sizes sizes(const Spec *s, int M, int max_len) {
+    const long q = (long)s->heads * s->head_dim, kv = (long)s->kv_heads * s->head_dim;
+    Sizes z = {aligned((long)M * s->hidden), aligned(M * (q + 2 * kv)), aligned(M * q), aligned(M * q),
+               aligned(2L * M * s->inter), aligned((long)M * s->inter),
+               aligned((long)(s->heads / s->kv_heads) * (max_len > 0 ? max_len : 1))};
+    return z;
+}
+
+/* The workspace decode_stack needs, in floats. */
+long batchq_decode_stack_workspace(const Spec *s, int M, int max_len, int threads) {
+    const Sizes z = sizes(s, M, max_len);
+    return z.xn + z.qkv + z.qs + z.att + z.gu + z.act + (long)(threads > 0 ? threads : 1) * z.scores_per_thread;
+}
+
+/* float32 -> bfloat16, rounding to nearest even as torch's .to(torch.bfloat16) does. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One head's D values into the cache row of `slot` (block * block_size + offset) of kv head kh. */
+static inline void write_cache(void *cache, const Spec *s, int kh, int64_t slot, const float *x) {
+    const int d = s->head_dim;
+    const size_t row = ((size_t)kh * s->num_blocks * s->block_size + (size_t)slot) * d;
+    if (s->kv_elem == 1) {
+        uint16_t *c = (uint16_t *)cache + row;
+        for (int i = 0; i < d; i++) c[i] = to_bf16(x[i]);
+    } else {
+        memcpy((float *)cache + row, x, sizeof(float) * d);
+    }
+}
+
+/* act[i] = silu(gate[i]) * up[i] over n values. silu(x) = x / (1 + e^-x), written with e = e^-|x| so the
+   exponential's argument is never positive: x / (1 + e) for x >= 0, x e / (1 + e) below. The polynomial
+   exponential vectorises where expf would not (30 x 1,536 of them per token were ~0.4 ms at batch 1); it
+   differs from torch's SiLU by about one float32 rounding. */
+static void silu_mul(const float *gate, const float *up, float *act, long n) {
+#pragma omp simd
+    for (long i = 0; i < n; i++) {
+        const float x = gate[i];
+        const float e = exp_nonpositive(x >= 0.0f ? -x : x);
+        act[i] = (x >= 0.0f ? x : x * e) / (1.0f + e) * up[i];
+    }
+}
+
+/* h: [M, hidden] float32, the embedded tokens in, the last layer's residual stream out; out: [M, hidden]
+   receives rmsnorm(h) with the final norm. cos, sin: [M, head_dim] each row's rotary factors; slots: [M]
+   cache slots of the new tokens; block_tables: [M, width]; context_lens: [M] (this token included);
+   max_len: the largest context; ws: batchq_decode_stack_workspace(...) floats. Returns 0. */
+int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out, int M, const float *cos,
+                        const float *sin, const int64_t *slots, const int32_t *block_tables,
+                        const int32_t *context_lens, int width, int max_len, float *ws, int threads) {
+    const int H = s->heads, KVH = s->kv_heads, D = s->head_dim, I = s->inter, hid = s->hidden;
+    const int q_size = H * D, kv_size = KVH * D, nqkv = q_size + 2 * kv_size;
+    const Sizes z = sizes(s, M, max_len);
+    float *xn = ws, *qkv = xn + z.xn, *qs = qkv + z.qkv, *att = qs + z.qs, *gu = att + z.att, *act = gu + z.gu;
+    float *scores0 = act + z.act;
+    const int nthreads = threads > 0 ? threads : 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int t = 0, nt = 1;
+#endif
+        float *scores = scores0 + (size_t)t * z.scores_per_thread;
+        for (int l = 0; l < s->num_layers; l++) {
+            const Layer *L = layers + l;
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, L->ln1, xn + (size_t)m * hid, hid, s->eps);
+            batchq_linear_part(xn, L->qkv.w, L->qkv.scale, L->qkv.bias, qkv, M, hid, nqkv, L->qkv.elem, t, nt, 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; m++) {
+                float *row = qkv + (size_t)m * nqkv;
+                const float *c = cos + (size_t)m * D, *sn = sin + (size_t)m * D;
+                for (int hh = 0; hh < H; hh++) {
+                    float *qh = row + (size_t)hh * D, *dst = qs + ((size_t)m * H + hh) * D;
+                    if (L->q_norm) batchq_rmsnorm_row(qh, L->q_norm, qh, D, s->eps);
+                    batchq_rotary_head(qh, c, sn, D);
+                    for (int i = 0; i < D; i++) dst[i] = qh[i] * s->scale;
+                }
+                for (int kh = 0; kh < KVH; kh++) {
+                    float *kr = row + q_size + (size_t)kh * D, *vr = row + q_size + kv_size + (size_t)kh * D;
+                    if (L->k_norm) batchq_rmsnorm_row(kr, L->k_norm, kr, D, s->eps);
+                    batchq_rotary_head(kr, c, sn, D);
+                    write_cache(L->k_cache, s, kh, slots[m], kr);
+                    write_cache(L->v_cache, s, kh, slots[m], vr);
+                }
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < M * KVH; i++)
+                batchq_paged_decode_task(qs, L->k_cache, L->v_cache, att, block_tables, context_lens, M, H, KVH, D,
+                                         s->block_size, s->num_blocks, width, max_len, s->kv_elem, i, scores);
+            batchq_linear_part(att, L->o.w, L->o.scale, L->o.bias, h, M, q_size, hid, L->o.elem, t, nt, 1);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, L->ln2, xn + (size_t)m * hid, hid, s->eps);
+            batchq_linear_part(xn, L->gate_up.w, L->gate_up.scale, L->gate_up.bias, gu, M, hid, 2 * I,
+                               L->gate_up.elem, t, nt, 0);
+#pragma omp barrier
+            {
+                /* every thread an equal share of the M * I products */
+                const long n = (long)M * I, a = n * t / nt, b = n * (t + 1) / nt;
+                for (long r = a; r < b;) {
+                    const long m = r / I, i0 = r % I, len = (b - r < I - i0) ? b - r : I - i0;
+                    silu_mul(gu + (size_t)m * 2 * I + i0, gu + (size_t)m * 2 * I + I + i0, act + (size_t)m * I + i0, len);
+                    r += len;
+                }
+            }
+#pragma omp barrier
+            batchq_linear_part(act, L->down.w, L->down.scale, L->down.bias, h, M, I, hid, L->down.elem, t, nt, 1);
+#pragma omp barrier
+        }
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, s->final_norm, out + (size_t)m * hid, hid, s->eps);
+    }
+    return 0;
+}
