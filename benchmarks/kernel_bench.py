@@ -132,17 +132,17 @@ def _best_ms(fn: Callable[[], object], passes: int) -> float:
 def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]]) -> None:
     from worker.kernels import native
 
-    for w, wt, bf16, int8, int8_scale in layers:
+    for w, wt, packed, bf16, int8, int8_scale in layers:
         if kind == "torch F.linear":
             torch.nn.functional.linear(x, w)
         elif kind == "torch x@W[in,out]":
             torch.mm(x, wt)
         elif kind == "C float32":
-            native.linear(x, w, None, None)
+            native.linear(x, packed, None, None, w.shape[0])
         elif kind == "C bfloat16":
-            native.linear(x, bf16, None, None)
+            native.linear(x, bf16, None, None, w.shape[0])
         else:
-            native.linear(x, int8, int8_scale, None)
+            native.linear(x, int8, int8_scale, None, w.shape[0])
 
 
 def machine_bounds(passes: int = 20) -> tuple[float, float, float]:
@@ -156,7 +156,8 @@ def machine_bounds(passes: int = 20) -> tuple[float, float, float]:
     bandwidth = big.numel() * 4 / (_best_ms(big.sum, passes) / 1e3)
     del big
     x, w = torch.randn(1024, 2048), torch.randn(2048, 2048)
-    ours = 2 * 1024 * 2048 * 2048 / (_best_ms(lambda: native.linear(x, w, None, None), 5) / 1e3)
+    packed = native.pack(w)
+    ours = 2 * 1024 * 2048 * 2048 / (_best_ms(lambda: native.linear(x, packed, None, None, 2048), 5) / 1e3)
     return bandwidth, gemm_ceiling("float32"), ours
 
 
@@ -205,9 +206,10 @@ def cpu_linear(args: argparse.Namespace) -> int:
                 lin = Linear(k, n, bias=False)
                 lin.load(w)
                 lin.quantize(dtype)
+                lin.use_native()  # packed for linear.c
                 narrow.append(lin)
             bf16, int8 = narrow
-            layers.append((w, w.t().contiguous(), bf16.weight, int8.weight, int8.scale))
+            layers.append((w, w.t().contiguous(), native.pack(w), bf16.weight, int8.weight, int8.scale))
         for r in rows:
             x = torch.randn(r, k, generator=gen)
             fns = {kind: functools.partial(_linear_pass, kind, x, layers) for kind in kinds}

@@ -1,5 +1,6 @@
-"""The C linear kernel (linear.c) against a float64 reference: every row/column remainder of its tiles,
-with and without bias, float32, bfloat16 and int8 weights; and the Linear layer's choice of path."""
+"""The C linear kernel (linear.c) against a float64 reference: every row/column remainder of its tiles and
+panels, with and without bias, float32, bfloat16 and int8 weights; the packed layout; and the Linear
+layer's choice of path."""
 
 from __future__ import annotations
 
@@ -22,17 +23,17 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias
     return y + bias.double() if bias is not None else y
 
 
-# rows: every remainder of the 4-row tiles and more than one L2 block of W rows; columns: remainders of
-# the 3-/4-row W tiles and of the per-thread split.
+# rows: every remainder of the 6- and 8-row tiles, and many tiles; columns: one column, remainders of the
+# 16-column tiles and 32-column panels, and of the per-thread split; K: any size.
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 33, 70])
-@pytest.mark.parametrize(("k", "n"), [(16, 1), (64, 7), (576, 960), (1536, 577), (48, 4099)])
+@pytest.mark.parametrize(("k", "n"), [(16, 1), (64, 7), (5, 40), (576, 960), (1536, 577), (48, 4099)])
 def test_float32_matches_float64(m: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen) / k**0.5
     bias = torch.randn(n, generator=gen) if n % 2 else None
 
-    y = native.linear(x, w, None, bias)
+    y = native.linear(x, native.pack(w), None, bias, n)
 
     want = reference(x, w, None, bias)
     assert y.shape == (m, n) and y.dtype == torch.float32
@@ -50,11 +51,12 @@ def test_narrow_weights_widen_exactly(dtype: torch.dtype, m: int) -> None:
     lin = Linear(k, n, bias=True)
     lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
     lin.quantize(dtype)
+    lin.use_native()
     assert lin.weight.dtype == dtype and (lin.scale is not None) == (dtype == torch.int8)
 
-    y = native.linear(x, lin.weight, lin.scale, lin.bias)
+    y = native.linear(x, lin.weight, lin.scale, lin.bias, n)
 
-    want = reference(x, lin.weight.float(), lin.scale, lin.bias)
+    want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
     # ... and the torch fallback (F.linear over the dequantized weight) agrees with it.
     torch.testing.assert_close(torch.nn.functional.linear(x, lin.dequantized(torch.float32), lin.bias), y)
@@ -72,14 +74,38 @@ def test_int8_rows_round_to_their_own_scale() -> None:
     assert bool((err <= lin.scale / 2 + 1e-12).all())  # round-to-nearest: half a step per row at most
 
 
-def test_linear_layer_takes_the_kernel_only_where_it_applies() -> None:
+def test_pack_unpack_and_rows_round_trip() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for n, k in ((1, 3), (31, 8), (32, 8), (33, 5), (100, 16)):
+        for dtype in (torch.float32, torch.bfloat16, torch.int8):
+            w = (torch.randn(n, k, generator=gen) * 50).to(dtype)
+            packed = native.pack(w)
+            assert packed.shape == (-(-n // native.PANEL), k, native.PANEL) and packed.dtype == dtype
+            assert native.is_packed(packed, n, k)
+            assert torch.equal(native.unpack(packed, n), w)
+            tail = n - (packed.shape[0] - 1) * native.PANEL
+            assert not packed[-1, :, tail:].float().any()  # the last panel's padding columns are zeros
+            ids = torch.randint(0, n, (7,), generator=gen)
+            assert torch.equal(native.packed_rows(packed, ids), w[ids])
+
+
+def test_linear_layer_packs_for_the_kernel_and_back() -> None:
     gen = torch.Generator().manual_seed(0)
-    lin = Linear(40, 24, bias=False)  # K = 40: not a multiple of 16, so the kernel refuses it
-    lin.load(torch.randn(24, 40, generator=gen))
-    lin.use_native()
+    w, b = torch.randn(24, 40, generator=gen), torch.randn(24, generator=gen)
+    lin = Linear(40, 24, bias=True)
+    lin.load(w, b)
     x = torch.randn(5, 40, generator=gen)
-    assert not lin.native and not native.linear_supports(x, lin.weight)
-    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    want = lin(x)  # F.linear on [out, in]
+    assert torch.equal(want, torch.nn.functional.linear(x, w, b))
+    lin.use_native()
+    assert lin.native and lin.weight.shape == (1, 40, 32) and torch.equal(lin.unpacked(), w)
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 23, 5])
+    assert torch.equal(lin.rows(ids, torch.float32), w[ids])  # a tied embedding's lookup
+    lin.load(w * 2, b)  # loading into a packed layer packs
+    assert torch.equal(lin.unpacked(), w * 2)
+    lin.use_native(False)
+    assert not lin.native and torch.equal(lin.weight, w * 2)
     assert not native.linear_supports(x.bfloat16(), torch.empty(24, 48))  # bfloat16 activations: torch
     assert native.linear_supports(torch.empty(5, 48), torch.empty(24, 48, dtype=torch.bfloat16))
 
@@ -145,13 +171,14 @@ def test_narrower_instruction_sets_give_the_same_answers(
         lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
         if dtype != torch.float32:
             lin.quantize(dtype)
+        lin.use_native()
         y = torch.empty(m, n)
         scale = None if lin.scale is None else lin.scale.data_ptr()
         assert lib.batchq_linear(
             x.data_ptr(), lin.weight.data_ptr(), scale, lin.bias.data_ptr(), y.data_ptr(), m, k, n,
             native.WEIGHT_TYPES[dtype], 2,
         ) == 0  # fmt: skip
-        want = reference(x, lin.weight.float(), lin.scale, lin.bias)
+        want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)
         torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
 
 
@@ -165,10 +192,10 @@ def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
     small, big = torch.randn(3, 64, generator=gen), torch.randn(4, 64, generator=gen)
 
     # Below the threshold: linear.c, float32 activations times the stored weight, exactly as the kernel.
-    assert torch.equal(lin(small), native.linear(small, lin.weight, None, lin.bias))
+    assert torch.equal(lin(small), native.linear(small, lin.weight, None, lin.bias, 48))
     # From it on: bf16 activations through torch's GEMM, float32 out, close to the float32-activation answer.
     got = lin(big)
     assert got.dtype == torch.float32
-    want = reference(big, lin.weight.float(), None, lin.bias).float()
+    want = reference(big, lin.unpacked().float(), None, lin.bias).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
-    assert not torch.equal(got, native.linear(big, lin.weight, None, lin.bias))
+    assert not torch.equal(got, native.linear(big, lin.weight, None, lin.bias, 48))

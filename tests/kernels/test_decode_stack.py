@@ -106,8 +106,10 @@ def test_stack_computes_the_layer_by_layer_step(
     engine = load(checkpoint, weight_dtype, kv_cache_dtype)
     batch = decode_batch(engine, PROMPTS)
     stacked, layered, caches_s, caches_l = both_paths(engine, batch)
-    # The same kernels in the same order; only the SiLU's exponential differs (by ~1 float32 rounding).
-    torch.testing.assert_close(stacked, layered, rtol=1e-4, atol=1e-4)
+    # The same kernels in the same order; only the SiLU's exponential differs (by ~1 float32 rounding),
+    # which a bfloat16 cache may round to values one bfloat16 step apart in later layers.
+    tol = 1e-2 if kv_cache_dtype == "bfloat16" else 1e-4
+    torch.testing.assert_close(stacked, layered, rtol=tol, atol=tol)
     assert stacked.argmax(-1).tolist() == layered.argmax(-1).tolist()
     slots = new_slots(batch, 8)
     for layer, ((ks, vs), (kl, vl)) in enumerate(zip(caches_s, caches_l, strict=True)):

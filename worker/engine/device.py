@@ -47,12 +47,12 @@ def native_gemm_flops(n: int = 1024, reps: int = 4) -> float:
 
     if native.linear_library() is None:
         return 0.0
-    a, w = torch.randn(n, n), torch.randn(n, n)
-    native.linear(a, w, None, None)
+    a, w = torch.randn(n, n), native.pack(torch.randn(n, n))
+    native.linear(a, w, None, None, n)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        native.linear(a, w, None, None)
+        native.linear(a, w, None, None, n)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 

@@ -1,22 +1,26 @@
-/* y = x W^T (+ bias) for the CPU at decode sizes: each weight row streamed from memory once per call.
+/* y = x W^T (+ bias) for the CPU: the linear layers of every step, decode-sized or prompt-sized.
 
    Built and loaded by worker/kernels/native.py (cc -O3 -march=native -fopenmp), like paged_decode.c.
 
-   x: [M, K] float32 (rows contiguous); W: [N, K] in nn.Linear's layout (row n = output n), float32,
-   bfloat16, or int8 with a float32 scale per output row (wscale); bias: [N] float32 or NULL;
-   y: [M, N] float32. K must be a multiple of 16 (native.py checks).
+   x: [M, K] float32 (rows contiguous); bias: [N] float32 or NULL; y: [M, N] float32. W, the [N, K]
+   weight of nn.Linear, is stored packed in panels of PANEL output columns (native.pack): panel p holds
+   columns p*PANEL .. p*PANEL+PANEL-1 as K rows of PANEL contiguous elements, [ceil(N/PANEL), K, PANEL],
+   the last panel zero-padded; float32, bfloat16, or int8 with a float32 scale per output (wscale).
 
-   Why not torch: at the row counts of decode steps (1-64) MKL's sgemm runs far below the machine's
-   memory bandwidth, and worse on AMD than on Intel (issue #21's table: the 576 x 49,152 LM head at
-   M = 8 takes 50 ms on a Zen 3 EPYC where streaming its 113 MB once takes 3.4-4.7 ms).
+   Why not torch: at the row counts of decode steps (1-64) MKL's sgemm ran far below the machine's memory
+   bandwidth, worse on AMD than on Intel (issue #21's table: the 576 x 49,152 LM head at M = 8 took 50 ms
+   on a Zen 3 EPYC where streaming its 113 MB once takes 3.4-4.7 ms), and at prompt sizes this kernel
+   also runs ~2.5x MKL's float32 rate on AMD (2 Zen 5 cores: ~510 against ~200 GFLOP/s).
 
-   How: every output y[m, n] is a dot product of x row m and W row n, accumulated in vectors along K
-   and reduced once at the end. Threads (torch's OpenMP pool) split the N rows of W into contiguous
-   ranges. A thread walks its range in blocks of W rows small enough to stay in L2 (WBLOCK_BYTES) and,
-   for each block, every tile of MR x rows against NR W rows: a block is read from memory once and from
-   L2 for the other tiles, and the MR x NR accumulators stay in registers. float32 accumulation for
-   every weight type; bfloat16 and int8 rows are widened as they are read (int8 times its row's scale
-   after the sum). */
+   How (the register-tiled outer product of GEMM kernels): a tile is MR rows of x against NV vectors of
+   VL output columns. For each k it loads the NV weight vectors of panel row k (widening bfloat16 and
+   int8 to float32) and, for each x row, multiplies them by x[m, k] broadcast (AVX-512 folds the
+   broadcast into the FMA), so MR x NV accumulators stay in registers, need no horizontal sums, and hold
+   finished outputs at the end. A panel is one contiguous stream: threads (torch's OpenMP pool) take
+   contiguous ranges of panels, and each streams its weights from memory once per call; further tiles of
+   x rows read the panel again from L2. float32 accumulation for every weight type (int8 times its
+   column's scale after the sum). The layout and PANEL are the same on every instruction set (only VL, MR
+   and the number of tiles per panel differ), so a packed weight is valid wherever it is loaded. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -24,23 +28,21 @@
 #include <immintrin.h>
 #endif
 
+#define PANEL 32 /* output columns per panel: native.py's PANEL */
+#define NV 2     /* weight vectors per tile and k: a tile's NV * VL columns */
+
 #ifdef __AVX512F__
 #define VL 16 /* floats per vector register */
 #ifndef MR
-#define MR 4 /* x rows per tile */
-#endif
-#ifndef NR
-#define NR 4 /* W rows per tile: MR * NR accumulators + NR weights + 1 x vector <= 32 registers */
+#define MR 8 /* x rows per tile: 16 accumulators + 2 weights of 32 registers (broadcasts fold into FMAs) */
 #endif
 #else
 #define VL 8
 #ifndef MR
-#define MR 4
-#endif
-#ifndef NR
-#define NR 3 /* 12 accumulators + 3 weights + 1 x vector <= 16 registers */
+#define MR 6 /* 12 accumulators + 2 weights + 1 broadcast <= 16 registers */
 #endif
 #endif
+#define TCOLS (NV * VL) /* a tile's columns: the whole panel with AVX-512, half of it with 8-float vectors */
 
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2), aligned(2)));
@@ -51,11 +53,14 @@ typedef int32_t vi32 __attribute__((vector_size(VL * 4)));
 enum { F32 = 0, BF16 = 1, I8 = 2 }; /* the weight's element type */
 
 static const int ELEM_BYTES[] = {4, 2, 1};
-#define WBLOCK_BYTES (96 * 1024)
-/* Each W row is prefetched this far ahead of its loads. Without it, the hardware prefetchers kept too
-   few lines in flight once a tile had 2-8 x rows of work per weight: 2 Zen 5 cores, the 576 x 49,152
-   LM head at 4 rows, 2.7 ms with it, 3.4 ms without (1.9 ms streams the weight once). */
-#define PREFETCH_BYTES 512
+/* Each panel is prefetched this far ahead of its loads (one line per k): the hardware prefetchers alone
+   kept too few lines in flight once a tile had several x rows of work per weight. */
+#define PREFETCH_BYTES 1024
+/* Each output sums KBLOCK products in registers at a time, then adds that partial sum to its total: one
+   sequential float32 sum over all of K (1,536 terms in an MLP) erred ~3x more than MKL's blocked sums. */
+#ifndef KBLOCK
+#define KBLOCK 64
+#endif
 
 /* VL weights widened to float32. The widenings are intrinsics on x86: GCC 12 turns the generic
    __builtin_convertvector of int8 lanes into scalar inserts (int8 weights ran 2x slower than float32). */
@@ -75,72 +80,68 @@ static inline vf load_w(const char *p, const int elem) {
     return *(const vf *)p;
 }
 
-/* The sum of a vector's lanes by halving (log2(VL) shuffles and adds, not VL scalar adds). */
-static inline float hsum(vf v) {
-#if VL == 16
-    typedef float v8f __attribute__((vector_size(32)));
-    v8f h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    typedef float v8f __attribute__((vector_size(32)));
-    v8f h = v;
-#endif
-    typedef float v4f __attribute__((vector_size(16)));
-    v4f q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    q += __builtin_shufflevector(q, q, 2, 3, 0, 1);
-    return q[0] + q[1];
-}
-
-/* One mr x nr tile over all of K: mr x rows from x (stride K), nr W rows from w (stride K elements). */
+/* One tile: mr x rows (stride K) against the cols <= TCOLS columns of a panel starting at w (panel row
+   stride PANEL elements); writes (accumulate: adds to) y rows (stride N) from its first column. scale,
+   bias: the tile's first column's, or NULL. */
 static inline __attribute__((always_inline)) void tile(
-    const float *x, const char *w, float *y, const int K, const int N, const int mr, const int nr,
-    const int elem, const float *wscale, const float *bias, const int accumulate
+    const float *x, const char *w, float *y, const int K, const int N, const int mr, const int cols,
+    const int elem, const float *scale, const float *bias, const int accumulate
 ) {
-    const size_t wrow = (size_t)K * ELEM_BYTES[elem];
-    vf acc[MR][NR];
+    const size_t es = ELEM_BYTES[elem], stride = PANEL * es;
+    vf acc[MR][NV], total[MR][NV];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = (vf){0};
-    for (int k = 0; k < K; k += VL) {
-        vf wv[NR];
-        for (int j = 0; j < nr; j++) {
-            const char *p = w + j * wrow + (size_t)k * ELEM_BYTES[elem];
+        for (int j = 0; j < NV; j++) total[i][j] = (vf){0};
+    for (int k0 = 0; k0 < K; k0 += KBLOCK) {
+        const int k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
+        for (int k = k0; k < k1; k++) {
+            const char *p = w + (size_t)k * stride;
             __builtin_prefetch(p + PREFETCH_BYTES, 0, 0);
-            wv[j] = load_w(p, elem);
+            vf wv[NV];
+            for (int j = 0; j < NV; j++) wv[j] = load_w(p + (size_t)j * VL * es, elem);
+            for (int i = 0; i < mr; i++) {
+                const vf xb = (vf){0} + x[(size_t)i * K + k];
+                for (int j = 0; j < NV; j++) acc[i][j] += xb * wv[j];
+            }
         }
-        for (int i = 0; i < mr; i++) {
-            const vf xv = *(const vf *)(x + (size_t)i * K + k);
-            for (int j = 0; j < nr; j++) acc[i][j] += xv * wv[j];
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < NV; j++) total[i][j] += acc[i][j];
+    }
+    vf (*const acc_out)[NV] = total;
+    for (int i = 0; i < mr; i++) {
+        float *out = y + (size_t)i * N;
+        for (int j = 0; j < NV; j++) {
+            const int c0 = j * VL;
+            vf v = acc_out[i][j];
+            if (cols >= c0 + VL) {
+                if (scale) v *= *(const vf *)(scale + c0);
+                if (bias) v += *(const vf *)(bias + c0);
+                if (accumulate) v += *(const vf *)(out + c0); /* a residual, added as torch's `h + y` */
+                *(vf *)(out + c0) = v;
+            } else {
+                for (int l = 0; l < cols - c0; l++) {
+                    float s = v[l];
+                    if (scale) s *= scale[c0 + l];
+                    if (bias) s += bias[c0 + l];
+                    out[c0 + l] = accumulate ? out[c0 + l] + s : s;
+                }
+            }
         }
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) {
-            float s = hsum(acc[i][j]);
-            if (wscale) s *= wscale[j];
-            if (bias) s += bias[j];
-            float *out = y + (size_t)i * N + j;
-            *out = accumulate ? *out + s : s; /* accumulate: a residual added as torch's `h + y` would */
-        }
 }
 
-/* Constant mr, nr and elem per call site, so each specialisation keeps its accumulators in registers. */
-#define TILE_NR(mr, elem)                                                                              \
-    static __attribute__((noinline)) void tile_##mr##_##elem(                                         \
-        const float *x, const char *w, float *y, int K, int N, int nr, const float *s, const float *b, \
-        int acc                                                                                        \
-    ) {                                                                                                \
-        switch (nr) {                                                                                  \
-        case 1: tile(x, w, y, K, N, MRC(mr), 1, elem, s, b, acc); break;                               \
-        case 2: tile(x, w, y, K, N, MRC(mr), 2, elem, s, b, acc); break;                               \
-        case 3: tile(x, w, y, K, N, MRC(mr), 3 < NR ? 3 : NR, elem, s, b, acc); break;                 \
-        case 4: tile(x, w, y, K, N, MRC(mr), 4 < NR ? 4 : NR, elem, s, b, acc); break;                 \
-        default: tile(x, w, y, K, N, MRC(mr), NR, elem, s, b, acc); break;                             \
-        }                                                                                              \
+/* Constant mr and elem per specialisation, so each keeps its accumulators in registers. */
+#define TILE_FN(mr, elem)                                                                                \
+    static __attribute__((noinline)) void tile_##mr##_##elem(                                           \
+        const float *x, const char *w, float *y, int K, int N, int cols, const float *s, const float *b, \
+        int acc                                                                                          \
+    ) {                                                                                                  \
+        tile(x, w, y, K, N, (mr) < MR ? (mr) : MR, cols, elem, s, b, acc);                               \
     }
-
-#define MRC(mr) ((mr) < MR ? (mr) : MR)
 #define TILES(elem)                                                                                    \
-    TILE_NR(1, elem) TILE_NR(2, elem) TILE_NR(3, elem) TILE_NR(4, elem) TILE_NR(5, elem) TILE_NR(6, elem)   \
-        TILE_NR(7, elem) TILE_NR(8, elem)
+    TILE_FN(1, elem) TILE_FN(2, elem) TILE_FN(3, elem) TILE_FN(4, elem) TILE_FN(5, elem) TILE_FN(6, elem) \
+        TILE_FN(7, elem) TILE_FN(8, elem)
 TILES(0)
 TILES(1)
 TILES(2)
@@ -152,28 +153,26 @@ static const tile_fn TILE_FNS[3][8] = {
     {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2, tile_7_2, tile_8_2},
 };
 
-/* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): contiguous ranges of whole
-   NR-row groups of W, so every thread streams its own part of the weight. Called inside a parallel
-   region: by batchq_linear below, and by decode_stack.c for every linear layer of a decode step. */
+/* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): a contiguous range of panels,
+   each streamed once. Called inside a parallel region: by batchq_linear below, and by decode_stack.c for
+   every linear layer of a decode step. */
 void batchq_linear_part(
     const float *x, const void *w, const float *wscale, const float *bias, float *y, int M, int K, int N,
     int elem, int t, int nt, int accumulate
 ) {
-    const size_t wrow = (size_t)K * ELEM_BYTES[elem];
-    int block = (int)(WBLOCK_BYTES / wrow);
-    block = block < NR ? NR : block - block % NR;
-    const int groups = (N + NR - 1) / NR;
-    const int g0 = (int)((long)groups * t / nt), g1 = (int)((long)groups * (t + 1) / nt);
-    const int n_begin = g0 * NR, n_end = g1 * NR < N ? g1 * NR : N;
-    for (int b0 = n_begin; b0 < n_end; b0 += block) {
-        const int b1 = b0 + block < n_end ? b0 + block : n_end;
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            const int mr = M - m0 < MR ? M - m0 : MR;
-            const tile_fn fn = TILE_FNS[elem][mr - 1];
-            for (int n0 = b0; n0 < b1; n0 += NR) {
-                const int nr = b1 - n0 < NR ? b1 - n0 : NR;
-                fn(x + (size_t)m0 * K, (const char *)w + (size_t)n0 * wrow, y + (size_t)m0 * N + n0, K, N, nr,
-                   wscale ? wscale + n0 : NULL, bias ? bias + n0 : NULL, accumulate);
+    const size_t panel_bytes = (size_t)K * PANEL * ELEM_BYTES[elem];
+    const int panels = (N + PANEL - 1) / PANEL;
+    const int p0 = (int)((long)panels * t / nt), p1 = (int)((long)panels * (t + 1) / nt);
+    for (int p = p0; p < p1; p++) {
+        const char *wp = (const char *)w + (size_t)p * panel_bytes;
+        for (int h = 0; h < PANEL / TCOLS; h++) {
+            const int n0 = p * PANEL + h * TCOLS, cols = N - n0 < TCOLS ? N - n0 : TCOLS;
+            if (cols <= 0) break;
+            for (int m0 = 0; m0 < M; m0 += MR) {
+                const int mr = M - m0 < MR ? M - m0 : MR;
+                TILE_FNS[elem][mr - 1](x + (size_t)m0 * K, wp + (size_t)h * TCOLS * ELEM_BYTES[elem],
+                                       y + (size_t)m0 * N + n0, K, N, cols, wscale ? wscale + n0 : NULL,
+                                       bias ? bias + n0 : NULL, accumulate);
             }
         }
     }
@@ -183,7 +182,7 @@ int batchq_linear(
     const float *x, const void *w, const float *wscale, const float *bias, float *y, int M, int K, int N,
     int elem, int threads
 ) {
-    if (K % VL != 0 || elem < 0 || elem > 2) return 1;
+    if (elem < 0 || elem > 2 || K < 1) return 1;
     const int nthreads = threads > 0 ? threads : 1;
 #pragma omp parallel num_threads(nthreads)
     {

@@ -208,34 +208,64 @@ def linear_library() -> ctypes.CDLL | None:
 
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
+PANEL = 32  # linear.c's PANEL: output columns per panel of a packed weight
+
+
+def pack(weight: Tensor) -> Tensor:
+    """nn.Linear's weight [N, K] -> linear.c's packed layout [ceil(N / PANEL), K, PANEL] (same dtype):
+    panel p holds outputs p * PANEL .. p * PANEL + PANEL - 1, K rows of PANEL contiguous values, zeros
+    past N."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack(packed: Tensor, n: int) -> Tensor:
+    """pack's inverse: [panels, K, PANEL] -> [n, K]."""
+    panels, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(panels * PANEL, k)[:n].contiguous()
+
+
+def packed_rows(packed: Tensor, ids: Tensor) -> Tensor:
+    """Rows `ids` of the unpacked weight [N, K], gathered from the packed one: [T] -> [T, K]."""
+    return packed[ids // PANEL, :, ids % PANEL]
 
 
 def linear_supports(x: Tensor, weight: Tensor) -> bool:
-    """Whether linear.c handles y = x W^T: float32 x on the CPU, a float32, bfloat16 or int8 weight
-    whose input size is a multiple of 16."""
+    """Whether linear.c handles y = x W^T: float32 x on the CPU, a float32, bfloat16 or int8 weight."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and weight_supported(weight)
 
 
 def weight_supported(weight: Tensor) -> bool:
-    """Whether linear.c takes this weight [N, K]: on the CPU, contiguous, float32, bfloat16 or int8,
-    K a multiple of 16."""
+    """Whether linear.c takes this weight [N, K] (once packed): on the CPU, float32, bfloat16 or int8."""
     return (
         weight.device.type == "cpu"
+        and weight.dim() == 2
         and weight.dtype in WEIGHT_TYPES
-        and weight.is_contiguous()
-        and weight.shape[1] % 16 == 0
         and linear_library() is not None
     )
 
 
-def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
-    """y = x W^T (* scale per output) (+ bias). x: [M, K] float32; weight: [N, K] (weight_supported);
-    scale, bias: [N] float32 or None (scale required for int8). -> [M, N] float32. Called once per
+def is_packed(weight: Tensor, n: int, k: int) -> bool:
+    """Whether `weight` is a packed [n, k] weight linear.c can read."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in WEIGHT_TYPES
+        and weight.shape == (-(-n // PANEL), k, PANEL)
+        and weight.is_contiguous()
+    )
+
+
+def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None, n: int) -> Tensor:
+    """y = x W^T (* scale per output) (+ bias). x: [M, K] float32; weight: W [n, K] packed (`pack`);
+    scale, bias: [n] float32 or None (scale required for int8). -> [M, n] float32. Called once per
     linear layer per step, so it checks only what is cheap."""
     lib = linear_library()
     assert lib is not None and (scale is not None) == (weight.dtype == torch.int8)
     m, k = x.shape
-    n = weight.shape[0]
+    assert weight.dim() == 3 and weight.shape[1] == k and weight.shape[0] * PANEL >= n, "pack() the weight"
     x = x.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
     rc = lib.batchq_linear(
@@ -243,7 +273,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None)
         None if bias is None else bias.data_ptr(), out.data_ptr(), m, k, n, WEIGHT_TYPES[weight.dtype],
         torch.get_num_threads(),
     )  # fmt: skip
-    assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {weight.shape[1]}] {weight.dtype}"
+    assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {k}] {weight.dtype}"
     return out
 
 
@@ -330,7 +360,7 @@ STACK_CACHE_TYPES = (torch.float32, torch.bfloat16)  # decode_stack.c writes the
 
 @dataclass
 class StackLinear:
-    weight: Tensor  # [out, in]: weight_supported
+    weight: Tensor  # packed [out, in] (pack)
     scale: Tensor | None  # [out] float32, int8 weights only
     bias: Tensor | None  # [out] float32
 
@@ -427,20 +457,21 @@ class DecodeStack:
 
 
 def stack_supported(layers: list[StackLayer], heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether decode_stack.c takes these layers: every linear weight_supported, float32 norms, biases and
-    activations' sizes multiples of 16, a float32 or bfloat16 cache in the kv-head-major layout, and
-    paged_decode.c's head limits."""
+    """Whether decode_stack.c takes these layers: every linear packed for linear.c in the shape the heads
+    imply, float32 norms, scales and biases, one float32 or bfloat16 cache layout in the kv-head-major
+    order, and paged_decode.c's head limits."""
     if stack_library() is None or not layers:
         return False
     cache = layers[0].k_cache
+    hidden, q_size = layers[0].input_norm.shape[0], heads * head_dim
+    nqkv, inter = q_size + 2 * kv_heads * head_dim, layers[0].down.weight.shape[1]
+    shapes = ((nqkv, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter))
     for x in layers:
-        for lin in (x.qkv, x.o, x.gate_up, x.down):
-            if not weight_supported(lin.weight) or (lin.scale is not None) != (
-                lin.weight.dtype == torch.int8
-            ):
+        for lin, (n, k) in zip((x.qkv, x.o, x.gate_up, x.down), shapes, strict=True):
+            if not is_packed(lin.weight, n, k) or (lin.scale is not None) != (lin.weight.dtype == torch.int8):
                 return False
             if any(
-                t is not None and (t.dtype != torch.float32 or not t.is_contiguous())
+                t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (n,))
                 for t in (lin.scale, lin.bias)
             ):
                 return False

@@ -13,33 +13,47 @@ from worker.kernels import native
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ bias), W stored [out, in] as in nn.Linear and Hugging Face checkpoints.
+    """y = x W^T (+ bias), W [out, in] as in nn.Linear and Hugging Face checkpoints.
 
     On the CPU, with float32 activations, the C kernel of native.py (linear.c) runs every call where it
-    builds: it streams each weight row once and multiplies it with all rows of x from registers. MKL's
-    sgemm, at decode sizes, ran at a third of the memory bandwidth or less on AMD EPYCs (issue #21;
-    `python benchmarks/kernel_bench.py --linear` prints both). Elsewhere (CUDA, bfloat16 compute, no C
-    compiler) F.linear runs, the very op Hugging Face runs.
+    builds (`use_native`): the weight is then stored packed in linear.c's panels of 32 output columns
+    ([ceil(out / 32), in, 32]), each streamed once per call, with the register-tiled outer product of GEMM
+    kernels. MKL's sgemm, at decode sizes, ran at a third of the memory bandwidth or less on AMD EPYCs
+    (issue #21), and at prompt sizes ~2.5x slower than linear.c there (`python benchmarks/kernel_bench.py
+    --linear` prints both). Elsewhere (CUDA, bfloat16 compute, no C compiler) F.linear runs on the
+    [out, in] weight, the very op Hugging Face runs.
 
     `quantize` may store the weight narrower for the C kernel, which widens it to float32 as it reads:
-    bfloat16 (half the bytes) or int8 with a float32 scale per output row (a quarter). Both change
-    outputs slightly, so neither is a default.
+    bfloat16 (half the bytes) or int8 with a float32 scale per output (a quarter). Both change outputs
+    slightly, so neither is a default.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # packed when self.native
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.scale: Tensor | None
         self.register_buffer("scale", None)  # [out] float32: int8 weights only
-        self.native = False  # set by use_native(): run linear.c on CPU float32 activations
+        self.native = False  # set by use_native(): linear.c on CPU float32 activations, weight packed
         # bfloat16 weights: steps of at least this many rows run oneDNN's bf16 GEMM instead (0: never); set
         # at load where bf16 GEMMs are much faster than float32 ones (device.cpu_auto_dtype's probe)
         self.bf16_gemm_rows = 0
 
+    @torch.no_grad()
     def use_native(self, on: bool = True) -> None:
-        """Run linear.c (on float32 activations) where it takes this weight."""
-        self.native = on and native.weight_supported(self.weight)
+        """Run linear.c (on float32 activations) where it takes this weight, packing the weight for it;
+        off: back to the [out, in] weight and F.linear."""
+        if on and not self.native and native.weight_supported(self.weight):
+            self.weight = nn.Parameter(native.pack(self.weight.detach()), requires_grad=False)
+            self.native = True
+        elif not on and self.native:
+            self.weight = nn.Parameter(self.unpacked(), requires_grad=False)
+            self.native = False
+
+    def unpacked(self) -> Tensor:
+        """The weight [out, in] as stored (a copy where it is packed)."""
+        return native.unpack(self.weight, self.out_features) if self.native else self.weight
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
@@ -50,21 +64,23 @@ class Linear(nn.Module):
                 and x.shape[0] >= self.bf16_gemm_rows
             ):
                 # Prompt-sized steps on a CPU with fast bf16 GEMMs (oneDNN): bf16 activations, float32 out.
+                # The [out, in] copy of the weight costs ~15% of such a GEMM at 512 rows.
                 return F.linear(
-                    x.bfloat16(), self.weight, None if self.bias is None else self.bias.bfloat16()
+                    x.bfloat16(), self.unpacked(), None if self.bias is None else self.bias.bfloat16()
                 ).float()
-            return native.linear(x, self.weight, self.scale, self.bias)
+            return native.linear(x, self.weight, self.scale, self.bias, self.out_features)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
-        """The weight in `dtype` (itself where it is stored so)."""
+        """The weight [out, in] in `dtype` (itself where it is stored so, unpacked)."""
+        w = self.unpacked()
         if self.scale is not None:
-            return (self.weight.float() * self.scale[:, None]).to(dtype)
-        return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+            return (w.float() * self.scale[:, None]).to(dtype)
+        return w if w.dtype == dtype else w.to(dtype)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows `ids` of the weight in `dtype`: a tied embedding's lookup. ids: [T] -> [T, in]."""
-        w = F.embedding(ids, self.weight)
+        w = native.packed_rows(self.weight, ids) if self.native else F.embedding(ids, self.weight)
         if self.scale is not None:
             return (w.float() * self.scale[ids, None]).to(dtype)
         return w.to(dtype)
@@ -72,7 +88,7 @@ class Linear(nn.Module):
     @torch.no_grad()
     def load(self, weight: Tensor, bias: Tensor | None = None) -> None:
         """Copy a Hugging Face weight [out, in] (and bias [out])."""
-        self.weight.copy_(weight)
+        self.weight.copy_(native.pack(weight) if self.native else weight)
         if self.bias is not None:
             assert bias is not None, "a biased layer needs its bias"
             self.bias.copy_(bias)
@@ -80,6 +96,8 @@ class Linear(nn.Module):
     @torch.no_grad()
     def quantize(self, dtype: torch.dtype) -> None:
         """Store the weight as bfloat16, or as int8 with a symmetric scale per output row."""
+        packed = self.native
+        self.use_native(False)
         w = self.weight.detach().float()
         if dtype == torch.int8:
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
@@ -88,7 +106,7 @@ class Linear(nn.Module):
         else:
             self.weight = nn.Parameter(w.to(dtype), requires_grad=False)
             self.scale = None
-        self.use_native(self.native)
+        self.use_native(packed)
 
 
 class RMSNorm(nn.Module):
