@@ -73,6 +73,21 @@ def gemm_ceiling(dtype: str, n: int = 2048, reps: int = 10, native: bool = False
     return best
 
 
+def memory_bandwidth(passes: int = 20) -> float:
+    """Bytes/s of reading a 512 MB float32 tensor (torch's sum, all threads): the memory-bandwidth bound's
+    denominator. A VM's figure moves between runs (50-77 GB/s on 2 Zen 5 cores): compare within one run."""
+    import torch
+
+    big = torch.randn(128 * 1024 * 1024)  # far beyond any cache
+    big.sum()
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t0)
+    return big.numel() * 4 / best
+
+
 def enqueue_rate(n: int = 100_000) -> dict[str, Any]:
     """`producer submit` (the real CLI, validation included) on n lines into a local Redis."""
     from producer.embedded_redis import RedisServer
@@ -172,14 +187,27 @@ def table(info: dict[str, Any], rows: list[dict[str, Any]], hf_tps: float | None
         )
     decode = [r for r in rows if r.get("decode_tokens_per_s")]
     if decode:
+        bw = info.get("memory_bandwidth")
         lines += [
             "",
-            "| decode alone (128 new tokens, EOS ignored) | batch 1 tok/s | batch 8 tok/s |",
-            "|---|---:|---:|",
+            "| decode alone (128 new tokens, EOS ignored) | batch 1 tok/s | batch 8 tok/s | batch 16 tok/s "
+            "| step ms at 1 / 8 / 16 | x weight-streaming bound |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for r in decode:
             d = r["decode_tokens_per_s"]
-            lines.append(f"| {r['name']} | {fmt(d.get('1'), '.1f')} | {fmt(d.get('8'), '.1f')} |")
+            steps = [int(b) / d[b] * 1e3 if d.get(b) else None for b in ("1", "8", "16")]
+            bound_ms = r["weight_bytes"] / bw * 1e3 if bw and r.get("weight_bytes") else None
+            lines.append(
+                f"| {r['name']} | {fmt(d.get('1'), '.1f')} | {fmt(d.get('8'), '.1f')} | {fmt(d.get('16'), '.1f')} "
+                f"| {' / '.join(fmt(x, '.1f') for x in steps)} | "
+                + ("-" if bound_ms is None else " / ".join(fmt(x and x / bound_ms, ".2f") for x in steps))
+                + " |"
+            )
+        if bw:
+            lines.append(
+                f"(bound: the step's weight bytes read once at the {bw / 1e9:.0f} GB/s measured in this run)"
+            )
     return "\n".join(lines)
 
 
@@ -212,6 +240,11 @@ def print_findings(info: dict[str, Any]) -> None:
         )
     if "llamacpp" in info:
         print(f"llama.cpp: skipped, {info['llamacpp']}")
+    if "batch1_vs_llamacpp" in info:
+        print(
+            "batch-1 decode / llama.cpp's: "
+            + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in info["batch1_vs_llamacpp"].items())
+        )
     if "greedy_text_equal_to_llamacpp" in info:
         print(f"greedy texts identical to llama.cpp: {info['greedy_text_equal_to_llamacpp']}")
     if "queue_vs_engine" in info:
@@ -324,7 +357,14 @@ def main() -> int:
         info["hf_sweep_tokens_per_s"] = hf["sweep_tokens_per_s"]
     info["kv_cache_dtype"] = {kvd: agreement(engine, r) for kvd, r in narrow.items()}
     info["weight_dtype"] = {wd: agreement(engine, r) for wd, r in weights.items()}
+    info["memory_bandwidth"] = memory_bandwidth()
     if llama is not None:
+        lb1 = llama["decode_tokens_per_s"]["1"]
+        info["batch1_vs_llamacpp"] = {
+            r["name"]: r["decode_tokens_per_s"]["1"] / lb1
+            for r in rows
+            if r.get("weight_bytes") and r.get("decode_tokens_per_s")
+        }
         same = sum(engine["texts"][k] == llama["texts"].get(k) for k in engine["texts"])
         info["greedy_text_equal_to_llamacpp"] = f"{same}/{len(engine['texts'])} (its weights are Q4_1)"
     if queue is not None:

@@ -5,9 +5,9 @@ python benchmarks/contenders.py hf WORKLOAD.jsonl OUT.json --dtype float32
 python benchmarks/contenders.py queue WORKLOAD.jsonl OUT.json --dtype float32
 python benchmarks/contenders.py llamacpp WORKLOAD.jsonl OUT.json   # optional: pip install llama-cpp-python
 
-Besides the workload, the engine, HF and llama.cpp each measure decode alone at batch 1 and batch 8
-(DECODE_TOKENS new tokens after one short chat prompt, EOS ignored): a batch job's tail runs at these
-sizes.
+Besides the workload, the engine and HF each measure decode alone at batch 1, 8 and 16, llama.cpp at
+batch 1 (DECODE_TOKENS new tokens after one short chat prompt, EOS ignored): a batch job's tail runs at
+these sizes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 MODEL = "smollm2-135m"
 DECODE_PROMPT = [{"role": "user", "content": "Count slowly from one to one hundred."}]
 DECODE_TOKENS = 128
-DECODE_BATCHES = (1, 8)
+DECODE_BATCHES = (1, 8, 16)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -129,7 +129,12 @@ def run_engine(
     prompt_len = len(engine.tokenizer(text, add_special_tokens=False).input_ids)
     kv_bytes = kv_bytes_per_token(engine.model_runner.model, engine.model_runner.kv_caches[0][0].dtype)
     pool_mb = engine.stats().kv_blocks_total * engine.cfg.block_size * kv_bytes / 2**20
-    params = sum(p.numel() for p in engine.model_runner.model.parameters())
+    model = engine.model_runner.model
+    linears = model.linears()
+    # packed weights hold padding columns: count the model's own parameters, and the bytes a step streams
+    params = sum(p.numel() for p in model.parameters()) - sum(lin.weight.numel() for lin in linears)
+    params += sum(lin.in_features * lin.out_features for lin in linears)
+    weight_bytes = sum(lin.weight.nbytes + (0 if lin.scale is None else lin.scale.nbytes) for lin in linears)
     flops = workload_flops(engine.model_runner.model, results)
     kv_blocks = engine.stats().kv_blocks_total
     del engine
@@ -151,6 +156,7 @@ def run_engine(
         kv_pool_mb=pool_mb,
         kv_blocks=kv_blocks,
         params=params,
+        weight_bytes=weight_bytes,
         workload_flops=flops,
         decode_tokens_per_s=decode_rates,
     )

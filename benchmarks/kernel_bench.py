@@ -150,11 +150,9 @@ def machine_bounds(passes: int = 20) -> tuple[float, float, float]:
     from worker.kernels import native
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench import gemm_ceiling
+    from bench import gemm_ceiling, memory_bandwidth
 
-    big = torch.randn(128 * 1024 * 1024)  # 512 MB: far beyond any cache
-    bandwidth = big.numel() * 4 / (_best_ms(big.sum, passes) / 1e3)
-    del big
+    bandwidth = memory_bandwidth(passes)
     x, w = torch.randn(1024, 2048), torch.randn(2048, 2048)
     packed = native.pack(w)
     ours = 2 * 1024 * 2048 * 2048 / (_best_ms(lambda: native.linear(x, packed, None, None, 2048), 5) / 1e3)
