@@ -54,10 +54,13 @@ enum { F32 = 0, BF16 = 1, I8 = 2 }; /* the weight's element type */
 
 static const int ELEM_BYTES[] = {4, 2, 1};
 /* A panel is prefetched this far ahead of its loads (every line): the hardware prefetchers alone kept too
-   few lines in flight once a tile had several x rows of work per weight (2 Zen 5 cores, a step's linears
-   at 16 rows: 20.9 ms with one line per panel row prefetched, 15.7 with every line and the next panel's
-   during the second tile). */
-#define PREFETCH_BYTES 1024
+   few lines in flight once a tile had several x rows of work per weight. ~4 KB covers DRAM latency at one
+   core's share of the bandwidth (2 Zen 5 cores, a step's linears at 8 rows: 12.8 ms with 1 KB ahead, 11.0
+   with 4 KB; at 16 rows 20.9 ms with one line per panel row prefetched and no look at the next panel,
+   15.0 with every line and the next panel's prefetched while the second tile rereads this one). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
 /* Each output sums KBLOCK products in registers at a time, then adds that partial sum to its total: one
    sequential float32 sum over all of K (1,536 terms in an MLP) erred ~3x more than MKL's blocked sums. */
 #ifndef KBLOCK
