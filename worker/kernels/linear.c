@@ -29,12 +29,14 @@
 #endif
 
 #define PANEL 32 /* output columns per panel: native.py's PANEL */
-#define NV 2     /* weight vectors per tile and k: a tile's NV * VL columns */
+#ifndef NV
+#define NV 2 /* weight vectors per tile and k: a tile's NV * VL columns */
+#endif
 
 #ifdef __AVX512F__
 #define VL 16 /* floats per vector register */
 #ifndef MR
-#define MR 8 /* x rows per tile: 16 accumulators + 2 weights of 32 registers (broadcasts fold into FMAs) */
+#define MR 12 /* x rows per tile at most: 24 accumulators + 2 weights of 32 registers (broadcasts fold into FMAs) */
 #endif
 #else
 #define VL 8
@@ -147,7 +149,8 @@ static inline __attribute__((always_inline)) void tile(
     }
 #define TILES(elem)                                                                                    \
     TILE_FN(1, elem) TILE_FN(2, elem) TILE_FN(3, elem) TILE_FN(4, elem) TILE_FN(5, elem) TILE_FN(6, elem) \
-        TILE_FN(7, elem) TILE_FN(8, elem)
+        TILE_FN(7, elem) TILE_FN(8, elem) TILE_FN(9, elem) TILE_FN(10, elem) TILE_FN(11, elem) TILE_FN(12, elem) \
+            TILE_FN(13, elem) TILE_FN(14, elem) TILE_FN(15, elem) TILE_FN(16, elem)
 TILES(0)
 TILES(1)
 TILES(2)
@@ -155,11 +158,9 @@ TILES(2)
 typedef void (*tile_fn)(
     const float *, const char *, const char *, float *, int, int, int, const float *, const float *, int
 );
-static const tile_fn TILE_FNS[3][8] = {
-    {tile_1_0, tile_2_0, tile_3_0, tile_4_0, tile_5_0, tile_6_0, tile_7_0, tile_8_0},
-    {tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1, tile_7_1, tile_8_1},
-    {tile_1_2, tile_2_2, tile_3_2, tile_4_2, tile_5_2, tile_6_2, tile_7_2, tile_8_2},
-};
+#define ROW(e) {tile_1_##e, tile_2_##e, tile_3_##e, tile_4_##e, tile_5_##e, tile_6_##e, tile_7_##e, tile_8_##e, \
+                tile_9_##e, tile_10_##e, tile_11_##e, tile_12_##e, tile_13_##e, tile_14_##e, tile_15_##e, tile_16_##e}
+static const tile_fn TILE_FNS[3][16] = {ROW(0), ROW(1), ROW(2)};
 
 /* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): a contiguous range of panels,
    each streamed once. Called inside a parallel region: by batchq_linear below, and by decode_stack.c for
@@ -171,18 +172,19 @@ void batchq_linear_part(
     const size_t panel_bytes = (size_t)K * PANEL * ELEM_BYTES[elem];
     const int panels = (N + PANEL - 1) / PANEL;
     const int p0 = (int)((long)panels * t / nt), p1 = (int)((long)panels * (t + 1) / nt);
+    const int tiles = (M + MR - 1) / MR; /* of balanced sizes: 16 rows are 2 x 8, not 12 + 4 */
     for (int p = p0; p < p1; p++) {
         const char *wp = (const char *)w + (size_t)p * panel_bytes;
         for (int h = 0; h < PANEL / TCOLS; h++) {
             const int n0 = p * PANEL + h * TCOLS, cols = N - n0 < TCOLS ? N - n0 : TCOLS;
             if (cols <= 0) break;
             const char *wt = wp + (size_t)h * TCOLS * ELEM_BYTES[elem];
-            for (int m0 = 0; m0 < M; m0 += MR) {
-                const int mr = M - m0 < MR ? M - m0 : MR;
+            for (int i = 0; i < tiles; i++) {
+                const int m0 = M * i / tiles, mr = M * (i + 1) / tiles - m0;
                 /* The first tile streams the panel from memory, prefetching ahead in it; the second reads it
                    from L2 and prefetches the next panel meanwhile, so memory never waits for the tiles that
                    reuse a panel; later tiles touch their own rows. */
-                const char *pf = m0 == 0 ? wt + PREFETCH_BYTES : m0 == MR && p + 1 < p1 ? wt + panel_bytes : wt;
+                const char *pf = i == 0 ? wt + PREFETCH_BYTES : i == 1 && p + 1 < p1 ? wt + panel_bytes : wt;
                 TILE_FNS[elem][mr - 1](x + (size_t)m0 * K, wt, pf, y + (size_t)m0 * N + n0, K, N, cols,
                                        wscale ? wscale + n0 : NULL, bias ? bias + n0 : NULL, accumulate);
             }
