@@ -88,6 +88,7 @@ def run_engine(
     kv_cache_dtype: str = "auto",
     weight_dtype: str = "auto",
 ) -> dict[str, Any]:
+    from benchmarks.bench import memory_bandwidth
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.kv_pool import kv_bytes_per_token
@@ -124,6 +125,8 @@ def run_engine(
 
     peak_rss = _peak_rss_mb()
     decode_rates = {str(b): engine_decode_rate(engine, b, DECODE_TOKENS) for b in DECODE_BATCHES}
+    # the decode rows' bound, measured right after them: a VM's bandwidth moves within minutes
+    bandwidth = memory_bandwidth()
     prompt = DECODE_PROMPT
     text = engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     prompt_len = len(engine.tokenizer(text, add_special_tokens=False).input_ids)
@@ -157,6 +160,7 @@ def run_engine(
         kv_blocks=kv_blocks,
         params=params,
         weight_bytes=weight_bytes,
+        memory_bandwidth=bandwidth,
         workload_flops=flops,
         decode_tokens_per_s=decode_rates,
     )
