@@ -5,6 +5,7 @@ steps is tests/engine/test_tiny_models.py's (the engine runs the stack there).""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from pathlib import Path
 
@@ -98,7 +99,13 @@ def new_slots(batch: ScheduledBatch, block_size: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize(
     ("weight_dtype", "kv_cache_dtype"),
-    [("float32", "auto"), ("float32", "bfloat16"), ("bfloat16", "auto"), ("int8", "bfloat16")],
+    [
+        ("float32", "auto"),
+        ("float32", "bfloat16"),
+        ("bfloat16", "auto"),
+        ("int8", "bfloat16"),
+        ("float32", "fp8_e4m3"),  # K/V divided by calibrated per-layer scales
+    ],
 )
 def test_stack_computes_the_layer_by_layer_step(
     checkpoint: Path, weight_dtype: str, kv_cache_dtype: str
@@ -108,7 +115,8 @@ def test_stack_computes_the_layer_by_layer_step(
     stacked, layered, caches_s, caches_l = both_paths(engine, batch)
     # The same kernels in the same order; only the SiLU's exponential differs (by ~1 float32 rounding),
     # which a bfloat16 cache may round to values one bfloat16 step apart in later layers.
-    tol = 1e-2 if kv_cache_dtype == "bfloat16" else 1e-4
+    # (an FP8 step is 2^-3 relative: a value one FP8 step apart moves the logits more)
+    tol = {"bfloat16": 1e-2, "fp8_e4m3": 5e-2}.get(kv_cache_dtype, 1e-4)
     torch.testing.assert_close(stacked, layered, rtol=tol, atol=tol)
     assert stacked.argmax(-1).tolist() == layered.argmax(-1).tolist()
     slots = new_slots(batch, 8)
@@ -119,8 +127,8 @@ def test_stack_computes_the_layer_by_layer_step(
             assert not torch.isnan(got).any()
             if layer == 0:  # nothing differs before the first MLP: bit for bit
                 assert torch.equal(got, want)
-            else:  # ~1e-7 apart before rounding; a bfloat16 cache may round them one ulp apart
-                tol = 2**-7 if ks.dtype == torch.bfloat16 else 1e-4
+            else:  # ~1e-7 apart before rounding; a narrow cache may round them one step apart
+                tol = {torch.bfloat16: 2**-7, torch.float8_e4m3fn: 2**-3}.get(ks.dtype, 1e-4)
                 torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         # the step wrote only its own slots
         ks_other, kl_other = ks.clone(), kl.clone()
@@ -162,12 +170,44 @@ def test_generation_through_the_stack_equals_layer_by_layer(
     assert stacked == layered
 
 
-def test_fp8_cache_and_k_scales_step_aside(tmp_path: Path) -> None:
+def test_fp8_rounding_is_torchs() -> None:
+    """decode_stack.c writes FP8 as torch's CPU cast does: nearest even, saturating at +-448."""
+    lib = native.stack_library()
+    assert lib is not None
+    lib.batchq_to_fp8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    gen = torch.Generator().manual_seed(0)
+    patterns = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64)
+    x = torch.cat(
+        [
+            patterns.to(torch.int32).view(torch.float32),  # every exponent, subnormals, inf and NaN
+            torch.randn(1 << 18, generator=gen) * 0.01,  # FP8 subnormals and their rounding
+            torch.randn(1 << 18, generator=gen) * 300,  # the saturating edge
+            torch.tensor(
+                [0.0, -0.0, 448.0, 464.0, 479.99, 480.0, -480.0, 2**-6, 2**-9, 2**-10, float("inf")]
+            ),
+        ]
+    )
+    got = torch.empty(x.numel(), dtype=torch.uint8)
+    lib.batchq_to_fp8(x.data_ptr(), got.data_ptr(), x.numel())
+    want = x.to(torch.float8_e4m3fn)
+    nan = x.isnan()
+    assert torch.equal(got[~nan], want.view(torch.uint8)[~nan])
+    assert got[nan].view(torch.float8_e4m3fn).float().isnan().all()
+
+
+def test_calibration_steps_aside(tmp_path: Path) -> None:
+    """While the FP8 scales are calibrated, every Attention records its K/V: those steps run layer by
+    layer."""
     path = build_tiny_checkpoint(tmp_path / "llama", "llama")
-    engine = load(path, kv_cache_dtype="fp8_e4m3")
+    engine = load(path)
     batch = decode_batch(engine, PROMPTS[:2])
+    model = engine.model_runner.model
+    for a in model.attentions():
+        a.observed = []
+    model._stack = None
     logits = engine.model_runner.compute_logits(batch)
-    assert engine.model_runner.model._stack is not None and engine.model_runner.model._stack[1] is None
+    assert model._stack is not None and model._stack[1] is None
+    assert all(len(a.observed or []) == 1 for a in model.attentions())
     assert torch.isfinite(logits).all()
 
 

@@ -21,8 +21,10 @@
      h += act Wdown^T (+ b)
    then out = rmsnorm(h) with the final norm.
 
-   Caches: [kv_heads, num_blocks, block_size, head_dim], float32 or bfloat16 (kv_elem 0 or 1; native.py
-   sends FP8 caches and per-tensor K/V scales down the layer-by-layer path). */
+   Caches: [kv_heads, num_blocks, block_size, head_dim], float32, bfloat16 or FP8 E4M3 (kv_elem 0, 1, 2:
+   paged_decode.c's), written rounded as torch's .to() rounds. An FP8 cache holds K / k_scale and
+   V / v_scale (per-layer scales, kv_pool.calibrate_kv_scales): q is scaled by the softmax scale times
+   k_scale, and the attention output multiplied by v_scale, as llama.py's Attention does. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -56,11 +58,13 @@ typedef struct {
     const float *ln1, *ln2;       /* input_layernorm, post_attention_layernorm: [hidden] */
     const float *q_norm, *k_norm; /* [head_dim] (Qwen3) or NULL */
     void *k_cache, *v_cache;
+    float q_scale;          /* the softmax scale times k_scale */
+    float k_scale, v_scale; /* the cache holds K / k_scale, V / v_scale (1 but for FP8) */
 } Layer;
 
 typedef struct {
     int num_layers, hidden, heads, kv_heads, head_dim, inter;
-    float eps, scale; /* RMSNorm epsilon; attention's softmax scale */
+    float eps; /* RMSNorm epsilon */
     int kv_elem, num_blocks, block_size;
     const float *final_norm; /* [hidden] */
 } Spec;
@@ -96,13 +100,56 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* One head's D values into the cache row of `slot` (block * block_size + offset) of kv head kh. */
-static inline void write_cache(void *cache, const Spec *s, int kh, int64_t slot, const float *x) {
+/* float32 -> FP8 E4M3 (torch.float8_e4m3fn) as torch's CPU .to() converts: round to nearest even,
+   saturating at +-448 (torch's CPU cast saturates; NaN stays NaN). Checked against torch over random bit
+   patterns in tests/kernels/test_decode_stack.py. */
+static inline uint8_t to_fp8(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u > 0x7F800000u) {
+        r = 0x7F; /* NaN */
+    } else if (u > 0x43E80000u) {
+        r = 0x7E; /* past 464, where 448 would round up to 480, which E4M3FN lacks (its NaN): 448 */
+    } else if (u < (121u << 23)) {
+        /* below 2^-6, the smallest normal: the float addition to 2^-(141-127) rounds the subnormal */
+        const uint32_t magic = 141u << 23;
+        float a, m;
+        memcpy(&a, &u, sizeof a);
+        memcpy(&m, &magic, sizeof m);
+        const float sum = a + m;
+        uint32_t b;
+        memcpy(&b, &sum, sizeof b);
+        r = (uint8_t)(b - magic);
+    } else {
+        const uint32_t odd = (u >> 20) & 1u;
+        u += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
+        r = (uint8_t)(u >> 20);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
+/* Exported for the test against torch: n values converted. */
+void batchq_to_fp8(const float *x, uint8_t *y, long n) {
+    for (long i = 0; i < n; i++) y[i] = to_fp8(x[i]);
+}
+
+/* One head's D values, divided by `div` (a per-tensor scale; 1 leaves them as they are), into the cache
+   row of `slot` (block * block_size + offset) of kv head kh. */
+static inline void write_cache(void *cache, const Spec *s, int kh, int64_t slot, const float *x, float div) {
     const int d = s->head_dim;
     const size_t row = ((size_t)kh * s->num_blocks * s->block_size + (size_t)slot) * d;
-    if (s->kv_elem == 1) {
+    if (s->kv_elem == 2) {
+        uint8_t *c = (uint8_t *)cache + row;
+        for (int i = 0; i < d; i++) c[i] = to_fp8(div != 1.0f ? x[i] / div : x[i]);
+    } else if (s->kv_elem == 1) {
         uint16_t *c = (uint16_t *)cache + row;
-        for (int i = 0; i < d; i++) c[i] = to_bf16(x[i]);
+        for (int i = 0; i < d; i++) c[i] = to_bf16(div != 1.0f ? x[i] / div : x[i]);
+    } else if (div != 1.0f) {
+        float *c = (float *)cache + row;
+        for (int i = 0; i < d; i++) c[i] = x[i] / div;
     } else {
         memcpy((float *)cache + row, x, sizeof(float) * d);
     }
@@ -156,20 +203,25 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
                     float *qh = row + (size_t)hh * D, *dst = qs + ((size_t)m * H + hh) * D;
                     if (L->q_norm) batchq_rmsnorm_row(qh, L->q_norm, qh, D, s->eps);
                     batchq_rotary_head(qh, c, sn, D);
-                    for (int i = 0; i < D; i++) dst[i] = qh[i] * s->scale;
+                    for (int i = 0; i < D; i++) dst[i] = qh[i] * L->q_scale;
                 }
                 for (int kh = 0; kh < KVH; kh++) {
                     float *kr = row + q_size + (size_t)kh * D, *vr = row + q_size + kv_size + (size_t)kh * D;
                     if (L->k_norm) batchq_rmsnorm_row(kr, L->k_norm, kr, D, s->eps);
                     batchq_rotary_head(kr, c, sn, D);
-                    write_cache(L->k_cache, s, kh, slots[m], kr);
-                    write_cache(L->v_cache, s, kh, slots[m], vr);
+                    write_cache(L->k_cache, s, kh, slots[m], kr, L->k_scale);
+                    write_cache(L->v_cache, s, kh, slots[m], vr, L->v_scale);
                 }
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < M * KVH; i++)
+            for (int i = 0; i < M * KVH; i++) {
                 batchq_paged_decode_task(qs, L->k_cache, L->v_cache, att, block_tables, context_lens, M, H, KVH, D,
                                          s->block_size, s->num_blocks, width, max_len, s->kv_elem, i, scores);
+                if (L->v_scale != 1.0f) { /* this task's G heads of output, times v_scale */
+                    float *o = att + ((size_t)(i / KVH) * H + (size_t)(i % KVH) * (H / KVH)) * D;
+                    for (int j = 0; j < (H / KVH) * D; j++) o[j] *= L->v_scale;
+                }
+            }
             batchq_linear_part(att, L->o.w, L->o.scale, L->o.bias, h, M, q_size, hid, L->o.elem, t, nt, 1);
 #pragma omp barrier
 #pragma omp for schedule(static)

@@ -321,6 +321,7 @@ class _Layer(ctypes.Structure):
         ("gate_up", _Lin),
         ("down", _Lin),
         *((name, ctypes.c_void_p) for name in ("ln1", "ln2", "q_norm", "k_norm", "k_cache", "v_cache")),
+        *((name, ctypes.c_float) for name in ("q_scale", "k_scale", "v_scale")),
     ]
 
 
@@ -331,7 +332,6 @@ class _Spec(ctypes.Structure):
             for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter")
         ),
         ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
         *((name, ctypes.c_int) for name in ("kv_elem", "num_blocks", "block_size")),
         ("final_norm", ctypes.c_void_p),
     ]
@@ -355,7 +355,7 @@ def stack_library() -> ctypes.CDLL | None:
     return lib
 
 
-STACK_CACHE_TYPES = (torch.float32, torch.bfloat16)  # decode_stack.c writes these caches itself
+STACK_CACHE_TYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)  # decode_stack.c writes these
 
 
 @dataclass
@@ -375,8 +375,10 @@ class StackLayer:
     post_attention_norm: Tensor
     q_norm: Tensor | None  # [head_dim] (Qwen3)
     k_norm: Tensor | None
-    k_cache: Tensor  # [kv_heads, num_blocks, block_size, head_dim] float32 or bfloat16
+    k_cache: Tensor  # [kv_heads, num_blocks, block_size, head_dim]: float32, bfloat16 or FP8 E4M3
     v_cache: Tensor
+    k_scale: float = 1.0  # the cache holds K / k_scale, V / v_scale (FP8's calibrated scales)
+    v_scale: float = 1.0
 
 
 class DecodeStack:
@@ -391,7 +393,7 @@ class DecodeStack:
         kv_heads: int,
         head_dim: int,
         eps: float,
-        scale: float,
+        scale: float,  # the softmax scale
     ) -> None:
         lib = stack_library()
         assert lib is not None
@@ -401,7 +403,7 @@ class DecodeStack:
         _, nb, bs, _ = first.k_cache.shape
         self.hidden = first.input_norm.shape[0]
         self.spec = _Spec(
-            len(layers), self.hidden, heads, kv_heads, head_dim, first.down.weight.shape[1], eps, scale,
+            len(layers), self.hidden, heads, kv_heads, head_dim, first.down.weight.shape[1], eps,
             ELEMENT_TYPES[first.k_cache.dtype], nb, bs, final_norm.data_ptr(),
         )  # fmt: skip
 
@@ -424,6 +426,9 @@ class DecodeStack:
                     opt(x.k_norm),
                     x.k_cache.data_ptr(),
                     x.v_cache.data_ptr(),
+                    scale * x.k_scale,  # in double, then float32: what llama.py's Attention passes on
+                    x.k_scale,
+                    x.v_scale,
                 )
                 for x in layers
             )
@@ -458,8 +463,8 @@ class DecodeStack:
 
 def stack_supported(layers: list[StackLayer], heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether decode_stack.c takes these layers: every linear packed for linear.c in the shape the heads
-    imply, float32 norms, scales and biases, one float32 or bfloat16 cache layout in the kv-head-major
-    order, and paged_decode.c's head limits."""
+    imply, float32 norms, scales and biases, one float32, bfloat16 or FP8 cache layout in the
+    kv-head-major order, and paged_decode.c's head limits."""
     if stack_library() is None or not layers:
         return False
     cache = layers[0].k_cache

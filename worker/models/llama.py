@@ -230,7 +230,7 @@ class LlamaFamilyModel(nn.Module):
         self, kv_caches: list[KVCache], backend: AttentionBackend, meta: AttentionMetadata, rows: int
     ) -> native.DecodeStack | None:
         """The C decode stack for this step, or None where the layer-by-layer path must run: the stack
-        cannot take these weights or caches (FP8, K/V scales, calibration), the backend's decode
+        cannot take these weights or caches (or the FP8 scales are being calibrated), the backend's decode
         attention this step is not its plain C kernel (e.g. cascade attention over a shared prefix), or
         bfloat16 weights with enough rows for oneDNN's bf16 GEMM."""
         if backend.plain_native_decode is None or not backend.plain_native_decode(
@@ -250,7 +250,7 @@ class LlamaFamilyModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.k_scale != 1.0 or attn.v_scale != 1.0 or attn.observed is not None:
+            if attn.observed is not None:  # calibrating the FP8 scales: Attention records each call
                 return None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(lin.native for lin in projections):
@@ -270,6 +270,8 @@ class LlamaFamilyModel(nn.Module):
                     k_norm=None if attn.k_norm is None else attn.k_norm.weight,
                     k_cache=k_cache,
                     v_cache=v_cache,
+                    k_scale=attn.k_scale,
+                    v_scale=attn.v_scale,
                 )
             )
         if not native.stack_supported(layers, s.num_heads, s.num_kv_heads, s.head_dim):
