@@ -38,9 +38,8 @@ def test_gemm_probe_measures_this_machine() -> None:
     # The real probe, small: both dtypes run and give a plausible rate (above 1 GFLOP/s, below 100 TFLOP/s).
     for dtype in (torch.float32, torch.bfloat16):
         assert 1e9 < device.gemm_flops(dtype, n=256, reps=2) < 1e14
-    assert (
-        device.native_gemm_flops(n=256, reps=2) == 0 or 1e9 < device.native_gemm_flops(n=256, reps=2) < 1e14
-    )
+    native = device.native_gemm_flops(n=256, reps=4)  # one probe, the best of 4 passes
+    assert native == 0 or 1e9 < native < 1e14
 
 
 # Runs in a fresh interpreter: oneDNN reads its cache capacity once, at the process's first matmul.
