@@ -138,18 +138,23 @@ def library() -> ctypes.CDLL | None:
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # paged_decode.c's `elem`
 
 
-def supports(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether the kernel handles this call: CPU tensors, a float32, bfloat16 or FP8 E4M3 cache, head_dim
-    a multiple of 16 up to MAX_D, at most MAX_G query heads per kv head."""
-    kvh, _, _, d = k_cache.shape
+def cache_supported(k_cache: Tensor) -> bool:
+    """Whether the kernel reads this cache [KVH, NB, BS, D]: on the CPU, float32, bfloat16 or FP8 E4M3,
+    head_dim a multiple of 16 up to MAX_D."""
+    d = k_cache.shape[3]
     return (
-        q.device.type == "cpu"
+        k_cache.device.type == "cpu"
         and k_cache.dtype in ELEMENT_TYPES
         and d % 16 == 0
         and d <= MAX_D
-        and q.shape[1] // kvh <= MAX_G
         and library() is not None
     )
+
+
+def supports(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether the kernel handles this call: a cache it reads (cache_supported), CPU queries, at most
+    MAX_G query heads per kv head."""
+    return q.device.type == "cpu" and q.shape[1] // k_cache.shape[0] <= MAX_G and cache_supported(k_cache)
 
 
 def paged_decode(

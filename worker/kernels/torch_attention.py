@@ -206,14 +206,7 @@ class TorchAttention:
     def plain_native_decode(self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> bool:
         """Whether paged_decode_attention would run the C kernel alone this step (no cascade over a shared
         prefix, which is faster where it applies): the model's C decode stack runs that same kernel."""
-        d = k_cache.shape[3]
-        if (
-            not self.native
-            or k_cache.device.type != "cpu"
-            or k_cache.dtype not in native_kernel.ELEMENT_TYPES
-        ):
-            return False
-        if d % 16 or d > native_kernel.MAX_D or native_kernel.library() is None:
+        if not self.native or not native_kernel.cache_supported(k_cache):
             return False
         return not self._cascade.plan(block_tables, context_lens, k_cache.shape[2]).groups
 
