@@ -382,6 +382,7 @@ class StackLayer:
     k_norm: Tensor | None
     k_cache: Tensor  # [kv_heads, num_blocks, block_size, head_dim]: float32, bfloat16 or FP8 E4M3
     v_cache: Tensor
+    q_scale: float  # what q is multiplied by: the softmax scale times k_scale (llama.py's Attention's)
     k_scale: float = 1.0  # the cache holds K / k_scale, V / v_scale (FP8's calibrated scales)
     v_scale: float = 1.0
 
@@ -398,7 +399,6 @@ class DecodeStack:
         kv_heads: int,
         head_dim: int,
         eps: float,
-        scale: float,  # the softmax scale
     ) -> None:
         lib = stack_library()
         assert lib is not None
@@ -431,7 +431,7 @@ class DecodeStack:
                     opt(x.k_norm),
                     x.k_cache.data_ptr(),
                     x.v_cache.data_ptr(),
-                    scale * x.k_scale,  # in double, then float32: what llama.py's Attention passes on
+                    x.q_scale,
                     x.k_scale,
                     x.v_scale,
                 )
@@ -476,17 +476,23 @@ def stack_supported(layers: list[StackLayer], heads: int, kv_heads: int, head_di
     hidden, q_size = layers[0].input_norm.shape[0], heads * head_dim
     nqkv, inter = q_size + 2 * kv_heads * head_dim, layers[0].down.weight.shape[1]
     shapes = ((nqkv, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter))
+
+    def vector(t: Tensor | None, n: int) -> bool:  # absent, or n contiguous float32 values
+        return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n,))
+
     for x in layers:
         for lin, (n, k) in zip((x.qkv, x.o, x.gate_up, x.down), shapes, strict=True):
             if not is_packed(lin.weight, n, k) or (lin.scale is not None) != (lin.weight.dtype == torch.int8):
                 return False
-            if any(
-                t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (n,))
-                for t in (lin.scale, lin.bias)
-            ):
+            if not (vector(lin.scale, n) and vector(lin.bias, n)):
                 return False
-        norms = (x.input_norm, x.post_attention_norm, x.q_norm, x.k_norm)
-        if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in norms):
+        norms = (
+            (x.input_norm, hidden),
+            (x.post_attention_norm, hidden),
+            (x.q_norm, head_dim),
+            (x.k_norm, head_dim),
+        )
+        if not all(vector(t, n) for t, n in norms):
             return False
         caches = (x.k_cache, x.v_cache)
         if any(

@@ -161,7 +161,7 @@ class LlamaFamilyModel(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
         self.native = False  # use_native_ops(): decode steps may run the whole stack in C (decode_stack.c)
-        self._stack: tuple[tuple[int, ...], native.DecodeStack | None] | None = None  # (caches' key, stack)
+        self._stack: tuple[list[KVCache], native.DecodeStack | None] | None = None  # (its caches, stack)
 
     def attentions(self) -> list[Attention]:
         """Every layer's attention module, in order."""
@@ -239,9 +239,8 @@ class LlamaFamilyModel(nn.Module):
             return None
         if self.lm_head.bf16_gemm_rows and rows >= self.lm_head.bf16_gemm_rows:
             return None
-        key = (id(kv_caches), *(c.data_ptr() for kv in kv_caches for c in kv))
-        if self._stack is None or self._stack[0] != key:
-            self._stack = (key, self._build_stack(kv_caches))
+        if self._stack is None or self._stack[0] is not kv_caches:  # the runner keeps one list of caches
+            self._stack = (kv_caches, self._build_stack(kv_caches))
         return self._stack[1]
 
     def _build_stack(self, kv_caches: list[KVCache]) -> native.DecodeStack | None:
@@ -270,6 +269,7 @@ class LlamaFamilyModel(nn.Module):
                     k_norm=None if attn.k_norm is None else attn.k_norm.weight,
                     k_cache=k_cache,
                     v_cache=v_cache,
+                    q_scale=attn.scale * attn.k_scale,  # as forward() scales q (double, then float32)
                     k_scale=attn.k_scale,
                     v_scale=attn.v_scale,
                 )
@@ -280,13 +280,7 @@ class LlamaFamilyModel(nn.Module):
         if self.rotary.cos.dtype != torch.float32 or self.norm.weight.dtype != torch.float32:
             return None
         return native.DecodeStack(
-            layers,
-            self.norm.weight,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            s.rms_norm_eps,
-            s.head_dim**-0.5,
+            layers, self.norm.weight, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
         )
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
