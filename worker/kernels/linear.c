@@ -44,6 +44,9 @@
 #define MR 6 /* 12 accumulators + 2 weights + 1 broadcast <= 16 registers */
 #endif
 #endif
+#if MR > 12
+#error "MR > 12: TILE_FNS has tiles of 1 to 12 rows"
+#endif
 #define TCOLS (NV * VL) /* a tile's columns: the whole panel with AVX-512, half of it with 8-float vectors */
 
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
@@ -116,12 +119,11 @@ static inline __attribute__((always_inline)) void tile(
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < NV; j++) total[i][j] += acc[i][j];
     }
-    vf (*const acc_out)[NV] = total;
     for (int i = 0; i < mr; i++) {
         float *out = y + (size_t)i * N;
         for (int j = 0; j < NV; j++) {
             const int c0 = j * VL;
-            vf v = acc_out[i][j];
+            vf v = total[i][j];
             if (cols >= c0 + VL) {
                 if (scale) v *= *(const vf *)(scale + c0);
                 if (bias) v += *(const vf *)(bias + c0);
@@ -149,8 +151,7 @@ static inline __attribute__((always_inline)) void tile(
     }
 #define TILES(elem)                                                                                    \
     TILE_FN(1, elem) TILE_FN(2, elem) TILE_FN(3, elem) TILE_FN(4, elem) TILE_FN(5, elem) TILE_FN(6, elem) \
-        TILE_FN(7, elem) TILE_FN(8, elem) TILE_FN(9, elem) TILE_FN(10, elem) TILE_FN(11, elem) TILE_FN(12, elem) \
-            TILE_FN(13, elem) TILE_FN(14, elem) TILE_FN(15, elem) TILE_FN(16, elem)
+        TILE_FN(7, elem) TILE_FN(8, elem) TILE_FN(9, elem) TILE_FN(10, elem) TILE_FN(11, elem) TILE_FN(12, elem)
 TILES(0)
 TILES(1)
 TILES(2)
@@ -158,9 +159,10 @@ TILES(2)
 typedef void (*tile_fn)(
     const float *, const char *, const char *, float *, int, int, int, const float *, const float *, int
 );
+/* By element type and rows (1 .. 12, the largest MR; batchq_linear_part never asks for more than MR). */
 #define ROW(e) {tile_1_##e, tile_2_##e, tile_3_##e, tile_4_##e, tile_5_##e, tile_6_##e, tile_7_##e, tile_8_##e, \
-                tile_9_##e, tile_10_##e, tile_11_##e, tile_12_##e, tile_13_##e, tile_14_##e, tile_15_##e, tile_16_##e}
-static const tile_fn TILE_FNS[3][16] = {ROW(0), ROW(1), ROW(2)};
+                tile_9_##e, tile_10_##e, tile_11_##e, tile_12_##e}
+static const tile_fn TILE_FNS[3][12] = {ROW(0), ROW(1), ROW(2)};
 
 /* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): a contiguous range of panels,
    each streamed once. Called inside a parallel region: by batchq_linear below, and by decode_stack.c for
