@@ -8,6 +8,7 @@ else is in the batch; a random model under a JSON schema or a regex must produce
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
@@ -231,3 +232,89 @@ def test_prompts_split_into_chunks_beside_decode_rows_keep_hf_logprobs_and_score
         assert res.label_scores is not None
         for s, label in zip(res.label_scores, labels_of(small), strict=True):
             assert abs(s.logprob - hf_label_logprob(hf, prompt, label, eos)) < TOL, s
+
+
+def check_label_logprobs(engine: Engine, hf, prompt: list[int], res: EngineResult, top: int) -> None:  # type: ignore[no-untyped-def]
+    """A `choices` result's logprobs: its label's tokens then EOS, each with the teacher-forced term of the
+    label's score (HF's log_softmax at that position) and HF's top alternatives there."""
+    assert res.logprobs is not None and res.label_scores is not None
+    eos = engine.eos_token_ids[0]
+    label = engine.prompts.label_ids([res.text])[0]
+    assert res.token_ids == [*label, eos]
+    assert len(res.logprobs) == len(label) + 1  # the EOS is a term of the score: shown
+    lp = hf_logprobs(hf, prompt + label)
+    for i, (entry, tok) in enumerate(zip(res.logprobs, res.token_ids, strict=True)):
+        row = lp[len(prompt) - 1 + i]
+        assert entry.bytes == list(engine.grammars.token_bytes(tok))
+        assert entry.token == engine.token_texts(tok)[0]
+        assert abs(entry.logprob - float(row[tok])) < TOL, (i, entry.logprob, float(row[tok]))
+        assert len(entry.top) == top
+        assert [c.logprob for c in entry.top] == sorted((c.logprob for c in entry.top), reverse=True)
+        want = row.topk(top)
+        for choice, value, tid in zip(entry.top, want.values.tolist(), want.indices.tolist(), strict=True):
+            assert abs(choice.logprob - value) < TOL
+            if sum(abs(value - v) < 1e-3 for v in row.tolist()) == 1:  # no near-tie: the token is decided
+                assert choice.bytes == list(engine.grammars.token_bytes(tid))
+        if top:
+            assert entry.top[0].logprob >= entry.logprob
+    chosen = next(s for s in res.label_scores if s.label == res.text)
+    assert math.isclose(sum(e.logprob for e in res.logprobs), chosen.logprob, rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_a_choices_request_with_logprobs_gets_its_labels_teacher_forced_terms(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, hf = tiny
+    reqs = [EngineRequest(f"cl{i}", GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS, logprobs=True,
+                          top_logprobs=3), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]  # fmt: skip
+    for prompt, res in zip(PROMPTS, engine.generate(reqs), strict=True):
+        assert res.text == max(res.label_scores or [], key=lambda s: s.logprob).label
+        check_label_logprobs(engine, hf, prompt, res, 3)
+
+
+def test_label_logprobs_in_one_score_step_follow_each_requests_params(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Choices requests asking for no logprobs, logprobs alone, and different top_logprobs, scored in one
+    pass: each gets what it asked for, and its numbers are its own label's."""
+    engine, hf = tiny
+    asks = [(False, 0), (True, 5), (True, 0), (True, 2), (False, 0)]
+    reqs = [EngineRequest(f"mix{i}", GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS, logprobs=lp,
+                          top_logprobs=k), prompt_token_ids=PROMPTS[i % 3]) for i, (lp, k) in enumerate(asks)]  # fmt: skip
+    before = engine.stats().score_steps
+    results = engine.generate(reqs)
+    assert engine.stats().score_steps == before + 1  # all in one packed pass
+    for i, ((lp, k), res) in enumerate(zip(asks, results, strict=True)):
+        if not lp:
+            assert res.logprobs is None
+            continue
+        check_label_logprobs(engine, hf, PROMPTS[i % 3], res, k)
+
+
+def test_labels_sharing_a_prefix_each_report_their_own_terms(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Labels "pos" and "positive" share their first three tokens: whichever is drawn reports its own
+    tokens and terms, the shared ones equal, the fourth the EOS for "pos" and "i" for "positive"."""
+    engine, hf = tiny
+    by_label: dict[str, EngineResult] = {}
+    for seed in range(40):  # a very hot temperature: nearly uniform draws between the two labels
+        p = GenerationParams(max_new_tokens=1, temperature=1e4, seed=seed, choices=("positive", "pos"),
+                             logprobs=True, top_logprobs=4)  # fmt: skip
+        res = engine.generate([EngineRequest(f"pre{seed}", p, prompt_token_ids=PROMPTS[2])])[0]
+        check_label_logprobs(engine, hf, PROMPTS[2], res, 4)
+        by_label.setdefault(res.text, res)
+        if len(by_label) == 2:
+            break
+    assert set(by_label) == {"pos", "positive"}
+    short, long_ = by_label["pos"].logprobs, by_label["positive"].logprobs
+    assert short is not None and long_ is not None and (len(short), len(long_)) == (4, 9)
+    for a, b in zip(short[:3], long_[:3], strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < TOL
+    eos = engine.eos_token_ids[0]
+    assert short[3].bytes == list(engine.grammars.token_bytes(eos)) and long_[3].token == "i"
+    for a, b in zip(short[3].top, long_[3].top, strict=True):  # the same position: the same alternatives
+        assert abs(a.logprob - b.logprob) < TOL
+    assert abs(short[3].logprob - long_[3].logprob) > 1e-6  # two different targets there
+
+
+def test_choices_logprobs_without_top_logprobs_have_empty_top_lists(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine, hf = tiny
+    p = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS, logprobs=True)
+    res = engine.generate([EngineRequest("notop", p, prompt_token_ids=PROMPTS[1])])[0]
+    check_label_logprobs(engine, hf, PROMPTS[1], res, 0)
+    assert res.logprobs and all(e.top == [] for e in res.logprobs)

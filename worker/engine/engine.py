@@ -29,7 +29,7 @@ from worker.engine.device import (
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, ScoredLabels
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
 from worker.engine.prompts import PromptBuilder
 from worker.engine.request import (
@@ -219,8 +219,8 @@ class Engine:
         now = time.monotonic()
         self._account(batch, now - t0)
         if out.label_scores is not None:
-            for seq, scores in zip(batch.seqs, out.label_scores, strict=True):
-                results.append(self._finish_choices(seq, scores, now))
+            for seq, scored in zip(batch.seqs, out.label_scores, strict=True):
+                results.append(self._finish_choices(seq, scored, now))
             return results
         for seq in self.scheduler.computed(batch):
             if not seq.preemptions:  # a resumed one counted its prompt already
@@ -349,12 +349,15 @@ class Engine:
             return "stop"
         return "stop" if seq.matcher.complete else None
 
-    def _finish_choices(self, seq: Sequence, logprobs: list[float], now: float) -> EngineResult:
-        """A scored `choices` request ends with its label, then EOS, as the generated tokens."""
+    def _finish_choices(self, seq: Sequence, scored: ScoredLabels, now: float) -> EngineResult:
+        """A scored `choices` request ends with its label, then EOS, as the generated tokens; where it asks
+        for logprobs, they are that label's teacher-forced terms, EOS included (they sum to its score)."""
         assert seq.labels is not None
-        scores = label_scores(seq.params.choices, logprobs)
+        scores = label_scores(seq.params.choices, scored.logprobs)
         pick = pick_label(scores, seq.params.temperature, seq.params.seed)
         seq.output_ids = [*seq.labels[pick], self.model_runner.eos_token_id]
+        if scored.rows is not None:
+            seq.token_logprobs = scored.rows[pick]
         seq.text = seq.params.choices[pick]
         seq.first_token_at = now
         return self._finish(seq, "eos", now, scores)
@@ -366,11 +369,14 @@ class Engine:
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         logprobs = None
-        if seq.params.logprobs and seq.labels is None:
+        if seq.params.logprobs:
             rows = seq.token_logprobs
             last = seq.output_ids[-1] if seq.output_ids else None
-            if rows and (reason == "eos" or (reason == "stop" and last in seq.params.stop_token_ids)):
-                rows = rows[:-1]  # the final EOS / stop token is counted, never shown
+            ended = reason == "eos" or (reason == "stop" and last in seq.params.stop_token_ids)
+            if rows and ended and seq.labels is None:
+                # A generated final EOS / stop token is counted, never shown; a label's EOS is shown, as
+                # a term of the label's score.
+                rows = rows[:-1]
             logprobs = self.token_texts.entries(rows)
         return seq.to_result(now, logprobs=logprobs, label_scores=scores)
 

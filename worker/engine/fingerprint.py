@@ -17,7 +17,8 @@ from torch import nn
 
 # Bump when a change to the engine alters any output for the same weights, dtype and request (a kernel
 # that rounds differently, a sampler change, a stop-rule change): cached results then miss.
-NUMERICS_VERSION = 2  # 2: cascade decode attention over shared prefix blocks
+# 2: cascade decode attention over shared prefix blocks; 3: choices results carry their logprobs.
+NUMERICS_VERSION = 3
 SAMPLES_PER_TENSOR = 4096
 
 

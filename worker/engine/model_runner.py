@@ -9,7 +9,9 @@ ids' .tolist()).
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,11 +35,20 @@ SCORE_ROWS = 512  # label positions whose logits are computed at once ([rows, vo
 
 
 @dataclass
+class ScoredLabels:
+    """A `choices` sequence's score step: each label's log-probability (label tokens, then EOS) and, when
+    its params ask for logprobs, each label's terms of that sum as rows (top alternatives where asked)."""
+
+    logprobs: list[float]
+    rows: list[list[RowLogprobs]] | None
+
+
+@dataclass
 class StepOutput:
     sampled: list[int]  # the batch's sequences sampled from (all but unfinished prompt chunks)
     tokens: list[int]  # one sampled token per sequence sampled from
     logprobs: list[RowLogprobs | None]  # per sequence sampled from, where its params ask for them
-    label_scores: list[list[float]] | None  # score steps: per sequence, each label's log-probability
+    label_scores: list[ScoredLabels] | None  # score steps: one per sequence
 
 
 @dataclass
@@ -247,13 +258,14 @@ class ModelRunner:
         return StepOutput(sampled, tokens, logprobs, None)
 
     @torch.inference_mode()
-    def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[list[float]]:
+    def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[ScoredLabels]:
         """Each label's log-probability after its sequence's prompt: the sum over its tokens, then the
         first EOS, of log p(token | prompt, label tokens before it), in one packed forward pass.
 
         A label row reads the prompt's full blocks in place and recomputes the prompt's tail after them
         (its last token's logits score the label's first token) into the sequence's scratch blocks, then
-        teacher-forces the label. -> per sequence, per label, a float.
+        teacher-forces the label. -> per sequence, its labels' scores, and where its params ask for
+        logprobs each label's target rows (the terms of its sum, with their top alternatives).
         """
         bs = self.block_size
         eos = self.eos_token_id
@@ -265,6 +277,7 @@ class ModelRunner:
         wanted: list[int] = []  # packed-token index of every position whose logits score a target
         targets: list[int] = []
         sizes: list[int] = []  # targets per label
+        top_rows: list[int] = []  # targets whose sequence asks for top alternatives (ascending)
         for seq, table in zip(seqs, tables, strict=True):
             assert seq.labels is not None
             full = (seq.prompt_len - 1) // bs
@@ -281,6 +294,8 @@ class ModelRunner:
                 context.append(full * bs + len(new))
                 lens.append(len(new))
                 wanted += range(first + len(tail) - 1, first + len(new))
+                if seq.params.logprobs and seq.params.top_logprobs:
+                    top_rows += range(len(targets), len(targets) + len(label) + 1)
                 targets += [*label, eos]
                 sizes.append(len(label) + 1)
         positions, meta, _ = self._packed(rows, lens, starts, context)
@@ -288,15 +303,37 @@ class ModelRunner:
         picked = hidden[self._tensor(wanted)]
         target_t = self._tensor(targets)
         scores = torch.empty(len(targets), dtype=torch.float32, device=self.device)
+        top_k = max((s.params.top_logprobs for s in seqs if s.params.logprobs), default=0)
+        top_v = torch.empty(len(top_rows), top_k, dtype=torch.float32, device=self.device)
+        top_i = torch.empty(len(top_rows), top_k, dtype=torch.int64, device=self.device)
         for a in range(0, len(targets), SCORE_ROWS):  # [rows, vocab] logits a chunk at a time
             b = min(len(targets), a + SCORE_ROWS)
             lp = torch.log_softmax(self.model.compute_logits(picked[a:b]), dim=-1)
             scores[a:b] = lp.gather(1, target_t[a:b].unsqueeze(1)).squeeze(1)
+            lo, hi = bisect_left(top_rows, a), bisect_left(top_rows, b)
+            if hi > lo:  # only the rows that ask: a top-k over the vocabulary is not free
+                top_v[lo:hi], top_i[lo:hi] = lp[self._tensor(top_rows[lo:hi]) - a].topk(top_k, dim=-1)
         sums = [float(t.sum()) for t in torch.split(scores, sizes)]
-        out: list[list[float]] = []
-        at = 0
+        # Each label's terms come from its own targets: labels sharing a prefix ("pos", "positive") share
+        # tokens, never these numbers.
+        values = scores.tolist() if any(s.params.logprobs for s in seqs) else []
+        tops = iter(zip(top_i.tolist(), top_v.tolist(), strict=True))  # in target order, as top_rows
+        bounds = list(accumulate(sizes, initial=0))  # label L's targets: bounds[L] to bounds[L + 1]
+        out: list[ScoredLabels] = []
+        at = 0  # the sequence's first label
         for seq in seqs:
             assert seq.labels is not None
-            out.append(sums[at : at + len(seq.labels)])
-            at += len(seq.labels)
+            labels = range(at, at + len(seq.labels))
+            per_label: list[list[RowLogprobs]] | None = None
+            if seq.params.logprobs:
+                n = seq.params.top_logprobs
+                per_label = []
+                for lab in labels:
+                    label_rows = []
+                    for t in range(bounds[lab], bounds[lab + 1]):
+                        top_ids, top_lps = next(tops) if n else ([], [])
+                        label_rows.append(RowLogprobs(targets[t], values[t], top_ids[:n], top_lps[:n]))
+                    per_label.append(label_rows)
+            out.append(ScoredLabels(sums[labels.start : labels.stop], per_label))
+            at = labels.stop
         return out

@@ -60,8 +60,9 @@ class TokenChoice:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token with its log-probability under the model (before temperature, filtering,
-    penalties or grammar) and the most likely alternatives at its position."""
+    """One generated token (or a `choices` label's teacher-forced token) with its log-probability under the
+    model (before temperature, filtering, penalties or grammar) and the most likely alternatives at its
+    position."""
 
     token: str
     bytes: list[int]
@@ -83,7 +84,8 @@ class EngineResult:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     label_scores: list[LabelScore] | None = None  # `choices` requests, in the request's label order
     logprobs: list[TokenLogprob] | None = None  # `logprobs` requests: every generated token but a final
-    # EOS / stop token
+    # EOS / stop token; a `choices` request: its label's tokens and the EOS, teacher-forced (they sum to
+    # the label's score)
 
 
 @dataclass(frozen=True)

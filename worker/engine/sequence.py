@@ -32,7 +32,8 @@ class Sequence:
     cached_prompt_tokens: int = 0  # of the prompt, at its first admission (what usage reports)
     prompt_hashes: list[BlockHash] | None = None  # chain hashes of the prompt's full blocks (scheduler)
     matcher: Any = None  # grammar.GrammarState when the output is constrained
-    token_logprobs: list[RowLogprobs] = field(default_factory=list)  # when params.logprobs
+    token_logprobs: list[RowLogprobs] = field(default_factory=list)  # when params.logprobs (with labels:
+    # the chosen label's, set when it is scored)
     # A `choices` request: each label's tokens (tokenised alone). It is prefilled, then scored in one
     # "score" step over scratch_blocks of its own (block_manager reserves them at admission).
     labels: list[list[int]] | None = None
@@ -90,7 +91,8 @@ class Sequence:
 
 @dataclass
 class RowLogprobs:
-    """One sampled token's log-probability under the raw model distribution, and the top alternatives."""
+    """One sampled (or, for a `choices` label, teacher-forced) token's log-probability under the raw model
+    distribution, and the top alternatives."""
 
     token: int
     logprob: float
