@@ -19,7 +19,7 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -43,11 +43,20 @@ LOCK_S = 60  # renewed every LOCK_S / 3 while held; a crashed holder's lock laps
 
 
 class BatchStore:
-    def __init__(self, redis: Redis, files: FileStore, *, queue: str | None, model: str | None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        files: FileStore,
+        *,
+        queue: str | None,
+        model: str | None,
+        aliases: Mapping[str, str] | None = None,
+    ) -> None:
         self.redis = redis
         self.files = files
         self.queue = queue
         self.model = model
+        self.aliases = dict(aliases or {})
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
@@ -126,12 +135,14 @@ class BatchStore:
                 await self.files.copy_to(f, tmp)
                 tmp.seek(0)
                 report = await submit_stream(
-                    self.redis, tmp, batch_id=bid, queue=self.queue, model=self.model, offload=True
-                )
+                    self.redis, tmp, batch_id=bid, queue=self.queue, model=self.model,
+                    model_aliases=self.aliases, offload=True,
+                )  # fmt: skip
         except (InputError, LookupError) as e:  # LookupError: the input file was deleted meanwhile
             await self._set(bid, status="failed", failed_at=int(time.time()), errors=input_errors(e))
             return
-        await self._set(bid, in_progress_at=int(time.time()), model=self.model or report.body_model or "")
+        # The model the lines ask for (after --model-alias); once the batch ends, the model that ran.
+        await self._set(bid, in_progress_at=int(time.time()), model=report.model or "")
         if await done(self.redis.hget(keys.api_batch(bid), "cancelling_at")):
             await store.cancel_batch(self.redis, bid)
 
@@ -187,7 +198,7 @@ class BatchStore:
                 gone = LookupError("the batch's results expired before it was read to the end")
                 await self._set(rec.id, status="failed", failed_at=now, errors=input_errors(gone))
             else:
-                out_id, err_id = await self._write_files(fresh)
+                out_id, err_id, ran = await self._write_files(fresh)
                 status = (
                     "cancelled" if fresh.cancelling_at else "expired" if fresh.expiring_at else "completed"
                 )
@@ -197,6 +208,7 @@ class BatchStore:
                     **{f"{status}_at": now},
                     output_file_id=out_id,
                     error_file_id=err_id,
+                    model=ran or fresh.model,
                     total=st.total,
                     completed=st.completed,
                     failed=st.failed,
@@ -208,8 +220,9 @@ class BatchStore:
             assert final is not None
             return batch_object(final, final.status)
 
-    async def _write_files(self, rec: BatchRecord) -> tuple[str, str]:
-        """The output file (answers) and error file (failed and cancelled requests); "" for an empty one."""
+    async def _write_files(self, rec: BatchRecord) -> tuple[str, str, str]:
+        """The output file (answers) and error file (failed and cancelled requests); "" for an empty one;
+        and the model that answered ("" when none did)."""
         model, created = output_model_and_created(await store.get_meta(self.redis, rec.id))
         hexid = rec.id.removeprefix("batch_")
         ttl = rec.output_ttl_s or keys.DEFAULT_FILE_TTL_S
@@ -223,14 +236,16 @@ class BatchStore:
         await out.start()
         await err.start()
         expired = bool(rec.expiring_at)
+        ran = ""
         async for result, chat in store.iter_results(self.redis, rec.id):
+            ran = ran or result.model or ""
             line = openai_line(
                 result, chat=chat, batch_id=rec.id, model=model, created=created, expired=expired
             )
             await (err if is_error_line(result) else out).write(line + b"\n")
         out_id = (await out.commit()).id if out.record.bytes else ""
         err_id = (await err.commit()).id if err.record.bytes else ""
-        return out_id, err_id
+        return out_id, err_id, ran
 
     # ---- Redis helpers ----
 

@@ -16,6 +16,8 @@ EXIT_CODES = """exit status:
   2  invalid input or usage: bad JSONL lines (nothing was enqueued), missing or empty file, bad option
   3  wait: the --timeout passed before the batch finished
   4  wait: the batch finished but some requests failed or were cancelled
+  5  wait: every request has an answer, but some ended on a reason named by --fail-on (timeout, length)
+ 141 stdout was closed early (`producer list | head -2`): stops quietly, as Unix tools do
 """
 
 Handler = Callable[..., Coroutine[Any, Any, int]]
@@ -54,12 +56,57 @@ def _results_opts(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _fail_on(value: str) -> frozenset[str]:
+    reasons = frozenset(v.strip() for v in value.split(",") if v.strip())
+    unknown = sorted(reasons - {"timeout", "length"})
+    if unknown or not reasons:
+        raise argparse.ArgumentTypeError(f"expected timeout, length or timeout,length; got {value!r}")
+    return reasons
+
+
+def _fail_on_opt(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fail-on",
+        type=_fail_on,
+        default=frozenset(),
+        metavar="timeout[,length]",
+        help="exit 5 when requests completed but some were cut by their timeout_s (timeout) or by "
+        "max_new_tokens (length): their answers are partial",
+    )
+
+
+def _alias(value: str) -> tuple[str, str]:
+    name, sep, served = value.partition("=")
+    if not sep or not name.strip() or not served.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=SERVED_MODEL, got {value!r}")
+    return name.strip(), served.strip()
+
+
+def _model_opts(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--model",
+        help=f"the model {what} is for, where a line names none (an OpenAI line's body.model names its own); "
+        "a worker serving another model refuses such requests (model_not_found)",
+    )
+    p.add_argument(
+        "--model-alias",
+        type=_alias,
+        action="append",
+        default=[],
+        metavar="NAME=SERVED",
+        help="run requests that name model NAME on the model SERVED (repeatable), e.g. "
+        "gpt-4o-mini=smollm2-135m; results name the model that ran",
+    )
+
+
 def _submit_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="JSONL file, or - for stdin")
     p.add_argument("--queue", help="queue name (default: default)")
-    p.add_argument("--model", help="model this batch is for; recorded in every request")
+    _model_opts(p, "this batch")
     p.add_argument(
-        "--batch-id", help="batch id (default: generated); resubmitting with the same id is a no-op"
+        "--batch-id",
+        help="batch id (default: generated); the same content again under it is a no-op (it finishes an "
+        "interrupted submit), other content is refused (exit 2)",
     )
     g = p.add_argument_group("batch defaults (a request's own fields override them)")
     g.add_argument("--max-new-tokens", type=int, metavar="N")
@@ -105,6 +152,7 @@ def _submit_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wait-timeout", type=float, metavar="S", help="with --wait: give up after S seconds (exit 3)"
     )
+    _fail_on_opt(p)
     _results_opts(p)
 
 
@@ -147,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("batch_id", metavar="BATCH")
     p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 3)")
+    _fail_on_opt(p)
 
     p = _cmd(
         sub,
@@ -228,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--queue", help="queue the batches go to (default: default)")
-    p.add_argument("--model", help="model every batch is for; recorded in every request")
+    _model_opts(p, "every batch")
     p.add_argument(
         "--api-keys-file",
         metavar="FILE",

@@ -13,7 +13,7 @@ import asyncio
 import io
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -87,6 +87,7 @@ class BatchqClient:
         batch_id: str | None = None,
         queue: str | None = None,
         model: str | None = None,
+        model_aliases: Mapping[str, str] | None = None,
         skip_invalid: bool = False,
         result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
         result_cache: bool = True,
@@ -94,11 +95,15 @@ class BatchqClient:
     ) -> SubmitReport:
         """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input.
 
+        `batch_id`: the same content again under an existing id is a no-op (it finishes an interrupted
+        submit); other content is refused with InputError, naming the first line that differs.
+        `model`: for lines that name none; `model_aliases`: {name a line gives: model the workers serve}.
         result_cache=False: every request is computed afresh, even where workers hold its answer."""
         opts: dict[str, Any] = dict(
             batch_id=batch_id,
             queue=queue,
             model=model,
+            model_aliases=model_aliases,
             defaults=defaults,
             skip_invalid=skip_invalid,
             result_ttl_s=result_ttl_s,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -30,7 +31,8 @@ from producer.store import BatchNotFound, counter_for
 from producer.submit import InputError, new_batch_id
 from producer.workers import NoWorkerWarning
 
-OK, FAILED, INVALID, TIMED_OUT, SOME_FAILED = 0, 1, 2, 3, 4
+OK, FAILED, INVALID, TIMED_OUT, SOME_FAILED, FAIL_ON = 0, 1, 2, 3, 4, 5
+BROKEN_PIPE = 128 + 13  # what a shell reports for a tool that SIGPIPE ended
 _DEFAULT_FIELDS = (
     "max_new_tokens",
     "temperature",
@@ -48,6 +50,13 @@ _DEFAULT_FIELDS = (
 
 def _err(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush into the closed pipe raises nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _redact(text: str, url: str) -> str:
@@ -80,6 +89,9 @@ async def run(handler: Callable[..., Coroutine[Any, Any, int]], args: argparse.N
     except BatchNotFound as e:
         _err(str(e))
         return FAILED
+    except BrokenPipeError:  # `producer list | head -2`: the reader has gone; stop quietly
+        _quiet_stdout()
+        return BROKEN_PIPE
     except (RedisConnectionError, RedisTimeoutError) as e:
         _err(f"cannot reach Redis at {mask_url(url)}: {_redact(str(e), url) or type(e).__name__}")
         return FAILED
@@ -164,7 +176,9 @@ async def _write_results(
     return n
 
 
-async def _wait(client: BatchqClient, batch_id: str, timeout: float | None) -> tuple[int, BatchStatus]:
+async def _wait(
+    client: BatchqClient, batch_id: str, timeout: float | None, fail_on: frozenset[str] = frozenset()
+) -> tuple[int, BatchStatus]:
     progress = Progress(sys.stderr)
     no_worker = NoWorkerWarning(client.redis, progress.note)
 
@@ -182,13 +196,26 @@ async def _wait(client: BatchqClient, batch_id: str, timeout: float | None) -> t
         return TIMED_OUT, e.status
     finally:
         progress.finish()  # also on Ctrl-C or a Redis error: the terminal gets its cursor back
-    return (OK if status.completed == status.total else SOME_FAILED), status
+    return exit_code(status, fail_on), status
+
+
+def exit_code(s: BatchStatus, fail_on: frozenset[str] = frozenset()) -> int:
+    """SOME_FAILED when a request failed or was cancelled; else FAIL_ON when a request ended on a reason
+    `fail_on` names (timeout: cut by its timeout_s; length: by max_new_tokens); else OK."""
+    if s.completed != s.total:
+        return SOME_FAILED
+    if ("timeout" in fail_on and s.timed_out) or ("length" in fail_on and s.length):
+        return FAIL_ON
+    return OK
 
 
 def _summary(s: BatchStatus) -> str:
+    cut = [f"{s.timed_out} timed out"] if s.timed_out else []
+    cut += [f"{s.length} cut at max_new_tokens"] if s.length else []
     return (
-        f"batch {s.batch_id} {s.state}: {s.completed} completed, {s.failed} failed, {s.cancelled} cancelled "
-        f"of {s.total}"
+        f"batch {s.batch_id} {s.state}: {s.completed} completed"
+        + (f" ({', '.join(cut)})" if cut else "")
+        + f", {s.failed} failed, {s.cancelled} cancelled of {s.total}"
     )
 
 
@@ -203,6 +230,7 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
             batch_id=batch_id,
             queue=args.queue,
             model=args.model,
+            model_aliases=dict(args.model_alias),
             skip_invalid=args.skip_invalid,
             result_ttl_s=args.result_ttl,
             result_cache=not args.no_result_cache,
@@ -232,9 +260,10 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
     )
     if not waiting:
         return OK
-    code, _status = await _wait(client, report.batch_id, args.wait_timeout)
+    code, status = await _wait(client, report.batch_id, args.wait_timeout, args.fail_on)
     if code != TIMED_OUT:
         await _write_results(client, report.batch_id, args.output, args.format, errors=args.errors)
+        print(_summary(status), file=sys.stderr)
     return code
 
 
@@ -249,7 +278,10 @@ async def status(client: BatchqClient, args: argparse.Namespace) -> int:
 
     print(f"batch      {s.batch_id}  ({s.state})")
     print(f"requests   total {s.total}  queued {s.queued}  running {s.running}")
-    print(f"finished   completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}")
+    print(
+        f"finished   completed {s.completed} (timed out {s.timed_out}, length {s.length})  failed {s.failed}  "
+        f"cancelled {s.cancelled}" + (f"  (retrying {s.retrying})" if s.retrying else "")
+    )
     print(
         f"tokens     prompt {s.prompt_tokens} (prefix cache {s.cached_prompt_tokens})  "
         f"completion {s.completion_tokens}"
@@ -260,7 +292,7 @@ async def status(client: BatchqClient, args: argparse.Namespace) -> int:
 
 
 async def wait(client: BatchqClient, args: argparse.Namespace) -> int:
-    code, s = await _wait(client, args.batch_id, args.timeout)
+    code, s = await _wait(client, args.batch_id, args.timeout, args.fail_on)
     if code != TIMED_OUT:
         print(_summary(s), file=sys.stderr)
     return code

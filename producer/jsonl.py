@@ -6,7 +6,7 @@ Each non-blank line becomes either the fields of a `Request` (with params resolv
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -48,7 +48,8 @@ class ParsedLine:
     index: int  # 0-based among non-blank lines
     record: dict[str, Any]  # a Request's fields (params resolved), ready to serialise; see parse_line
     chat: bool  # OpenAI output needs to know chat.completion vs text_completion
-    body_model: str | None = None  # OpenAI body.model: recorded in the batch, never used for routing
+    body_model: str | None = None  # OpenAI body.model as written (before --model-alias)
+    fields_at: str = ""  # where the line's request fields sit: "body." on an OpenAI line
 
 
 def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
@@ -88,6 +89,24 @@ def _user_id(obj: dict[str, Any], key: str) -> str | None:
     return v if isinstance(v, str) and v else None
 
 
+def _json_error(raw: bytes, line_no: int, e: orjson.JSONDecodeError) -> LineError:
+    """Where the JSON goes wrong, as a 1-based character column of the line (orjson counts a line's final
+    newline as the start of a second line: a line cut short read as "column 1")."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as u:
+        return LineError(line_no, "", f"not valid UTF-8 (byte {u.start} of the line)")
+    body = text.rstrip("\r\n")
+    at = e.pos  # orjson's position counts characters
+    if at >= len(body.rstrip()):
+        return LineError(
+            line_no,
+            "",
+            f"invalid JSON: the line ends at column {len(body) + 1} inside a JSON value (cut short?)",
+        )
+    return LineError(line_no, "", f"invalid JSON at column {at + 1}: {e.msg}")
+
+
 def parse_line(
     raw: bytes | None,
     line_no: int,
@@ -97,9 +116,12 @@ def parse_line(
     defaults: SamplingParams | None,
     model: str | None,
     base: dict[str, Any] | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> ParsedLine | list[LineError]:
     """Validate one non-blank line. Returns the parsed line, or every error found on it.
 
+    `model`: the batch's model (--model), for lines that name none; an OpenAI line's body.model names its
+    own, and the two must agree. `aliases` map model names to the name workers serve (--model-alias).
     `base`: defaults_base(defaults), computed once per file by the caller (else once per line).
     """
     if raw is None:
@@ -107,11 +129,7 @@ def parse_line(
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as u:
-            return [LineError(line_no, "", f"not valid UTF-8 (byte {u.start} of the line)")]
-        return [LineError(line_no, "", f"invalid JSON at column {e.colno}: {e.msg}")]
+        return [_json_error(raw, line_no, e)]
     if not isinstance(obj, dict):
         return [LineError(line_no, "", f"expected a JSON object, got {type(obj).__name__}")]
     openai = not _OPENAI_KEYS.isdisjoint(obj)
@@ -136,6 +154,19 @@ def parse_line(
         return [LineError(line_no, "", "prompt must be non-empty", uid)]
     if messages == []:
         return [LineError(line_no, "", "messages must be a non-empty list", uid)]
+    asked = model
+    if body_model is not None:
+        asked = aliases.get(body_model, body_model) if aliases else body_model
+        if model is not None and asked != model:
+            mapped = f" (mapped to {asked!r})" if asked != body_model else ""
+            return [
+                LineError(
+                    line_no, "body.model",
+                    f"{body_model!r}{mapped} differs from the batch's model {model!r}; leave --model out to "
+                    f"run each line on its own model, or map the name: --model-alias {body_model}={model}",
+                    uid,
+                )
+            ]  # fmt: skip
     # The fields of a Request, built without validating a Request: every part already passed validation
     # once, and a second and third pydantic pass per line were most of submit's time. The messages go out
     # as written (strict, extra="forbid" validation proved them exact); the worker validates the Request.
@@ -147,6 +178,6 @@ def parse_line(
         "messages": src["messages"] if messages is not None else None,
         "params": line.params_over(base if base is not None else defaults_base(defaults)),
         "metadata": metadata,
-        "model": model,
+        "model": asked,
     }
-    return ParsedLine(line_no, index, record, chat, body_model)
+    return ParsedLine(line_no, index, record, chat, body_model, "body." if openai else "")

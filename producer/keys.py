@@ -66,6 +66,12 @@ def split_job_id(jid: str) -> tuple[str, int, int]:
     return batch_id, int(idx), int(attempt or 0)
 
 
+def batch_digests(batch_id: str) -> str:
+    """string: each request's content digest (submit.DIGEST_BYTES each, in index order), written when the
+    batch is created: a resubmission under the same id with other content is refused, naming the line."""
+    return f"{PREFIX}batch:{batch_id}:digests"
+
+
 def batch_attempts(batch_id: str) -> str:
     """hash: request index -> its current attempt number, for requests `producer retry` re-enqueued (absent:
     attempt 0). A result is stored only by its request's current attempt (store.write_result)."""
@@ -99,10 +105,11 @@ def result_cache(digest: str) -> str:
     return f"{PREFIX}result-cache:{digest}"
 
 
-def queue_fingerprint(queue: str) -> str:
-    """string with TTL: the engine fingerprint of the workers serving `queue`, set by each worker at
-    start-up and with every heartbeat; submit keys its result-cache lookups with it."""
-    return f"{PREFIX}queue-fingerprint:{queue}"
+def queue_serving(queue: str) -> str:
+    """string with TTL: JSON of what serves `queue` (producer/workers.py QueueServing: the model, the engine
+    fingerprint, the context length), set by each worker at start-up and with every heartbeat; submit
+    checks requests against it and keys its result-cache lookups with it."""
+    return f"{PREFIX}queue-serving:{queue}"
 
 
 def batch_chat(batch_id: str) -> str:

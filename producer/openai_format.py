@@ -15,8 +15,9 @@ _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length
 
 
 def output_model_and_created(meta: dict[str, str]) -> tuple[str, int]:
-    """`model` and `created` of a batch's output lines, from its batchq meta (store.get_meta)."""
-    model = meta.get("model") or meta.get("body_model") or "batchq"
+    """`created` of a batch's output lines, and the `model` a line names when its result does not say which
+    model answered it (results stored before results named their model), from its batchq meta."""
+    model = meta.get("model") or meta.get("body_model") or "unknown"
     created = int(float(meta.get("finished_at") or meta.get("created_at") or time.time()))
     return model, created
 
@@ -27,7 +28,11 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "invalid_request": (400, "invalid_request_error", None),
     "prompt_too_long": (400, "invalid_request_error", "messages"),
     "kv_capacity": (400, "invalid_request_error", "max_tokens"),
-    "model_mismatch": (404, "invalid_request_error", "model"),
+    "model_not_found": (404, "invalid_request_error", "model"),
+    "context_length_exceeded": (400, "invalid_request_error", "max_tokens"),
+    "invalid_schema": (400, "invalid_request_error", "response_format"),
+    "invalid_regex": (400, "invalid_request_error", "regex"),
+    "invalid_choices": (400, "invalid_request_error", "choices"),
 }
 _SERVER_ERROR = (500, "server_error", None)
 _EXPIRED = "This request could not be executed before the completion window expired."
@@ -86,7 +91,7 @@ def openai_line(
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
-            "model": model,
+            "model": result.model or model,
             "choices": [choice],
             "usage": {
                 "prompt_tokens": usage.prompt_tokens,

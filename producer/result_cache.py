@@ -10,8 +10,13 @@ sha256 of:
   min_p, and timeout_s never counts.
 The request text (with the tokenizer and chat template in the fingerprint) rather than its token ids:
 the producer has no tokenizer, and with the key computable here a rerun batch is answered at submit
-time, without enqueuing a job or needing a live worker. Workers publish their fingerprint per queue
-(keys.queue_fingerprint) and look up again when a job runs.
+time, without enqueuing a job. Workers publish their fingerprint and model per queue
+(producer/workers.py QueueServing) and look up again when a job runs.
+
+A cached answer only ever answers a request for the model that computed it: submit looks a request up
+only when it names no model or names the model the queue's workers serve, and for a request that names
+one, only while a live worker of the queue serves it; a worker refuses a request for another model
+before it looks anything up.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class CachedAnswer(BaseModel):
     cached_tokens: int = 0
     label_scores: list[LabelScore] | None = None
     logprobs: ChoiceLogprobs | None = None
+    model: str | None = None  # the model that computed it (None: stored before answers named it)
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(exclude_none=True))
@@ -81,4 +87,5 @@ class CachedAnswer(BaseModel):
             cached=True,
             label_scores=self.label_scores,
             logprobs=self.logprobs,
+            model=self.model,
         )

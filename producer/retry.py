@@ -4,9 +4,9 @@ Each request has an attempt number (keys.batch_attempts; absent: 0). A retry cla
 request whose stored result is attempt n's, in the same Lua script that enqueues the new job, so
 concurrent retries of one batch never enqueue a request twice. The new attempt runs under its own job id
 (keys.job_id(batch, index, n + 1)); its result replaces the old one when it is written (store.write_result
-takes the old result out of the counters in the same script), and a late result of attempt n is refused
-from then on. Until then the old result stays readable and the batch counts the request as `retrying`,
-which puts the batch back to running.
+never counts it again), and a late result of attempt n is refused from then on. The claim takes the old
+result out of the counters at once: the request counts as queued (then running) again, and as `retrying`
+until its new attempt ends, so the batch is running again and its counts still add up to its total.
 
 The payload comes from keys.batch_requests, where a failed, cancelled or timed-out result keeps its
 request; requests rejected at submit (invalid lines) have none and are skipped: they would fail again.
@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 
 from producer import keys
 from producer.lua import LuaScript, done
-from producer.store import batch_keys, get_status, iter_results
+from producer.store import batch_keys, current_attempts, get_status, iter_results
 
 Selection = Literal["failed", "cancelled", "timed-out"]
 FINISH_REASONS: dict[Selection, str] = {"failed": "error", "cancelled": "cancelled", "timed-out": "timeout"}
@@ -34,14 +34,33 @@ CHUNK = 500
 # KEYS: queue, then store.batch_keys (meta, results, running, chat, attempts, requests). ARGV: queue score,
 # then per request: index, the attempt its stored result has, job id, job payload. Claims attempt + 1
 # where the request's current attempt is still that one and its result is stored (not already retried),
-# enqueues the job, and puts the batch back to running: no finished_at, no cancel flag, no expiry.
+# takes that result out of the counters and token totals (the request is queued again: counted by its
+# current attempt), enqueues the job, and puts the batch back to running: no finished_at, no cancel flag,
+# no expiry. The old result stays stored until the new attempt's replaces it (store.iter_results skips it).
+# `tokens_generated` is a rate counter of work done and keeps what the old attempt generated.
 _RETRY = LuaScript(
     """
 local n = 0
 for i = 2, #ARGV, 4 do
   local idx, seen = ARGV[i], ARGV[i + 1]
-  if (redis.call('HGET', KEYS[6], idx) or '0') == seen and redis.call('HEXISTS', KEYS[3], idx) == 1 then
+  local old = redis.call('HGET', KEYS[3], idx)
+  if (redis.call('HGET', KEYS[6], idx) or '0') == seen and old then
     redis.call('HSET', KEYS[6], idx, tonumber(seen) + 1)
+    local o = cjson.decode(old)
+    local u = o.usage
+    local d = u.prompt_tokens_details
+    local c = 'completed'
+    if o.finish_reason == 'error' then c = 'failed' elseif o.finish_reason == 'cancelled' then c = 'cancelled'
+    elseif o.finish_reason == 'timeout' then redis.call('HINCRBY', KEYS[2], 'timed_out', -1)
+    elseif o.finish_reason == 'length' then redis.call('HINCRBY', KEYS[2], 'length', -1) end
+    redis.call('HINCRBY', KEYS[2], c, -1)
+    -- Subtract with 0 - n: -(0) prints as "-0", which HINCRBY refuses.
+    local out = {prompt_tokens = tonumber(u.prompt_tokens) or 0, completion_tokens = tonumber(u.completion_tokens) or 0,
+                 cached_prompt_tokens = type(d) == 'table' and (tonumber(d.cached_tokens) or 0) or 0,
+                 from_result_cache = o.cached == true and 1 or 0}
+    for f, v in pairs(out) do
+      if v ~= 0 then redis.call('HINCRBY', KEYS[2], f, 0 - v) end
+    end
     redis.call('SET', '"""
     + job_key_prefix
     + """' .. ARGV[i + 2], ARGV[i + 3])
@@ -88,9 +107,9 @@ async def retry_batch(redis: Redis, batch_id: str, reasons: frozenset[str]) -> R
     status = await get_status(redis, batch_id)
     queue = status.queue or keys.DEFAULT_QUEUE
     report = RetryReport(batch_id)
-    attempts = {int(k): int(v) for k, v in (await done(redis.hgetall(keys.batch_attempts(batch_id)))).items()}
+    attempts = await current_attempts(redis, batch_id)
     picked: list[tuple[int, int]] = []  # (index, attempt of its stored result)
-    async for result, _chat in iter_results(redis, batch_id):
+    async for result, _chat in iter_results(redis, batch_id, superseded=True):
         if result.finish_reason not in reasons:
             continue
         report.selected += 1

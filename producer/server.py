@@ -49,6 +49,7 @@ class ServerSettings:
     keys: ApiKeys
     queue: str | None = None
     model: str | None = None
+    model_aliases: tuple[tuple[str, str], ...] = ()  # a line's body.model -> the model workers serve
     max_upload_bytes: int = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 
 
@@ -109,7 +110,13 @@ class Api:
     def __init__(self, redis: Redis, settings: ServerSettings) -> None:
         self.redis = redis
         self.files = FileStore(redis)
-        self.batches = BatchStore(redis, self.files, queue=settings.queue, model=settings.model)
+        self.batches = BatchStore(
+            redis,
+            self.files,
+            queue=settings.queue,
+            model=settings.model,
+            aliases=dict(settings.model_aliases),
+        )
 
     async def upload_file(self, request: Request, owner: str) -> Response:
         async with request.form(max_files=1, max_fields=8) as form:
@@ -271,6 +278,7 @@ def serve(args: argparse.Namespace) -> int:
         keys=api_keys,
         queue=args.queue,
         model=args.model,
+        model_aliases=tuple(args.model_alias),
         max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
     )
     log.info(

@@ -1,8 +1,9 @@
 """Batch state in Redis: results, counters, running set, status, cancellation, listing.
 
-The worker calls `write_result`, `mark_running` and `is_cancelled`; the producer reads
-with `get_status` / `iter_results` and cancels with `cancel_batch`. Counters change only in the same Lua
-script that stores a result, so they always equal the results stored.
+The worker calls `start_attempt`, `write_result` and `is_cancelled`; the producer reads with `get_status` /
+`iter_results`, cancels with `cancel_batch` and retries with producer/retry.py. The counters change only in
+the Lua scripts that store a result or claim a retry, and count each request by its current attempt, so at
+every moment queued + running + completed + failed + cancelled == total.
 """
 
 from __future__ import annotations
@@ -40,32 +41,24 @@ def counter_for(finish_reason: str) -> str:
 
 # KEYS: meta, results, running, chat, attempts, requests. ARGV: index, result json, counter, prompt_tokens,
 # completion_tokens, now, fallback ttl, cached prompt tokens, 1 if answered from the result cache, attempt,
-# request payload to keep for a retry ('' for none).
+# request payload to keep for a retry ('' for none), finish reason, tokens to add to `tokens_generated`.
 #
 # Only the request's current attempt (attempts hash, absent: 0) may write, once: a late result of an attempt
-# a retry superseded is refused, and so is a second result of the same attempt. A newer attempt replaces the
-# stored result of an older one, taking the old result out of the counters and token totals as it adds its
-# own, so the counters stay the sum of the stored results. `retrying` counts claimed attempts not yet written.
+# a retry superseded is refused (and leaves the running set alone: the current attempt may be running), and
+# so is a second result of the same attempt (which takes a duplicate run's running mark out). A retry took
+# the older attempt's result out of the counters when it claimed the new attempt (producer/retry.py), so
+# the counters count each request by its current attempt: queued + running + completed + failed +
+# cancelled == total at every moment. `timed_out` and `length` count the completed results that ended on
+# their timeout_s or max_new_tokens. `tokens_generated` is a rate counter (tokens the workers generated,
+# reported while requests run; a result adds what was not reported yet): it never goes down.
 # The batch's own result_ttl_s (set at submit) wins over the caller's fallback.
 _WRITE_RESULT = LuaScript("""
 local idx, attempt = ARGV[1], tonumber(ARGV[10])
 if attempt ~= tonumber(redis.call('HGET', KEYS[5], idx) or '0') then return 0 end
 local old = redis.call('HGET', KEYS[2], idx)
-if old then
-  local o = cjson.decode(old)
-  if attempt <= (tonumber(o.attempt) or 0) then return 0 end
-  local c = 'completed'
-  if o.finish_reason == 'error' then c = 'failed' elseif o.finish_reason == 'cancelled' then c = 'cancelled' end
-  local u = o.usage
-  local d = u.prompt_tokens_details
-  -- Subtract with 0 - n: -(0) prints as "-0", which HINCRBY refuses.
-  local out = {prompt_tokens = tonumber(u.prompt_tokens) or 0, completion_tokens = tonumber(u.completion_tokens) or 0,
-               cached_prompt_tokens = type(d) == 'table' and (tonumber(d.cached_tokens) or 0) or 0,
-               from_result_cache = o.cached == true and 1 or 0}
-  out[c] = 1
-  for f, n in pairs(out) do
-    if n ~= 0 then redis.call('HINCRBY', KEYS[1], f, 0 - n) end
-  end
+if old and (attempt == 0 or attempt <= (tonumber(cjson.decode(old).attempt) or 0)) then
+  redis.call('SREM', KEYS[3], idx)
+  return 0
 end
 if attempt > 0 then redis.call('HINCRBY', KEYS[1], 'retrying', -1) end
 redis.call('HSET', KEYS[2], idx, ARGV[2])
@@ -73,20 +66,37 @@ if ARGV[11] ~= '' then redis.call('HSET', KEYS[6], idx, ARGV[11]) elseif attempt
   redis.call('HDEL', KEYS[6], idx)
 end
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+if ARGV[12] == 'timeout' then redis.call('HINCRBY', KEYS[1], 'timed_out', 1)
+elseif ARGV[12] == 'length' then redis.call('HINCRBY', KEYS[1], 'length', 1) end
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5])
 if ARGV[8] ~= '0' then redis.call('HINCRBY', KEYS[1], 'cached_prompt_tokens', ARGV[8]) end
 if ARGV[9] ~= '0' then redis.call('HINCRBY', KEYS[1], 'from_result_cache', 1) end
+if ARGV[13] ~= '0' then redis.call('HINCRBY', KEYS[1], 'tokens_generated', ARGV[13]) end
 redis.call('SREM', KEYS[3], idx)
 local m = redis.call('HMGET', KEYS[1], 'total', 'completed', 'failed', 'cancelled', 'finished_at',
-                     'result_ttl_s', 'retrying')
+                     'result_ttl_s')
 local ttl = tonumber(m[6]) or tonumber(ARGV[7])
 local total = tonumber(m[1])
-local done = (tonumber(m[2]) or 0) + (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0) - (tonumber(m[7]) or 0)
+local done = (tonumber(m[2]) or 0) + (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0)
 if total == nil or (done >= total and not m[5]) then
   if total ~= nil then redis.call('HSET', KEYS[1], 'finished_at', ARGV[6]) end
   for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
 end
+return 1
+""")
+
+# KEYS: meta, results, running, attempts. ARGV: index, attempt. A worker starts running a request's attempt:
+# returns 0 when there is nothing to run (that attempt has its result, or a retry superseded it), else 1,
+# or 2 when its batch is cancelled; the index joins the running set (1 and 2) in the same call, so a
+# request is never counted as running and finished at once.
+_START = LuaScript("""
+local idx, attempt = ARGV[1], tonumber(ARGV[2])
+if attempt ~= tonumber(redis.call('HGET', KEYS[4], idx) or '0') then return 0 end
+local old = redis.call('HGET', KEYS[2], idx)
+if old and (attempt == 0 or attempt <= (tonumber(cjson.decode(old).attempt) or 0)) then return 0 end
+redis.call('SADD', KEYS[3], idx)
+if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return 2 end
 return 1
 """)
 
@@ -137,6 +147,7 @@ def batch_keys(batch_id: str) -> list[str]:
         keys.batch_chat(batch_id),
         keys.batch_attempts(batch_id),
         keys.batch_requests(batch_id),
+        keys.batch_digests(batch_id),
     ]
 
 
@@ -147,12 +158,14 @@ async def write_result(
     *,
     ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
     request: bytes | None = None,
+    generated: int = 0,
 ) -> bool:
     """Store `result` once per attempt (`result.attempt`) and update the batch counters atomically.
 
     Returns True if this call stored it, False if this attempt's result already existed or a retry has
     superseded the attempt. `request`: the request's queue payload, kept when the result is one a retry
-    can select (RETRYABLE), so that `producer retry` can enqueue it again.
+    can select (RETRYABLE), so that `producer retry` can enqueue it again. `generated`: tokens the worker
+    generated for it and has not yet added to the batch's `tokens_generated` rate counter.
     """
     args = [
         str(result.index),
@@ -166,30 +179,35 @@ async def write_result(
         int(result.cached),
         result.attempt,
         request if request is not None and result.finish_reason in RETRYABLE else b"",
+        result.finish_reason,
+        max(0, generated),
     ]
     return bool(await _WRITE_RESULT(redis, batch_keys(batch_id), args))
 
 
-async def has_result(redis: Redis, batch_id: str, index: int, attempt: int = 0) -> bool:
-    """True when attempt `attempt` of the request has nothing left to do: its result is stored, or a retry
-    has superseded it (a worker then drops the job without running it)."""
-    results = keys.batch_results(batch_id)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hget(keys.batch_attempts(batch_id), str(index))
-        if attempt:
-            pipe.hget(results, str(index))
-        else:
-            pipe.hexists(results, str(index))
-        current, stored = await pipe.execute()
-    if _int(current) != attempt:
-        return True
-    if not attempt:
-        return bool(stored)
-    return stored is not None and Result.from_json(stored).attempt >= attempt
+START_NOTHING, START_RUN, START_CANCELLED = 0, 1, 2
 
 
-async def mark_running(redis: Redis, batch_id: str, index: int) -> None:
-    await done(redis.sadd(keys.batch_running(batch_id), str(index)))
+async def start_attempt(redis: Redis, batch_id: str, index: int, attempt: int = 0) -> int:
+    """A worker takes attempt `attempt` of a request: START_NOTHING when that attempt has its result or a
+    retry superseded it (drop the job), else the request is marked running and the answer is START_RUN,
+    or START_CANCELLED when its batch was cancelled (store a cancelled result)."""
+    ks = [
+        keys.batch_meta(batch_id),
+        keys.batch_results(batch_id),
+        keys.batch_running(batch_id),
+        keys.batch_attempts(batch_id),
+    ]
+    return int(await _START(redis, ks, [str(index), attempt]))
+
+
+async def add_generated(redis: Redis, tokens_by_batch: dict[str, int]) -> None:
+    """Add tokens generated by running requests to their batches' `tokens_generated` rate counters."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for batch_id, n in tokens_by_batch.items():
+            if n > 0:
+                pipe.hincrby(keys.batch_meta(batch_id), "tokens_generated", n)
+        await pipe.execute()
 
 
 async def is_cancelled(redis: Redis, batch_id: str) -> bool:
@@ -200,7 +218,7 @@ def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
     m = {_str(k): v for k, v in meta.items()}
     total = _int(m.get("total"))
     retrying = _int(m.get("retrying"))
-    done = sum(_int(m.get(f)) for f in DONE_FIELDS) - retrying
+    done = sum(_int(m.get(f)) for f in DONE_FIELDS)
     if done >= total:
         state = "cancelled" if _str(m.get(CANCEL_FLAG, b"0")) == "1" else "completed"
     else:
@@ -215,8 +233,11 @@ def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
         completed=_int(m.get("completed")),
         failed=_int(m.get("failed")),
         cancelled=_int(m.get("cancelled")),
+        timed_out=_int(m.get("timed_out")),
+        length=_int(m.get("length")),
         prompt_tokens=_int(m.get("prompt_tokens")),
         completion_tokens=_int(m.get("completion_tokens")),
+        tokens_generated=_int(m.get("tokens_generated")),
         cached_prompt_tokens=_int(m.get("cached_prompt_tokens")),
         from_result_cache=_int(m.get("from_result_cache")),
         retrying=retrying,
@@ -238,25 +259,38 @@ async def get_status(redis: Redis, batch_id: str) -> BatchStatus:
 
 
 async def iter_results(
-    redis: Redis, batch_id: str, *, chunk: int = CHUNK
+    redis: Redis, batch_id: str, *, chunk: int = CHUNK, superseded: bool = False
 ) -> AsyncIterator[tuple[Result, bool]]:
-    """Yield (result, was_chat) in input order; requests without a result yet are skipped."""
+    """Yield (result, was_chat) in input order, the results the batch counts: requests without a result
+    yet are skipped, and so is the result of an attempt a retry has superseded while the new attempt runs
+    (`superseded=True` yields those too)."""
     total = (await get_status(redis, batch_id)).total
     chat_bits = await done(redis.get(keys.batch_chat(batch_id))) or b""
+    attempts = {} if superseded else await current_attempts(redis, batch_id)
     for start in range(0, total, chunk):
         idx = list(range(start, min(start + chunk, total)))
         raws = await done(redis.hmget(keys.batch_results(batch_id), [str(i) for i in idx]))
         for i, raw in zip(idx, raws, strict=True):
-            if raw is not None:
-                byte = i // 8
-                chat = byte < len(chat_bits) and bool(chat_bits[byte] & (0x80 >> (i % 8)))
-                yield Result.from_json(raw), chat
+            if raw is None:
+                continue
+            result = Result.from_json(raw)
+            if result.attempt < attempts.get(i, 0):
+                continue
+            byte = i // 8
+            chat = byte < len(chat_bits) and bool(chat_bits[byte] & (0x80 >> (i % 8)))
+            yield result, chat
+
+
+async def current_attempts(redis: Redis, batch_id: str) -> dict[int, int]:
+    """Request index -> its current attempt, for the requests `producer retry` re-enqueued (others: 0)."""
+    raw = await done(redis.hgetall(keys.batch_attempts(batch_id)))
+    return {int(k): int(v) for k, v in raw.items()}
 
 
 async def cancel_batch(redis: Redis, batch_id: str, *, chunk: int = CHUNK) -> int:
     """Cancel a batch: drop its still-queued jobs and record a "cancelled" result for each.
 
-    Requests a worker already holds are left to the worker, which polls `is_cancelled` between steps.
+    Requests a worker already holds are left to the worker, which polls `is_cancelled` while they run.
     Returns the number of queued requests cancelled here.
     """
     status = await get_status(redis, batch_id)
@@ -265,7 +299,7 @@ async def cancel_batch(redis: Redis, batch_id: str, *, chunk: int = CHUNK) -> in
     meta = keys.batch_meta(batch_id)
     await done(redis.hset(meta, CANCEL_FLAG, "1"))
     queue = status.queue or keys.DEFAULT_QUEUE
-    attempts = {int(k): int(v) for k, v in (await done(redis.hgetall(keys.batch_attempts(batch_id)))).items()}
+    attempts = await current_attempts(redis, batch_id)
     cancelled = 0
     for start in range(0, status.total, chunk):
         idx = range(start, min(start + chunk, status.total))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import re
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -25,12 +27,15 @@ from redis.asyncio import Redis
 
 from producer import keys
 from producer.contract import ErrorInfo, Result, SamplingParams, Timing, defaults_base
+from producer.grammars import grammar_problem
 from producer.jsonl import LineError, ParsedLine, parse_line, read_lines
 from producer.lua import LuaScript, done
 from producer.result_cache import CachedAnswer, request_key
 from producer.store import write_result
+from producer.workers import QueueServing, live_workers, queue_serving
 
 MAX_REPORTED = 20
+DIGEST_BYTES = 8  # a request's content digest: locates the first differing line of a resubmission
 NO_KEY = b"-" * 64  # a spool record without a result-cache key
 JSON_AT = 5 + len(NO_KEY)  # where a spooled request's JSON starts
 CHUNK_JOBS = 2000
@@ -54,8 +59,11 @@ class SubmitReport:
     enqueued: int = 0
     cached: int = 0  # answered from the result cache at submit, never enqueued
     invalid: int = 0
-    body_model: str | None = None  # the first OpenAI body.model seen, recorded in the batch meta
+    body_model: str | None = None  # the first OpenAI body.model seen (as written), recorded in the batch meta
+    model: str | None = None  # the first model a request names (after --model-alias)
     errors: list[LineError] = field(default_factory=list)  # the first MAX_REPORTED bad lines
+    digests: bytearray = field(default_factory=bytearray)  # DIGEST_BYTES per request, in index order
+    line_numbers: array[int] = field(default_factory=lambda: array("I"))  # each request's input line
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +85,19 @@ def check_batch_id(batch_id: str) -> str:
     return batch_id
 
 
+@dataclass
+class SubmitChecks:
+    """What pass 1 checks lines against, besides the contract: what serves the queue, if a worker ever
+    said (the context length a request's max_new_tokens must fit), and the result-cache lookups it may
+    make. A request is looked up only when it names no model, or names the model a live worker of the
+    queue serves (`live_model`): a cached answer never answers a request for another model."""
+
+    serving: QueueServing | None = None
+    fingerprint: str | None = None  # the result cache's, None: no lookups
+    live_model: str | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+
 def validate_to_spool(
     stream: IO[bytes],
     spool: IO[bytes],
@@ -86,44 +107,99 @@ def validate_to_spool(
     model: str | None,
     fingerprint: str | None = None,
     result_cache: bool = True,
+    checks: SubmitChecks | None = None,
 ) -> None:
     """Pass 1. Spool records: b"R" + (b"c"|b"p") + 3 hex digits of queue order (see queue_order) + the
     64 hex digits of its result-cache key (NO_KEY when it has none) + request JSON, or b"E" + error
-    JSON; one per line. `fingerprint`: the queue's workers' (None: no lookups)."""
-    seen: dict[str, int] = {}  # ids only, never prompts: memory stays small for multi-GB files
+    JSON; one per line. `fingerprint` (or `checks.fingerprint`): the queue's workers' (None: no lookups).
+    Also records each request's content digest and line number in `report` (see create_batch)."""
+    checks = checks or SubmitChecks(fingerprint=fingerprint)
+    fingerprint = checks.fingerprint
+    serving = checks.serving
+    seen: dict[str, int] = {}  # id -> line (negative: an id given for lack of one); never prompts
     base = defaults_base(defaults)
     batch_id, write, dumps = report.batch_id, spool.write, orjson.dumps
+    digests, lines = report.digests, report.line_numbers
     index = 0
     for line_no, raw in read_lines(stream):
         if raw is not None and raw.isspace():  # blank (isspace, unlike strip, copies nothing)
             continue
-        parsed = parse_line(raw, line_no, index, batch_id=batch_id, defaults=defaults, model=model, base=base)
+        parsed = parse_line(
+            raw, line_no, index, batch_id=batch_id, defaults=defaults, model=model, base=base,
+            aliases=checks.aliases,
+        )  # fmt: skip
         if isinstance(parsed, ParsedLine):
-            rid = parsed.record["id"]
-            first = seen.setdefault(rid, line_no)
-            if first == line_no:
+            rec = parsed.record
+            rid = rec["id"]
+            first = seen.setdefault(rid, line_no if rid != str(line_no) or _has_id(raw) else -line_no)
+            if abs(first) != line_no:
+                parsed = [LineError(line_no, "id", _duplicate(rid, line_no, first, raw))]
+            elif (problem := _check_request(rec, serving)) is not None:
+                parsed = [LineError(line_no, parsed.fields_at + problem[0], problem[1], rid)]
+            else:
                 if parsed.body_model and not report.body_model:
                     report.body_model = parsed.body_model
-                rec = parsed.record
+                if rec["model"] and not report.model:
+                    report.model = rec["model"]
+                body = dumps(rec)
+                digests.extend(_digest(body))
                 if not result_cache:
-                    rec["result_cache"] = False
+                    body = body[:-1] + b',"result_cache":false}'
                 key = None
-                if fingerprint is not None:
+                if fingerprint is not None and rec["model"] in (None, checks.live_model):
                     key = request_key(fingerprint, rec["prompt"], rec["messages"], rec["params"])
                 kind = b"Rc" if parsed.chat else b"Rp"
                 order = b"%03x" % queue_order(rec["params"]["max_new_tokens"])
                 digest = NO_KEY if key is None else key.rpartition(":")[2].encode()
-                write(kind + order + digest + dumps(rec) + b"\n")
+                write(kind + order + digest + body + b"\n")
+                lines.append(line_no)
                 index += 1
                 continue
-            parsed = [LineError(line_no, "id", f"duplicate id {rid!r} (first on line {first})")]
         report.invalid += 1
         if len(report.errors) < MAX_REPORTED:
             report.errors.extend(parsed[:1] if len(parsed) == 1 else [_join(parsed)])
         uid = parsed[0].id or str(line_no)
-        write(b"E" + dumps({"id": uid, "reason": "; ".join(map(str, parsed))}) + b"\n")
+        err = dumps({"id": uid, "reason": "; ".join(map(str, parsed))})
+        digests.extend(_digest(err))
+        write(b"E" + err + b"\n")
+        lines.append(line_no)
         index += 1
     report.total = index
+
+
+def _digest(record: bytes) -> bytes:
+    return hashlib.blake2b(record, digest_size=DIGEST_BYTES).digest()
+
+
+def _has_id(raw: bytes | None) -> bool:
+    """Whether the line wrote an id of its own (else parse_line gave it its line number)."""
+    return raw is not None and (b'"id"' in raw or b'"custom_id"' in raw)
+
+
+def _duplicate(rid: str, line_no: int, first: int, raw: bytes | None) -> str:
+    """The duplicate-id message, saying which of the two ids was given for lack of one (a line without an
+    id gets its line number as id: docs/architecture.md, "Input")."""
+    where = f"first on line {abs(first)}"
+    if first < 0:
+        where += f", where it is the id given to line {-first}, which has none of its own"
+    if not _has_id(raw):
+        return f"duplicate id {rid!r} (the id given to line {line_no}, which has none of its own; {where})"
+    return f"duplicate id {rid!r} ({where})"
+
+
+def _check_request(rec: dict[str, Any], serving: QueueServing | None) -> tuple[str, str] | None:
+    """(field, reason) when a valid line still cannot run: its grammar does not compile, or it asks for
+    more new tokens than the model the queue serves can ever hold."""
+    params = rec["params"]
+    if serving is not None and rec["model"] in (None, serving.model):
+        asked, context = params["max_new_tokens"], serving.max_model_len
+        if asked > context:
+            return (
+                "max_new_tokens",
+                f"{asked} new tokens asked, but the model {serving.model!r} serving this queue holds "
+                f"{context} tokens in all (prompt and output together)",
+            )
+    return grammar_problem(params)
 
 
 ORDER_LEVELS = 4096  # distinct fractions of a millisecond a queue score can hold at today's epoch-ms
@@ -148,15 +224,18 @@ def _join(errors: list[LineError]) -> LineError:
     return LineError(first.line_no, first.field, f"{first.reason}; {rest}", first.id)
 
 
-# KEYS: meta, batches index. ARGV: total, created_at, batch id, then field/value pairs. Creates the batch
-# once; returns the total already recorded when the batch exists (a resubmission), or 0 when it created it.
+# KEYS: meta, batches index, content digests. ARGV: total, created_at, batch id, content digest, the
+# requests' digests (DIGEST_BYTES each, in index order), then field/value pairs. Creates the batch once;
+# returns {0} when it created it, else {the total already recorded, its content digest} (a resubmission).
 _CREATE = LuaScript("""
-local existing = redis.call('HGET', KEYS[1], 'total')
-if existing then return tonumber(existing) end
-redis.call('HSET', KEYS[1], 'total', ARGV[1], 'created_at', ARGV[2], unpack(ARGV, 4))
+local existing = redis.call('HMGET', KEYS[1], 'total', 'digest')
+if existing[1] then return {tonumber(existing[1]), existing[2] or ''} end
+redis.call('HSET', KEYS[1], 'total', ARGV[1], 'created_at', ARGV[2], 'digest', ARGV[4], unpack(ARGV, 6))
+redis.call('SET', KEYS[3], ARGV[5])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
-return 0
+return {0}
 """)
+
 
 # KEYS: queue, results hash, chat bitmap. ARGV: job id prefix ("<batch id>:"), first index, enqueue time
 # (ms), kinds (one byte per job: c chat, p prompt), orders (3 hex digits of queue_order per job), fresh
@@ -236,10 +315,12 @@ async def create_batch(
     defaults: SamplingParams | None,
     result_ttl_s: int,
 ) -> bool:
-    """Create the batch, or check a resubmission against it. True when this call created it."""
+    """Create the batch, or check a resubmission against it: the same content again is a no-op (an
+    interrupted submit finishes), other content under the same id is refused, naming the first line that
+    differs. True when this call created it."""
     fields: dict[str, Any] = {
         "queue": queue,
-        "model": model or "",
+        "model": report.model or model or "",
         "body_model": report.body_model or "",
         "defaults": orjson.dumps(defaults.model_dump(mode="json", exclude_none=True) if defaults else {}),
         "result_ttl_s": result_ttl_s,
@@ -250,17 +331,47 @@ async def create_batch(
         "completion_tokens": 0,
     }
     flat = [x for kv in fields.items() for x in kv]
+    blob = bytes(report.digests)
+    digest = hashlib.blake2b(blob, digest_size=16).hexdigest()
+    bid = report.batch_id
     existing = await _CREATE(
         redis,
-        [keys.batch_meta(report.batch_id), keys.BATCHES],
-        [report.total, repr(time.time()), report.batch_id, *flat],
+        [keys.batch_meta(bid), keys.BATCHES, keys.batch_digests(bid)],
+        [report.total, repr(time.time()), bid, digest, blob, *flat],
     )
-    if existing and int(existing) != report.total:
+    if not int(existing[0]):
+        return True
+    total, stored = int(existing[0]), _s(existing[1])
+    if stored and stored != digest:
+        raise InputError(await _differs(redis, report, total))
+    if total != report.total:  # a batch created before batches kept a digest
         raise InputError(
-            f"batch {report.batch_id!r} already exists with {int(existing)} requests, this input has "
-            f"{report.total}: use another --batch-id"
+            f"batch {bid!r} already exists with {total} requests, this input has {report.total}: "
+            "use another --batch-id"
         )
-    return not existing
+    return False
+
+
+async def _differs(redis: Redis, report: SubmitReport, total: int) -> str:
+    """The refusal of other content under an existing batch id, naming the first request that differs."""
+    theirs = await done(redis.get(keys.batch_digests(report.batch_id))) or b""
+    mine = bytes(report.digests)
+    n, common = DIGEST_BYTES, min(total, report.total)
+    first = next(
+        (i for i in range(common) if mine[i * n : (i + 1) * n] != theirs[i * n : (i + 1) * n]), common
+    )
+    if first < common:
+        where = f"line {report.line_numbers[first]} (request {first + 1}) differs from what it holds"
+    else:
+        where = f"it holds {total} requests, this input {report.total}"
+    return (
+        f"batch {report.batch_id!r} already exists with other content: {where}. The same content again "
+        "is a no-op (that finishes an interrupted submit); use another --batch-id for new content"
+    )
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _spool_records(spool: IO[bytes]) -> Iterator[tuple[int, bytes]]:
@@ -424,11 +535,15 @@ async def submit_stream(
     skip_invalid: bool = False,
     result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
     result_cache: bool = True,
+    model_aliases: Mapping[str, str] | None = None,
     on_created: Callable[[str], None] | None = None,
     offload: bool = False,
 ) -> SubmitReport:
     """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything.
 
+    `model`: the model lines that name none are for; `model_aliases` map names lines (or `model`) give to
+    the name the queue's workers serve. A request for a model no worker of the queue serves fails at the
+    worker (error type model_not_found).
     `on_created(batch_id)` is called once the batch exists, before its jobs are enqueued: from then on an
     interrupted submit is finished by submitting again with the same batch id. Requests whose answer the
     result cache holds are answered now and never enqueued (result_cache=False: none are).
@@ -436,10 +551,9 @@ async def submit_stream(
     """
     report = SubmitReport(batch_id=check_batch_id(batch_id) if batch_id else new_batch_id())
     qname = keys.queue_name(queue)
-    fingerprint = None
-    if result_cache:  # the fingerprint of the workers serving this queue, if any ever published one
-        raw = await done(redis.get(keys.queue_fingerprint(qname)))
-        fingerprint = raw.decode() if raw is not None else None
+    aliases = dict(model_aliases or {})
+    model = aliases.get(model, model) if model else None
+    checks = await submit_checks(redis, qname, result_cache=result_cache, aliases=aliases)
     with tempfile.TemporaryFile(prefix="batchq-spool-") as spool:
         validate = functools.partial(
             validate_to_spool,
@@ -448,8 +562,8 @@ async def submit_stream(
             report,
             defaults=defaults,
             model=model,
-            fingerprint=fingerprint,
             result_cache=result_cache,
+            checks=checks,
         )
         if offload:
             await asyncio.to_thread(validate)
@@ -468,3 +582,19 @@ async def submit_stream(
             on_created(report.batch_id)
         await enqueue_spool(redis, spool, report, queue=qname, fresh=fresh)
     return report
+
+
+async def submit_checks(
+    redis: Redis, queue: str, *, result_cache: bool, aliases: Mapping[str, str]
+) -> SubmitChecks:
+    """What serves `queue` (as its workers last published it) and whether a live worker serves it now."""
+    serving = await queue_serving(redis, queue)
+    if serving is None:
+        return SubmitChecks(aliases=aliases)
+    live = any(w.model == serving.model for w in await live_workers(redis, queue))
+    return SubmitChecks(
+        serving=serving,
+        fingerprint=serving.fingerprint if result_cache and serving.result_cache else None,
+        live_model=serving.model if live else None,
+        aliases=aliases,
+    )

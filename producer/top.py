@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections import deque
-from dataclasses import dataclass
 
 import orjson
 from rich import box
@@ -22,11 +20,10 @@ from rich.text import Text
 
 from producer.client import BatchqClient
 from producer.contract import BatchStatus
-from producer.progress import eta_text
+from producer.progress import BatchRate, RateWindow, eta_text
 from producer.workers import Heartbeat, queue_label
 
 ACTIVE = ("queued", "running")
-RATE_WINDOW_S = 30.0  # batch rates are measured over this much of top's own samples
 
 
 def _console() -> Console:
@@ -59,36 +56,18 @@ def workers_table(workers: list[Heartbeat], now: float) -> Table:
     return t
 
 
-@dataclass
-class BatchRate:
-    tok_s: float
-    req_s: float
-
-    def eta(self, s: BatchStatus) -> float | None:
-        return (s.total - s.done) / self.req_s if self.req_s > 0 else None
-
-
 class BatchRates:
-    """Per batch, the rates over top's last RATE_WINDOW_S of samples; the average since the batch was
-    created until two samples are a second apart (a one-shot snapshot gives that average)."""
+    """Per batch, its RateWindow over top's own samples (producer/progress.py)."""
 
     def __init__(self) -> None:
-        self.samples: dict[str, deque[tuple[float, int, int]]] = {}
+        self.windows: dict[str, RateWindow] = {}
 
     def update(self, s: BatchStatus, now: float) -> BatchRate:
-        q = self.samples.setdefault(s.batch_id, deque())
-        q.append((now, s.done, s.completion_tokens))
-        while now - q[0][0] > RATE_WINDOW_S and len(q) > 2:
-            q.popleft()
-        t0, done0, tok0 = q[0]
-        if now - t0 < 1.0:
-            t0, done0, tok0 = s.created_at, 0, 0
-        span = max(now - t0, 1e-6)
-        return BatchRate(tok_s=(s.completion_tokens - tok0) / span, req_s=(s.done - done0) / span)
+        return self.windows.setdefault(s.batch_id, RateWindow()).update(s, now)
 
     def forget_all_but(self, batch_ids: set[str]) -> None:
-        for b in set(self.samples) - batch_ids:
-            del self.samples[b]
+        for b in set(self.windows) - batch_ids:
+            del self.windows[b]
 
 
 def batches_table(batches: list[BatchStatus], rates: BatchRates, now: float) -> Table:

@@ -94,6 +94,32 @@ async def live_workers(redis: Redis, queue: str | None = None) -> list[Heartbeat
     return sorted(live, key=lambda w: w.worker_id)
 
 
+class QueueServing(BaseModel):
+    """What serves a queue, as its workers publish it (keys.queue_serving; one model per queue, see
+    worker/service.py bind_queue): the model name requests must name or leave unset, the engine
+    fingerprint the result cache keys with (when the workers use the result cache), and the longest
+    sequence (prompt + output) the engine serves. It outlives the workers (its TTL is the result
+    cache's), so it also describes a queue whose workers are all gone."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    fingerprint: str
+    max_model_len: int
+    result_cache: bool = True
+
+
+async def queue_serving(redis: Redis, queue: str | None) -> QueueServing | None:
+    """The queue's published QueueServing, or None when no worker ever published one (or it expired)."""
+    raw = await redis.get(keys.queue_serving(keys.queue_name(queue)))
+    if raw is None:
+        return None
+    try:
+        return QueueServing.model_validate_json(raw)
+    except ValidationError:
+        return None  # written by a worker this producer cannot read: no checks, no lookups
+
+
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from producer.contract import (
+    CHOICES_TEMPERATURE,
     ChoiceLogprobs,
     ErrorInfo,
     LabelScore,
@@ -42,6 +43,8 @@ def generation_params(params: SamplingParams) -> GenerationParams:
             given[k] = tuple(given[k])
     if "logit_bias" in given:  # OpenAI's {"id": bias} -> ((id, bias), ...) in id order
         given["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in given["logit_bias"].items()))
+    if "choices" in given and "temperature" not in given:  # submit resolves it; older payloads may not
+        given["temperature"] = CHOICES_TEMPERATURE
     given["constraint"] = constraint(params)
     return GenerationParams(**given)
 
@@ -70,7 +73,8 @@ def engine_request(req: Request, request_id: str) -> EngineRequest:
     )
 
 
-def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id: str) -> Result:
+def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id: str, model: str) -> Result:
+    """`model`: the model the worker serves, which computed the result."""
     error = None if res.error is None else ErrorInfo(type=res.error.type, message=res.error.message)
     return Result(
         id=req.id,
@@ -81,6 +85,7 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         timing=Timing(queued_s=queued_s, ttft_s=res.ttft_s, total_s=res.total_s),
         error=error,
         metadata=req.metadata,
+        model=model,
         worker=worker_id,
         label_scores=None if res.label_scores is None else [LabelScore(**vars(s)) for s in res.label_scores],
         logprobs=None if res.logprobs is None else ChoiceLogprobs(content=[_token(t) for t in res.logprobs]),

@@ -34,6 +34,7 @@ log = logging.getLogger("batchq.worker")
 P = ParamSpec("P")
 T = TypeVar("T")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+Storer = Callable[..., Awaitable[None]]  # store_(result, generated=0)
 
 
 async def retrying(fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -49,6 +50,17 @@ async def retrying(fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwa
             delay = min(delay * 2, 5.0)
 
 
+MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model it does not serve
+
+
+def model_not_found(asked: str, cfg: WorkerConfig) -> str:
+    served = cfg.engine.model
+    return (
+        f"request is for model {asked!r} but this worker serves {served!r} (queue {cfg.queue!r}); "
+        f"name that model, or map the name with --model-alias {asked}={served}"
+    )
+
+
 @dataclass
 class JobHandler:
     """Runs the jobs of one worker process; holds what they share."""
@@ -58,6 +70,7 @@ class JobHandler:
     redis: Redis
     handing_back: bool = False  # set on SIGTERM once the grace period is over
     inflight: dict[str, str] = field(default_factory=dict)  # job id -> batch id
+    reported: dict[str, int] = field(default_factory=dict)  # job id -> tokens added to its batch's counter
     completed: int = 0
     failed: int = 0
     from_cache: int = 0
@@ -75,7 +88,8 @@ class JobHandler:
             result = error_result(str(index + 1), index, "invalid_request", msg)
             await self._store(batch_id, result.model_copy(update={"attempt": attempt}))
             return "invalid"
-        if await retrying(store.has_result, self.redis, req.batch_id, req.index, req.attempt):
+        start = await retrying(store.start_attempt, self.redis, req.batch_id, req.index, req.attempt)
+        if start == store.START_NOTHING:
             # Ran before (a lease expired while it finished elsewhere: first write won), or a retry has
             # superseded this attempt (its result would be refused).
             return "duplicate"
@@ -88,26 +102,27 @@ class JobHandler:
             await store_(error_result(req.id, req.index, "max_tries_exceeded", msg, req))
             return "max_tries"
         if req.model is not None and req.model != self.cfg.engine.model:
-            msg = f"request is for model {req.model!r} but this worker serves {self.cfg.engine.model!r}"
-            await store_(error_result(req.id, req.index, "model_mismatch", msg, req))
-            return "model_mismatch"
-        if await retrying(store.is_cancelled, self.redis, req.batch_id):
+            await store_(
+                error_result(req.id, req.index, MODEL_NOT_FOUND, model_not_found(req.model, self.cfg), req)
+            )
+            return MODEL_NOT_FOUND
+        if start == store.START_CANCELLED:
             await store_(cancelled_result(req))
             return "cancelled"
         return await self._generate(req, job_id, store_)
 
-    def _storer(self, req: Request, payload: Any) -> Callable[[Result], Awaitable[None]]:
+    def _storer(self, req: Request, payload: Any) -> Storer:
         """Stores a result of this request's attempt, keeping the payload where a retry may need it."""
         raw = orjson.dumps(payload)
 
-        async def store_(result: Result) -> None:
-            await self._store(req.batch_id, result.model_copy(update={"attempt": req.attempt}), raw)
+        async def store_(result: Result, generated: int = 0) -> None:
+            result = result.model_copy(update={"attempt": req.attempt})
+            await self._store(req.batch_id, result, raw, generated)
 
         return store_
 
-    async def _generate(self, req: Request, job_id: str, store_: Callable[[Result], Awaitable[None]]) -> str:
+    async def _generate(self, req: Request, job_id: str, store_: Storer) -> str:
         picked_at = time.time()
-        await retrying(store.mark_running, self.redis, req.batch_id, req.index)
         try:
             ereq = engine_request(req, job_id)
         except ValueError as e:  # the contract admits what the engine refuses: a bug, reported per request
@@ -122,6 +137,8 @@ class JobHandler:
                 result = answer.result(
                     req.id, req.index, req.metadata, timing=timing, worker=self.cfg.worker_id
                 )
+                if result.model is None:  # stored before answers named their model: it is this queue's
+                    result.model = self.cfg.engine.model
                 await store_(result)
                 self.from_cache += 1
                 return answer.finish_reason
@@ -135,8 +152,9 @@ class JobHandler:
             raise
         finally:
             self.inflight.pop(job_id, None)
-        result = to_result(req, res, queued_s, self.cfg.worker_id)
-        await store_(result)
+            reported = self.reported.pop(job_id, 0)
+        result = to_result(req, res, queued_s, self.cfg.worker_id, self.cfg.engine.model)
+        await store_(result, res.completion_tokens - reported)
         if key is not None:
             try:
                 await self.result_cache.put(key, result)
@@ -157,8 +175,10 @@ class JobHandler:
             REDIS_ERRORS_SEEN.note("hand_back")
             log.warning("could not hand back %s (%s); its lease will expire", job_id, type(e).__name__)
 
-    async def _store(self, batch_id: str, result: Result, request: bytes | None = None) -> None:
-        written = await retrying(self._write, batch_id, result, request)
+    async def _store(
+        self, batch_id: str, result: Result, request: bytes | None = None, generated: int = 0
+    ) -> None:
+        written = await retrying(self._write, batch_id, result, request, generated)
         if written:
             self.metrics.observe(result)
             if result.finish_reason == "error":
@@ -166,9 +186,24 @@ class JobHandler:
             else:
                 self.completed += 1
 
-    async def _write(self, batch_id: str, result: Result, request: bytes | None) -> bool:
+    async def _write(self, batch_id: str, result: Result, request: bytes | None, generated: int) -> bool:
         ttl = int(self.cfg.result_ttl_s)
-        return await store.write_result(self.redis, batch_id, result, ttl_s=ttl, request=request)
+        return await store.write_result(
+            self.redis, batch_id, result, ttl_s=ttl, request=request, generated=generated
+        )
+
+    async def report_generated(self) -> None:
+        """Add the tokens running requests generated since the last report to their batches' rate counters,
+        so `producer top` and `wait` see a batch's rate while its requests run, not only as they end."""
+        counts = self.engine.generated_tokens()
+        by_batch: dict[str, int] = {}
+        for job_id, batch_id in self.inflight.items():
+            n = counts.get(job_id, 0) - self.reported.get(job_id, 0)
+            if n > 0:
+                by_batch[batch_id] = by_batch.get(batch_id, 0) + n
+                self.reported[job_id] = counts[job_id]
+        if by_batch:
+            await store.add_generated(self.redis, by_batch)
 
     async def poll_cancellations(self) -> None:
         """Running requests of a cancelled batch stop at their next engine step."""

@@ -14,6 +14,7 @@ from producer import keys
 from producer.contract import Request, Result
 from producer.lua import done
 from producer.result_cache import CACHEABLE, CachedAnswer, request_key
+from producer.workers import QueueServing
 
 
 def key_of(fingerprint: str, req: Request) -> str | None:
@@ -45,9 +46,14 @@ class ResultCache:
             cached_tokens=res.usage.prompt_tokens_details.cached_tokens,
             label_scores=res.label_scores,
             logprobs=res.logprobs,
+            model=res.model,
         )
         await done(self.redis.set(key, answer.to_json(), ex=self.ttl_s))
 
-    async def publish(self, queue: str) -> None:
-        """Tell producers which fingerprint answers this queue, so submit can look answers up."""
-        await done(self.redis.set(keys.queue_fingerprint(queue), self.fingerprint, ex=self.ttl_s))
+    async def publish(self, queue: str, model: str, max_model_len: int, enabled: bool) -> None:
+        """Tell producers what serves this queue: submit checks requests against it and, when `enabled`,
+        answers what the result cache holds at once."""
+        serving = QueueServing(
+            model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled
+        )
+        await done(self.redis.set(keys.queue_serving(queue), serving.model_dump_json(), ex=self.ttl_s))

@@ -63,6 +63,13 @@ async def bind_queue(redis: Redis, cfg: WorkerConfig) -> None:
     await redis.expire(key, ttl)
 
 
+async def publish_serving(handler: JobHandler) -> None:
+    cfg = handler.cfg
+    await handler.result_cache.publish(
+        keys.queue_name(cfg.queue), cfg.engine.model, handler.engine.core.max_model_len, cfg.result_cache
+    )
+
+
 async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) -> None:
     while True:
         await asyncio.sleep(period)
@@ -93,8 +100,7 @@ async def serve(cfg: WorkerConfig) -> int:
     redis = connect(cfg)
     await retrying(bind_queue, redis, cfg)  # a worker started before Redis waits for it
     handler = JobHandler(cfg, aengine, redis)
-    if cfg.result_cache:
-        await retrying(handler.result_cache.publish, keys.queue_name(cfg.queue))
+    await retrying(publish_serving, handler)
     worker = QueueWorker(handler, redis_pool=redis)
     health.start_watchdog(aengine, cfg.stall_s)
     stats_log = health.StatsLogger(aengine)
@@ -110,11 +116,11 @@ async def serve(cfg: WorkerConfig) -> int:
     async def heartbeat() -> None:
         await heartbeats.beat(redis)
         await bind_queue(redis, cfg)
-        if cfg.result_cache:
-            await handler.result_cache.publish(keys.queue_name(cfg.queue))
+        await publish_serving(handler)
 
     housekeeping = [
         asyncio.create_task(_every(0.5, handler.poll_cancellations, "cancel poll")),
+        asyncio.create_task(_every(1.0, handler.report_generated, "progress report")),
         asyncio.create_task(_every(cfg.lease_s / 3, worker.renew_leases, "lease renewal")),
         asyncio.create_task(_every(cfg.heartbeat_s, heartbeat, "heartbeat")),
         asyncio.create_task(_every(cfg.log_interval_s, log_stats, "stats log")),

@@ -130,8 +130,9 @@ def test_request_errors_are_results_not_exceptions(ckpt: Path) -> None:
         EngineRequest(
             "near-end", params(max_new_tokens=50, temperature=0, ignore_eos=True), prompt_token_ids=[5] * 60
         ),
+        EngineRequest("beyond", params(max_new_tokens=65), prompt_token_ids=[5] * 3),  # more than the model
     ]
-    long, left, none, near = engine.generate(reqs)
+    long, left, none, near, beyond = engine.generate(reqs)
     huge_req = EngineRequest("huge", params(max_new_tokens=60), prompt_token_ids=[5] * 40)  # 25 blocks
     huge = engine_with(ckpt, blocks=20).generate([huge_req])[0]
     assert (
@@ -149,6 +150,11 @@ def test_request_errors_are_results_not_exceptions(ckpt: Path) -> None:
     )
     assert none.error is not None and none.error.type == "invalid_request"
     assert near.finish_reason == "length" and near.completion_tokens == 4  # capped at the context end
+    assert beyond.error is not None and beyond.error.type == "context_length_exceeded"
+    assert beyond.error.message == (
+        "max_new_tokens is 65, but the model holds 64 tokens in all (prompt and output together; this "
+        "prompt has 3)"
+    )
 
 
 def test_chat_request_without_chat_template_is_invalid(tmp_path: Path) -> None:

@@ -98,7 +98,8 @@ async def finish(url: str, batch_id: str, results: list[Result]) -> None:
 
 
 def ok(i: int, id_: str, reason: str = "eos") -> Result:
-    return Result(id=id_, index=i, text=f"answer {i}", finish_reason=reason,
+    """A result as a worker serving smollm2-135m writes it."""
+    return Result(id=id_, index=i, text=f"answer {i}", finish_reason=reason, model="smollm2-135m",
                   usage=Usage(prompt_tokens=4, completion_tokens=2, total_tokens=6))  # fmt: skip
 
 
@@ -134,12 +135,23 @@ def test_submit_status_wait_results_round_trip(redis_url: str, tmp_path: Path) -
         ("c1", "answer 0", "eos"),
         ("t1", "answer 1", "length"),
     ]
-    assert set(rows[0]) == {"id", "text", "finish_reason", "usage", "timing", "error", "metadata", "cached"}
+    assert set(rows[0]) == {
+        "id",
+        "text",
+        "finish_reason",
+        "usage",
+        "timing",
+        "error",
+        "metadata",
+        "model",
+        "cached",
+    }
+    assert rows[0]["model"] == "smollm2-135m"
 
     oa = [orjson.loads(x) for x in cli(redis_url, "results", "b1", "--format", "openai").stdout.splitlines()]
     chat, text = (r["response"]["body"] for r in oa)
     assert [r["custom_id"] for r in oa] == ["c1", "t1"] and oa[0]["error"] is None
-    assert chat["object"] == "chat.completion" and chat["model"] == "gpt-4o-mini"
+    assert chat["object"] == "chat.completion" and chat["model"] == "smollm2-135m"  # the model that ran
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "answer 0"}
     assert chat["choices"][0]["finish_reason"] == "stop" and chat["usage"]["total_tokens"] == 6
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == "answer 1"
@@ -193,3 +205,43 @@ def test_stdin_submit_with_wait_writes_results_file(redis_url: str, tmp_path: Pa
     code, err = asyncio.run(main())
     assert code == 0, err
     assert orjson.loads((tmp_path / "o.jsonl").read_bytes())["text"] == "answer 0"
+
+
+def test_timeouts_and_lengths_are_counted_and_fail_on_makes_wait_exit_5(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A nightly job checking exit codes must be able to notice partial answers."""
+    path = jsonl(tmp_path / "in.jsonl", *({"id": f"r{i}", "prompt": "x"} for i in range(3)))
+    cli(redis_url, "submit", str(path), "--batch-id", "b5")
+    asyncio.run(finish(redis_url, "b5", [ok(0, "r0"), ok(1, "r1", "timeout"), ok(2, "r2", "length")]))
+    plain = cli(redis_url, "wait", "b5")
+    assert plain.returncode == 0
+    assert (
+        "batch b5 completed: 3 completed (1 timed out, 1 cut at max_new_tokens), 0 failed, 0 cancelled of 3"
+        in plain.stderr
+    )
+    assert cli(redis_url, "wait", "b5", "--fail-on", "timeout").returncode == 5
+    assert cli(redis_url, "wait", "b5", "--fail-on", "length").returncode == 5
+    assert cli(redis_url, "wait", "b5", "--fail-on", "timeout,length").returncode == 5
+    bad = cli(redis_url, "wait", "b5", "--fail-on", "eos")
+    assert bad.returncode == 2 and "expected timeout, length" in bad.stderr
+    status = orjson.loads(cli(redis_url, "status", "b5", "--json").stdout)
+    assert (status["completed"], status["timed_out"], status["length"]) == (3, 1, 1)
+    assert "5  wait: every request has an answer" in cli(redis_url, "wait", "--help").stdout
+
+
+def test_a_closed_stdout_ends_a_command_quietly(redis_url: str, tmp_path: Path) -> None:
+    """`producer list | head -2`: the reader goes away before the command writes; no error, no traceback."""
+    path = jsonl(tmp_path / "in.jsonl", {"prompt": "x"})
+    for i in range(3):
+        cli(redis_url, "submit", str(path), "--batch-id", f"bp{i}")
+    asyncio.run(finish(redis_url, "bp0", [ok(0, "1")]))
+    for args in (["list"], ["results", "bp0"], ["status", "bp0"]):
+        read, write = os.pipe()
+        os.close(read)  # the reader has gone
+        env = {**os.environ, "REDIS_URL": redis_url}
+        proc = subprocess.run(
+            [str(PRODUCER), *args], stdout=write, stderr=subprocess.PIPE, env=env, timeout=60, check=False
+        )
+        os.close(write)
+        assert proc.returncode == 141 and proc.stderr == b"", (args, proc.stderr)

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import io
+import time
 
 from producer.contract import BatchStatus
-from producer.progress import Progress
+from producer.progress import Progress, RateWindow
 
 
-def status(done: int, tokens: int, total: int = 10) -> BatchStatus:
+def status(
+    done: int, tokens: int, total: int = 10, finished_tokens: int = 0, created_at: float = 0.0
+) -> BatchStatus:
+    """`tokens`: generated so far (running requests included); `finished_tokens`: of finished requests."""
     return BatchStatus(
         batch_id="b", state="running", total=total, queued=total - done, running=0, completed=done,
-        failed=0, cancelled=0, prompt_tokens=0, completion_tokens=tokens, created_at=0.0,
+        failed=0, cancelled=0, prompt_tokens=0, completion_tokens=finished_tokens, tokens_generated=tokens,
+        created_at=created_at,
     )  # fmt: skip
 
 
@@ -19,7 +24,8 @@ def test_tty_bar_is_redrawn_in_place_with_done_total_rate_and_eta() -> None:
     out = io.StringIO()
     p = Progress(out, tty=True)
     p(status(0, 0))
-    p.t0 -= 2.0  # two seconds later: 4 requests and 100 tokens done
+    t, d, k = p.rates.samples[0]
+    p.rates.samples[0] = (t - 2.0, d, k)  # two seconds later: 4 requests and 100 tokens done
     p(status(4, 100))
     p.note("a warning")
     p.finish()
@@ -41,3 +47,23 @@ def test_non_tty_prints_plain_lines_at_most_every_interval_and_always_the_last()
     lines = out.getvalue().splitlines()
     assert [line.split(" ")[0] for line in lines] == ["1/10", "10/10"]
     assert "\r" not in out.getvalue()
+
+
+def test_rates_come_from_tokens_generated_while_requests_run_and_never_go_negative() -> None:
+    """Long generations: no request has finished, yet tokens flow (a worker reports them as they come);
+    then a retry takes results back into the queue: the rates restart, they do not go below zero."""
+    w = RateWindow(window_s=30)
+    now = time.time()
+    w.update(status(0, 0, created_at=now - 5), now)
+    r = w.update(status(0, 480, created_at=now - 5), now + 10)
+    assert r.tok_s == 48.0 and r.req_s == 0.0 and r.eta(status(0, 480)) is None  # no ETA from nothing
+    r = w.update(status(5, 600, finished_tokens=300, created_at=now - 5), now + 20)
+    assert r.tok_s == 30.0 and r.req_s == 0.25 and r.eta(status(5, 600)) == 20.0
+    r = w.update(status(2, 650, finished_tokens=120, created_at=now - 5), now + 21)  # a retry: 5 -> 2 done
+    assert r.tok_s >= 0 and r.req_s >= 0
+    r = w.update(status(4, 700, created_at=now - 5), now + 25)
+    assert (r.tok_s, r.req_s) == (12.5, 0.5)  # measured from the restart
+    for _ in range(5):  # old samples leave the window
+        now += 10
+        r = w.update(status(4, 700, created_at=now - 5), now + 25)
+    assert (r.tok_s, r.req_s) == (0.0, 0.0)

@@ -1,5 +1,6 @@
-"""`producer retry` against a real worker process: new attempts replace old results, counters stay the sum
-of the stored results, concurrent retries enqueue nothing twice, a superseded attempt cannot write.
+"""`producer retry` against a real worker process: new attempts replace old results, the counts add up to
+the total at every moment (each request by its current attempt), concurrent retries enqueue nothing twice,
+a superseded attempt cannot write.
 
 The worker is held with SIGSTOP while the batch is submitted and cancelled, so that every request is
 cancelled while still queued (deterministic), and while retries are claimed."""
@@ -51,10 +52,12 @@ async def test_retry_replaces_what_failed_and_leaves_what_succeeded(shared_worke
             assert a.enqueued + b.enqueued == len(LINES) and a.in_flight + b.in_flight == len(LINES)
             again = await c.retry(bid)
             assert (again.enqueued, again.in_flight) == (0, len(LINES))
-            st = await c.status(bid)  # old results still stored and counted, the batch running again
-            assert (st.state, st.retrying, st.cancelled, st.done, st.finished_at) == (
-                "running", len(LINES), len(LINES), 0, None
+            st = await c.status(bid)  # each request counted by its new attempt: queued again
+            assert (st.state, st.retrying, st.queued, st.cancelled, st.done, st.finished_at) == (
+                "running", len(LINES), len(LINES), 0, 0, None
             )  # fmt: skip
+            assert st.queued + st.running + st.completed + st.failed + st.cancelled == st.total
+            assert [r async for r in c.results(bid)] == []  # the superseded results are not counted
             # A late result of the superseded attempt 0 is refused and changes nothing.
             late = Result(id="r0", index=1, finish_reason="length")
             assert not await store.write_result(c.redis, bid, late)

@@ -43,12 +43,13 @@ MAX_UPLOAD_MB = 64
 class ApiServer:
     """A `producer serve` process on a fixed port (restartable there), its log in a file."""
 
-    def __init__(self, redis_url: str, keys_file: Path, log_dir: Path, name: str) -> None:
+    def __init__(self, redis_url: str, keys_file: Path, log_dir: Path, name: str, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log_path = log_dir / f"server-{name}.log"
         self.cmd = [sys.executable, "-m", "producer.cli", "serve", "--port", str(self.port), "--redis-url",
-                    redis_url, "--api-keys-file", str(keys_file), "--max-upload-mb", str(MAX_UPLOAD_MB)]  # fmt: skip
+                    redis_url, "--api-keys-file", str(keys_file), "--max-upload-mb", str(MAX_UPLOAD_MB),
+                    *args]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ApiServer:
@@ -93,13 +94,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     keys_file.write_text(f"# team keys\n{KEY_A}\n\n{KEY_B}\n")
     worker = Worker(store.url, str(model), tmp, "api", "--max-num-seqs", "4", "--dtype", "float32",
                     "--repetition-repeats", "0")  # fmt: skip
-    server = ApiServer(store.url, keys_file, tmp, "a").start()
-    other = ApiServer(store.url, keys_file, tmp, "b").start()  # a second instance over the same Redis
+    alias = ("--model-alias", f"tiny={model}")  # the lines' body.model names the worker's model so
+    server = ApiServer(store.url, keys_file, tmp, "a", *alias).start()
+    other = ApiServer(store.url, keys_file, tmp, "b", *alias).start()  # a second instance, same Redis
     try:
         server.wait_ready()
         other.wait_ready()
         worker.wait_ready()
-        yield {"redis": store, "server": server, "other": other, "worker": worker, "tmp": tmp}
+        yield {
+            "redis": store,
+            "server": server,
+            "other": other,
+            "worker": worker,
+            "tmp": tmp,
+            "model": str(model),
+        }
     finally:
         server.kill()
         other.kill()
@@ -168,7 +177,8 @@ def test_the_sync_client_uploads_runs_a_chat_batch_and_downloads_output_and_erro
         b = wait_done(c, b.id)
         assert b.status == "completed", b
         assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (6, 5, 1)
-        assert b.metadata == meta and b.endpoint == "/v1/chat/completions" and b.model == "tiny"
+        assert b.metadata == meta and b.endpoint == "/v1/chat/completions"
+        assert b.model == stack["model"]  # the model that ran ("tiny" maps to it: --model-alias)
         assert b.created_at <= b.in_progress_at <= b.finalizing_at <= b.completed_at
         assert b.usage is not None and b.usage.output_tokens > 0
 
@@ -182,6 +192,7 @@ def test_the_sync_client_uploads_runs_a_chat_batch_and_downloads_output_and_erro
             assert body.choices[0].message.content == mine["text"]
             assert body.usage is not None
             assert body.usage.completion_tokens == mine["usage"]["completion_tokens"]
+            assert body.model == stack["model"]
         (err,) = output_lines(c, b.error_file_id)
         assert err["custom_id"] == "too-long" and err["error"] is None
         assert err["response"]["status_code"] == 400
@@ -252,6 +263,44 @@ def test_a_bad_file_is_refused_with_line_numbers_and_nothing_is_stored(stack):
         with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: priority"):
             c.batches.create(input_file_id=completions.id, endpoint="/v1/completions", completion_window="24h",
                              extra_body={"priority": "high"})  # fmt: skip
+
+
+def test_a_line_for_a_model_no_worker_serves_gets_a_404_and_the_rest_run(stack):
+    """`"model": "gpt-4o-mini"` with no alias for it: that line fails with model_not_found (never run on
+    the worker's model and echoed as gpt-4o-mini); the lines for the served model complete."""
+    tag = uuid.uuid4().hex
+    lines = [
+        chat_line("ok", f"fine {tag}", temperature=0),
+        chat_line("other", f"x {tag}", model="gpt-4o-mini"),
+    ]
+    with client(stack) as c:
+        f = c.files.create(file=("m.jsonl", jsonl(lines)), purpose="batch")
+        b = wait_done(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h").id)  # fmt: skip
+        assert (b.status, b.request_counts.completed, b.request_counts.failed) == ("completed", 1, 1)
+        (ok,) = output_lines(c, b.output_file_id)
+        assert ok["custom_id"] == "ok" and ok["response"]["body"]["model"] == stack["model"]
+        (err,) = output_lines(c, b.error_file_id)
+        assert err["custom_id"] == "other" and err["response"]["status_code"] == 404
+        e = err["response"]["body"]["error"]
+        assert (e["type"], e["code"], e["param"]) == ("invalid_request_error", "model_not_found", "model")
+        assert "gpt-4o-mini" in e["message"] and "--model-alias gpt-4o-mini=" in e["message"]
+
+
+def test_an_uncompilable_schema_or_regex_is_a_400_naming_line_and_field(stack):
+    lines = [
+        chat_line("r", "x", regex="[a-z]+"),
+        chat_line("bad-regex", "x", regex="a("),
+        chat_line("bad-schema", "x", response_format={"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}),
+    ]  # fmt: skip
+    with client(stack) as c, pytest.raises(openai.BadRequestError) as e:
+        c.files.create(file=("g.jsonl", jsonl(lines)), purpose="batch")
+    err = e.value.body
+    assert isinstance(err, dict) and err["type"] == "invalid_request_error"
+    assert "line 2: body.regex: cannot compile the regex: unclosed group" in err["message"]
+    assert "line 3: body.response_format.json_schema.schema: cannot compile the JSON Schema" in err["message"]
+    assert "\n   " not in err["message"] and "^" not in err["message"]  # no Rust source diagram
 
 
 def test_a_key_sees_only_its_own_files_and_batches_and_keys_never_reach_the_log(stack):

@@ -35,10 +35,25 @@ async def test_first_result_write_wins_and_counts_once(redis: Redis) -> None:
     await batch(redis, 3)
     assert await store.write_result(redis, "b1", result(0)) is True
     assert await store.write_result(redis, "b1", result(0, "error", 100, 100)) is False
-    assert await store.has_result(redis, "b1", 0) and not await store.has_result(redis, "b1", 1)
+    assert await store.start_attempt(redis, "b1", 0) == store.START_NOTHING  # nothing left to run
+    assert await store.start_attempt(redis, "b1", 1) == store.START_RUN
     s = await store.get_status(redis, "b1")
     assert (s.completed, s.failed, s.prompt_tokens, s.completion_tokens) == (1, 0, 3, 2)
-    assert (s.state, s.queued, s.finished_at) == ("running", 2, None)
+    assert (s.state, s.queued, s.running, s.finished_at) == ("running", 1, 1, None)
+
+
+async def test_a_duplicate_run_never_leaves_a_finished_request_counted_as_running(redis: Redis) -> None:
+    """A lease expired while worker A ran request 0, so worker B started it too; A's result is stored
+    first. B's start and its late result must both leave the counts adding up to the total."""
+    await batch(redis, 2)
+    assert await store.start_attempt(redis, "b1", 0) == store.START_RUN  # worker A
+    assert await store.start_attempt(redis, "b1", 0) == store.START_RUN  # worker B, before A's result
+    assert await store.write_result(redis, "b1", result(0))  # A's result
+    assert await store.start_attempt(redis, "b1", 0) == store.START_NOTHING  # a third taker runs nothing
+    assert not await store.write_result(redis, "b1", result(0))  # B's result: refused
+    s = await store.get_status(redis, "b1")
+    assert (s.queued, s.running, s.completed) == (1, 0, 1)
+    assert s.queued + s.running + s.completed + s.failed + s.cancelled == s.total
 
 
 async def test_counters_by_finish_reason_and_finish_sets_ttl(redis: Redis) -> None:
@@ -50,6 +65,7 @@ async def test_counters_by_finish_reason_and_finish_sets_ttl(redis: Redis) -> No
             assert await redis.ttl(keys.batch_results("b1")) == await redis.ttl(keys.batch_meta("b1")) == -1
     s = await store.get_status(redis, "b1")
     assert (s.completed, s.failed, s.cancelled, s.queued, s.state) == (5, 1, 1, 0, "completed")
+    assert (s.timed_out, s.length) == (1, 1)  # of the completed ones
     assert s.finished_at is not None and s.finished_at >= s.created_at
     assert (s.prompt_tokens, s.completion_tokens) == (21, 14)
     for key in (keys.batch_meta("b1"), keys.batch_results("b1")):
@@ -59,7 +75,7 @@ async def test_counters_by_finish_reason_and_finish_sets_ttl(redis: Redis) -> No
 async def test_running_set_drives_state_and_queued_count(redis: Redis) -> None:
     await batch(redis, 3)
     assert (await store.get_status(redis, "b1")).state == "queued"
-    await store.mark_running(redis, "b1", 1)
+    assert await store.start_attempt(redis, "b1", 1) == store.START_RUN
     s = await store.get_status(redis, "b1")
     assert (s.state, s.running, s.queued) == ("running", 1, 2)
     await store.write_result(redis, "b1", result(1))  # storing the result also clears "running"
@@ -86,7 +102,7 @@ async def test_cancel_drops_queued_jobs_and_leaves_held_ones_to_the_worker(redis
     await batch(redis, 4)
     await store.write_result(redis, "b1", result(0))
     await redis.set(in_progress_key_prefix + keys.job_id("b1", 1), b"1")  # a worker holds request 1
-    await store.mark_running(redis, "b1", 1)
+    assert await store.start_attempt(redis, "b1", 1) == store.START_RUN
     assert not await store.is_cancelled(redis, "b1")
 
     assert await store.cancel_batch(redis, "b1") == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 
 import orjson
@@ -17,6 +18,7 @@ from producer import submit as submit_module
 from producer.client import BatchqClient
 from producer.contract import Request, Result, SamplingParams
 from producer.submit import InputError, submit_stream
+from producer.workers import Heartbeat, QueueServing
 
 GOOD = b'{"id": "a", "prompt": "one"}\n{"id": "b", "messages": [{"role": "user", "content": "two"}]}\n'
 
@@ -117,8 +119,34 @@ async def test_resubmitting_skips_requests_whose_result_exists(redis: Redis) -> 
 
 async def test_a_different_file_under_an_existing_batch_id_is_refused(redis: Redis) -> None:
     await submit_stream(redis, io.BytesIO(GOOD), batch_id="b1")
-    with pytest.raises(InputError, match="already exists with 2 requests"):
+    with pytest.raises(
+        InputError, match="already exists with other content: it holds 2 requests, this input 3"
+    ):
         await submit_stream(redis, io.BytesIO(GOOD + b'{"prompt": "3"}\n'), batch_id="b1")
+
+
+async def test_the_same_id_with_other_content_of_the_same_length_is_refused_naming_the_line(
+    redis: Redis,
+) -> None:
+    """A nightly job reusing its batch id with another day's file (the same line count): refused, naming
+    the first line that differs; nothing of the old batch is touched. The same file again is a no-op."""
+    day1 = b'{"id": "a", "prompt": "one"}\n\n{"id": "b", "prompt": "two"}\n{"id": "c", "prompt": "three"}\n'
+    day2 = b'{"id": "a", "prompt": "one"}\n\n{"id": "b", "prompt": "TWO"}\n{"id": "c", "prompt": "three"}\n'
+    first = await submit_stream(redis, io.BytesIO(day1), batch_id="nightly-2026-11-30")
+    assert first.enqueued == 3
+    with pytest.raises(InputError, match=r"other content: line 3 \(request 2\) differs"):
+        await submit_stream(redis, io.BytesIO(day2), batch_id="nightly-2026-11-30")
+    with pytest.raises(InputError, match=r"line 1 \(request 1\) differs"):  # other batch defaults
+        await submit_stream(
+            redis, io.BytesIO(day1), batch_id="nightly-2026-11-30", defaults=SamplingParams(seed=1)
+        )
+    again = await submit_stream(redis, io.BytesIO(day1), batch_id="nightly-2026-11-30")
+    assert (again.total, again.enqueued) == (3, 0)  # idempotent
+    assert await redis.zcard(keys.DEFAULT_QUEUE) == 3
+    jobs = [
+        orjson.loads(await redis.get(job_key_prefix + f"nightly-2026-11-30:{i}"))["a"][0] for i in range(3)
+    ]
+    assert [j["prompt"] for j in jobs] == ["one", "two", "three"]
 
 
 async def test_skip_invalid_enqueues_valid_lines_and_records_failed_results(redis: Redis) -> None:
@@ -228,13 +256,105 @@ async def test_a_fresh_batch_that_meets_an_existing_job_key_falls_back_to_checki
     assert await redis.getbit(keys.batch_chat("b1"), 1) == 1
 
 
+async def publish_serving(redis: Redis, queue: str, fp: str, model: str = "smollm2-135m") -> None:
+    """What a worker of the queue publishes (worker/service.py publish_serving)."""
+    serving = QueueServing(model=model, fingerprint=fp, max_model_len=8192)
+    await redis.set(keys.queue_serving(keys.queue_name(queue)), serving.model_dump_json())
+
+
+async def beat(redis: Redis, queue: str, model: str) -> None:
+    """A live worker's heartbeat (worker/health.py)."""
+    hb = Heartbeat(
+        worker_id="w1", host="h", queue=keys.queue_name(queue), model=model, ts=time.time(), running=0,
+        waiting=0, kv_blocks_used=0, kv_blocks_total=1, tokens_generated=0, progress_age_s=0.0, stall_s=60.0,
+    )  # fmt: skip
+    await redis.set(keys.worker_heartbeat("w1"), hb.model_dump_json(), ex=30)
+    await redis.zadd(keys.WORKERS, {"w1": hb.ts})
+
+
+async def test_a_cached_answer_only_answers_a_request_for_the_model_that_computed_it(redis: Redis) -> None:
+    """The same line ran on smollm2-135m; submitted again for another model it is never answered from the
+    cache, and for the served model only while a live worker of the queue serves it. A line naming no
+    model is the queue's, whatever serves it."""
+    from producer.result_cache import CachedAnswer, request_key
+
+    fp = "ab" * 16
+    await publish_serving(redis, "q", fp, model="smollm2-135m")
+    key = request_key(fp, "label me", None, {"max_new_tokens": 256, "temperature": 0.0})
+    assert key is not None
+    answer = CachedAnswer(
+        text="yes", finish_reason="eos", prompt_tokens=3, completion_tokens=2, model="smollm2-135m"
+    )
+    await redis.set(key, answer.to_json())
+    line = b'{"prompt": "label me", "temperature": 0}\n'
+
+    async def submit(bid: str, **kw: object) -> tuple[int, int]:
+        r = await submit_stream(redis, io.BytesIO(line), batch_id=bid, queue="q", **kw)  # type: ignore[arg-type]
+        return r.cached, r.enqueued
+
+    assert await submit("other", model="llama-70b-nonexistent") == (0, 1)
+    assert await submit("served-no-worker", model="smollm2-135m") == (0, 1)
+    assert await submit("unnamed", model=None) == (1, 0)
+    await beat(redis, "q", "smollm2-135m")
+    assert await submit("other-live", model="llama-70b-nonexistent") == (0, 1)
+    assert await submit("aliased", model="gpt-4o-mini", model_aliases={"gpt-4o-mini": "smollm2-135m"}) == (
+        1,
+        0,
+    )
+    assert await submit("served-live", model="smollm2-135m") == (1, 0)
+    got = [r async for r in _results(redis, "served-live")]
+    assert got[0].cached and got[0].model == "smollm2-135m"
+    jobs = [orjson.loads(await redis.get(job_key_prefix + f"{b}:0"))["a"][0] for b in ("other", "other-live")]
+    assert [j["model"] for j in jobs] == ["llama-70b-nonexistent"] * 2  # the worker refuses them by name
+
+
+async def _results(redis: Redis, bid: str):  # type: ignore[no-untyped-def]
+    async for r, _ in store.iter_results(redis, bid):
+        yield r
+
+
+async def test_max_new_tokens_beyond_the_served_context_is_refused_at_submit_with_the_figures(
+    redis: Redis,
+) -> None:
+    await publish_serving(redis, "q", "cd" * 16)  # a context of 8192
+    line = b'{"prompt": "x", "max_new_tokens": 100000000}\n'
+    with pytest.raises(InputError) as e:
+        await submit_stream(redis, io.BytesIO(line), batch_id="big", queue="q")
+    assert [str(le) for le in e.value.errors] == [
+        "line 1: max_new_tokens: 100000000 new tokens asked, but the model 'smollm2-135m' serving this "
+        "queue holds 8192 tokens in all (prompt and output together)"
+    ]
+    ok = await submit_stream(
+        redis, io.BytesIO(b'{"prompt": "x", "max_new_tokens": 8192}\n'), batch_id="ok", queue="q"
+    )
+    assert ok.enqueued == 1
+
+
+async def test_an_uncompilable_schema_or_regex_is_refused_at_submit_naming_line_and_field(
+    redis: Redis,
+) -> None:
+    lines = (
+        b'{"prompt": "a", "regex": "[a-z]+"}\n'
+        b'{"prompt": "b", "regex": "a("}\n'
+        b'{"prompt": "c", "response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+        b'"schema": {"type": "nosuch"}}}}\n'
+    )
+    with pytest.raises(InputError) as e:
+        await submit_stream(redis, io.BytesIO(lines), batch_id="g")
+    assert [str(le) for le in e.value.errors] == [
+        "line 2: regex: cannot compile the regex: unclosed group",
+        "line 3: response_format.json_schema.schema: cannot compile the JSON Schema: Invalid type: nosuch",
+    ]
+    assert not await redis.exists(keys.batch_meta("g"))  # nothing enqueued
+
+
 async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_enqueued(
     redis: Redis,
 ) -> None:
     from producer.result_cache import CachedAnswer, request_key
 
     fp = "0123456789abcdef" * 2
-    await redis.set(keys.queue_fingerprint(keys.queue_name("q")), fp)  # what a worker of the queue publishes
+    await publish_serving(redis, "q", fp)
     lines = (
         b'{"id": "chat", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "metadata": {"k": 1}}\n'
         b'{"id": "text", "prompt": "two", "temperature": 0.5, "seed": 9}\n'

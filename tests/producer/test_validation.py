@@ -9,13 +9,18 @@ import pytest
 
 from producer.contract import Request, SamplingParams
 from producer.jsonl import MAX_LINE_BYTES
-from producer.submit import JSON_AT, SubmitReport, validate_to_spool
+from producer.submit import JSON_AT, SubmitChecks, SubmitReport, validate_to_spool
 
 
-def validate(data: bytes, defaults: SamplingParams | None = None) -> tuple[SubmitReport, list[bytes]]:
+def validate(
+    data: bytes, defaults: SamplingParams | None = None, model: str | None = None, **checks: object
+) -> tuple[SubmitReport, list[bytes]]:
     report = SubmitReport(batch_id="b")
     spool = io.BytesIO()
-    validate_to_spool(io.BytesIO(data), spool, report, defaults=defaults, model="m")
+    validate_to_spool(
+        io.BytesIO(data), spool, report, defaults=defaults, model=model,
+        checks=SubmitChecks(**checks),  # type: ignore[arg-type]
+    )  # fmt: skip
     return report, spool.getvalue().splitlines()
 
 
@@ -53,7 +58,8 @@ def test_three_input_shapes_become_requests_with_resolved_params() -> None:
     assert r1.params.max_new_tokens == 99 and r1.metadata == {"k": 1}
     assert r2.messages is not None and r2.messages[0].role == "system" and r2.params.max_new_tokens == 5
     assert r2.params.temperature == 0.7
-    assert r3.params.max_new_tokens == 50 and r3.model == "m"  # body.model is not used for routing
+    assert r3.params.max_new_tokens == 50 and r3.model == "gpt-4o-mini"  # the model the line names
+    assert r1.model is None  # no model named: whatever the queue serves
     assert r4.prompt == "abc" and r4.params.max_new_tokens == 7 and r4.params.seed == 3
     assert all(
         r.params.top_p is None for r in reqs
@@ -160,7 +166,14 @@ def test_duplicate_ids_are_reported_with_the_first_line() -> None:
 
 def test_default_id_colliding_with_an_explicit_id_is_a_duplicate() -> None:
     errs = errors(b'{"id": "2", "prompt": "x"}\n{"prompt": "y"}\n')
-    assert errs == ["line 2: id: duplicate id '2' (first on line 1)"]
+    assert errs == [
+        "line 2: id: duplicate id '2' (the id given to line 2, which has none of its own; first on line 1)"
+    ]
+    errs = errors(b'{"prompt": "x"}\n{"id": "1", "prompt": "y"}\n')
+    assert errs == [
+        "line 2: id: duplicate id '1' (first on line 1, where it is the id given to line 1, which has none "
+        "of its own)"
+    ]
 
 
 def test_non_utf8_bytes_name_the_line() -> None:
@@ -218,3 +231,72 @@ def test_labeling_fields_in_every_spelling_become_one_resolved_form() -> None:
     assert d.params.response_format.json_schema.schema_ == {"type": "object"} and d.params.regex is None
     assert e.params.response_format is None and e.params.regex == "[0-9]+"  # text is no constraint
     assert (e.params.logprobs, e.params.top_logprobs) == (True, 2)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        # A truncated line: orjson reports "line 2, column 1" past the final newline; the user needs the
+        # column where their line stops.
+        (
+            b'{"id": "a", "prompt": "x"\n',
+            "line 1: invalid JSON: the line ends at column 26 inside a JSON value",
+        ),
+        (
+            b'{"id": "a", "prompt": "x\n',
+            "line 1: invalid JSON: the line ends at column 25 inside a JSON value",
+        ),
+        (b'{"id": "a" "prompt": 1}\n', "line 1: invalid JSON at column 12: unexpected character"),
+        (
+            b'{"id": "\xc3\xa9t\xc3\xa9" "prompt": 1}\n',
+            "line 1: invalid JSON at column 14: unexpected character",
+        ),
+        (
+            b'{"id": "a", "prompt": "x"}}\n',
+            "line 1: invalid JSON at column 27: unexpected content after document",
+        ),
+    ],
+)
+def test_invalid_json_names_the_real_column(line: bytes, expected: str) -> None:
+    assert errors(line)[0].startswith(expected)
+
+
+def test_a_choices_request_without_a_temperature_answers_its_argmax_label() -> None:
+    """Sampling a label at temperature 1 flipped rows between two runs of the same file: a labeling
+    request that sets no temperature (neither on its line nor in the batch defaults) is greedy."""
+    data = (
+        b'{"prompt": "a", "choices": ["x", "y"]}\n'
+        b'{"prompt": "b", "choices": ["x", "y"], "temperature": 0.9, "seed": 1}\n'
+        b'{"prompt": "c"}\n'
+        b'{"custom_id": "d", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", '
+        b'"content": "d"}], "response_format": {"type": "json_object"}}}\n'
+    )
+    a, b, c, d = requests(data)
+    assert a.params.temperature == 0.0 and b.params.temperature == 0.9
+    assert c.params.temperature is None and d.params.temperature is None  # the engine's default
+    (e,) = requests(b'{"prompt": "e", "choices": ["x", "y"]}\n', SamplingParams(temperature=0.5))
+    assert e.params.temperature == 0.5  # the batch's own temperature is a choice the user made
+    (f,) = requests(b'{"prompt": "f"}\n', SamplingParams(choices=["x", "y"]))
+    assert f.params.temperature == 0.0
+
+
+def test_a_line_naming_another_model_than_the_batch_is_refused_and_aliases_map_names() -> None:
+    line = (
+        b'{"custom_id": "r", "url": "/v1/chat/completions", "body": {"model": "gpt-4o-mini", '
+        b'"messages": [{"role": "user", "content": "x"}]}}\n'
+    )
+    report, _ = validate(line, model="smollm2-135m")
+    assert [str(e) for e in report.errors] == [
+        "line 1: body.model: 'gpt-4o-mini' differs from the batch's model 'smollm2-135m'; leave --model out "
+        "to run each line on its own model, or map the name: --model-alias gpt-4o-mini=smollm2-135m"
+    ]
+    (r,) = requests_with(line, model="smollm2-135m", aliases={"gpt-4o-mini": "smollm2-135m"})
+    assert r.model == "smollm2-135m"
+    (r,) = requests_with(line, model=None, aliases={"gpt-4o-mini": "smollm2-135m"})
+    assert r.model == "smollm2-135m"
+
+
+def requests_with(data: bytes, model: str | None, aliases: dict[str, str]) -> list[Request]:
+    report, recs = validate(data, None, model, aliases=aliases)
+    assert report.invalid == 0, [str(e) for e in report.errors]
+    return [Request.model_validate(orjson.loads(r[JSON_AT:])) for r in recs]

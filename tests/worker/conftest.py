@@ -40,6 +40,7 @@ class Worker:
                "--device", "cpu", "--heartbeat-s", "0.5", "--log-interval-s", "2", *args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
         self.url = url
+        self.model = model
 
     def wait_ready(self, timeout: float = 180.0) -> Worker:
         r = redis.Redis.from_url(self.url)

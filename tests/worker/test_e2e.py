@@ -209,3 +209,49 @@ def test_labeling_outputs_end_to_end_with_openai_format(server, workers, tiny_mo
     oa = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in results("--format", "openai")}
     assert oa["lp"]["logprobs"]["tokens"] == [t["token"] for t in content]  # a completion: the legacy shape
     assert oa["json"]["logprobs"] is None and oa["choice"]["text"] == choice["text"]
+
+
+def test_a_batch_shows_its_token_rate_while_requests_run_and_names_the_model_that_ran(
+    shared_worker, tmp_path
+):
+    """Long generations: the batch's tokens_generated counter moves while no request has finished (the
+    rate `producer top` and `wait` show); every result names the model that ran, and a line for another
+    model is refused by name before it runs."""
+    import asyncio
+    import time
+
+    from producer.progress import RateWindow
+    from producer.store import get_status
+
+    server, worker = shared_worker
+    long = [{"id": f"long{i}", "prompt": f"story {i}", "max_new_tokens": 1000, "temperature": 0,
+             "ignore_eos": True} for i in range(4)]  # fmt: skip
+    other = {"custom_id": "other", "url": "/v1/completions", "body": {"model": "gpt-4o-mini", "prompt": "x"}}
+    bid = submit(server.url, write_jsonl(tmp_path / "in.jsonl", [*long, other]))
+
+    async def follow() -> tuple[bool, float]:
+        from redis.asyncio import Redis
+
+        r = Redis.from_url(server.url)
+        live_before_finish, best_rate, window = False, 0.0, RateWindow()
+        deadline = time.monotonic() + 120
+        try:
+            while (s := await get_status(r, bid)).done < s.total:
+                assert time.monotonic() < deadline, s
+                live_before_finish |= s.tokens_generated > s.completion_tokens
+                best_rate = max(best_rate, window.update(s).tok_s)
+                await asyncio.sleep(0.1)
+            assert s.tokens_generated == s.completion_tokens  # every generated token reported once
+            return live_before_finish, best_rate
+        finally:
+            await r.aclose()
+
+    live, rate = asyncio.run(follow())
+    assert live and rate > 0
+    results = assert_consistent(server.url, bid, 5)
+    assert all(
+        results[i]["model"] == str(worker.model) and results[i]["finish_reason"] == "length" for i in range(4)
+    )
+    refused = results[4]
+    assert refused["finish_reason"] == "error" and refused["error"]["type"] == "model_not_found"
+    assert "gpt-4o-mini" in refused["error"]["message"] and refused["model"] is None  # nothing ran

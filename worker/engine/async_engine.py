@@ -84,6 +84,11 @@ class AsyncEngine:
         self._wake.set()
         return fut
 
+    def generated_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by each running request (read from the loop thread's sequences: a
+        count may lag a step behind, never runs ahead)."""
+        return {seq.request_id: len(seq.output_ids) for seq in list(self.core.scheduler.running)}
+
     def cancel(self, request_id: str) -> None:
         """End the request at its next step with finish_reason "cancelled" and its partial text."""
         self.core.cancel(request_id)

@@ -89,18 +89,28 @@ class Grammars:
             else:
                 grammar = llguidance.LLMatcher.grammar_from_regex(constraint.spec)
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise RequestError(error_type, f"cannot compile the {constraint.kind}: {exc}") from exc
+            raise RequestError(error_type, _cannot(constraint, str(exc))) from exc
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.lltok)
         if problem:
-            raise RequestError(error_type, f"cannot compile the {constraint.kind}: {problem.strip()}")
+            raise RequestError(error_type, _cannot(constraint, problem))
         matcher = llguidance.LLMatcher(self.lltok, grammar)
         if matcher.is_error():
-            raise RequestError(error_type, f"cannot compile the {constraint.kind}: {matcher.get_error()}")
+            raise RequestError(error_type, _cannot(constraint, matcher.get_error()))
         self.compiled += 1
         return matcher
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes(self.lltok.decode_bytes([token_id]))
+
+
+def _cannot(constraint: Constraint, problem: str) -> str:
+    """One line: llguidance's messages span lines (a Rust error with a caret diagram under the source);
+    keep its `error:` line, or its first."""
+    lines = [ln.strip() for ln in problem.strip().splitlines() if ln.strip()]
+    reason = next((ln.removeprefix("error:").strip() for ln in lines if ln.startswith("error:")), None)
+    reason = reason or (lines[0] if lines else "unknown error")
+    what = "JSON Schema" if constraint.kind == "json_schema" else "regex"
+    return f"cannot compile the {what}: {reason[:300]}"
 
 
 def mask_logits(logits: Tensor, rows: list[int], states: list[GrammarState]) -> None:

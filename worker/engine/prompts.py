@@ -43,6 +43,12 @@ class PromptBuilder:
         ids = self.tokenize(req)
         labels = self.label_ids(params.choices) if params.choices else None
         limit = self.max_model_len
+        if not labels and params.max_new_tokens > limit:
+            raise RequestError(
+                "context_length_exceeded",
+                f"max_new_tokens is {params.max_new_tokens}, but the model holds {limit} tokens in all "
+                f"(prompt and output together; this prompt has {len(ids)})",
+            )
         # A choices request scores each label, then EOS, after the prompt: room for the longest label.
         room = max(len(label) for label in labels) + 1 if labels else params.max_new_tokens
         if len(ids) >= limit or (labels and len(ids) + room > limit):
