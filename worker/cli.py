@@ -22,7 +22,7 @@ examples:
   worker --config my-worker.toml --max-num-seqs 128   # flags override the file's settings
   worker --check --queue llama        # exit 0 if a live, progressing worker serves the queue here
 
-exit status: 0 normal stop, 1 failed check / start-up error, 2 bad arguments or config, 70 stalled engine
+exit status: 0 normal stop, 1 failed check / start-up error, 2 bad arguments, config or model, 70 stalled engine
 """
 
 
@@ -89,18 +89,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.check:
         return asyncio.run(_check(cfg, ns.worker_id))
+    from worker.models.loader import ModelLoadError, check_model_reference  # imports no torch
+
+    try:
+        # Before torch, the model and Redis: a --model that names nothing loadable is refused at once.
+        check_model_reference(cfg.engine.model)
+    except ModelLoadError as e:
+        print(f"worker: {e}", file=sys.stderr)
+        return 2
     return _serve(cfg)
 
 
 def _serve(cfg: WorkerConfig) -> int:
+    from worker.models.loader import ModelLoadError
     from worker.service import QueueBindingError, serve  # torch loads here, not for --help/--check
 
     try:
         return asyncio.run(serve(cfg))
+    except ModelLoadError as e:  # a checkpoint that cannot be read: the user's input, like a bad setting
+        logging.getLogger("batchq.worker").debug("model load failed", exc_info=True)
+        print(f"worker: {e}", file=sys.stderr)
+        return 2
     except QueueBindingError as e:
         print(f"worker: {e}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as e:  # bad model path / unsupported architecture
+    # Settings the engine refuses at load (a weight_dtype it cannot run, no room for the KV pool).
+    except (ValueError, FileNotFoundError) as e:
         print(f"worker: {e}", file=sys.stderr)
         return 1
 

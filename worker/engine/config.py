@@ -42,8 +42,9 @@ class EngineConfig(BaseModel):
     kv_cache_gb: float | None = Field(
         default=None,
         gt=0,
-        description="cap on the KV pool in GB (default: none, what kv_watermark leaves); set it to share a "
-        "machine between workers",
+        description="size of the KV pool in GB, at most what kv_watermark leaves. Default: CUDA, what "
+        "kv_watermark leaves; CPU, what max_num_seqs + 1 sequences of max_model_len tokens can use. Set it to "
+        "share a machine between workers (or, on a CPU, to give the prefix cache more room)",
     )
     kv_cache_dtype: KVCacheDtype = Field(
         default="auto",
@@ -63,8 +64,9 @@ class EngineConfig(BaseModel):
         default=0.9,
         gt=0,
         le=1,
-        description="CUDA: share of the device's total memory for weights, peak activations and the KV pool; "
-        "CPU: share of the memory available at start-up for the largest step and the KV pool",
+        description="CUDA: share of the device's total memory for weights, peak activations and the KV pool "
+        "(the pool fills it); CPU: share of the memory available at start-up for the largest step and the KV "
+        "pool (an upper bound: the pool is sized by (max_num_seqs + 1) x max_model_len tokens, or kv_cache_gb)",
     )
     max_num_seqs: int = Field(default=64, ge=1, description="sequences decoded together at most")
     max_num_batched_tokens: int = Field(
