@@ -82,15 +82,37 @@ def _cpu_step_bytes(cfg: EngineConfig, model: LlamaFamilyModel) -> int:
     return grown * max(1, -(-cfg.max_num_batched_tokens // t))
 
 
+SPARE_SEQUENCES = 1  # the CPU default's room beyond max_num_seqs full-length sequences (see below)
+
+
+def concurrency_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The blocks the configured concurrency can use: (max_num_seqs + SPARE_SEQUENCES) sequences of
+    max_model_len tokens, each rounded up to whole blocks.
+
+    max_num_seqs full-length sequences are the most the running sequences can hold, so a pool of that
+    size never preempts. The spare sequence's worth is for what lives beside them: a choices request's
+    label rows take scratch blocks beyond its prompt, and the prefix cache keeps a long shared prompt
+    (a few-shot preamble) even while the running sequences are at their longest."""
+    return (max_num_seqs + SPARE_SEQUENCES) * -(-max_model_len // block_size)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def size_kv_pool(cfg: EngineConfig, model: LlamaFamilyModel, dtype: torch.dtype, device: torch.device) -> int:
-    """Number of KV blocks: the memory kv_watermark leaves for the pool, capped by kv_cache_gb.
+    """Number of KV blocks in the pool, logged with the reason for it.
 
     CUDA: total device memory x kv_watermark, less what is in use (the weights) and the measured peak
-    activations of one full step. CPU: memory available at start-up (the weights are loaded by then) x
-    kv_watermark, less the measured working memory of the largest step. Pool pages are touched only as
-    blocks fill, so the resident size grows with use (and with the prefix cache) up to the pool's.
+    activations of one full step, capped by kv_cache_gb; like vLLM, the pool fills what the watermark
+    leaves. CPU: what the configured concurrency can use (`concurrency_blocks`), or kv_cache_gb when it
+    is set; in either case at most the memory available at start-up (the weights are loaded by then) x
+    kv_watermark, less the measured working memory of the largest step. On a CPU the pool is ordinary
+    memory the machine shares with other work, and the prefix cache's least-recently-freed reuse touches
+    every block in time, so a pool sized to the watermark ends up resident in full.
     """
     block_bytes = kv_bytes_per_token(model, dtype) * cfg.block_size
+    gb_cap = None if cfg.kv_cache_gb is None else int(cfg.kv_cache_gb * 1024**3)
     if device.type == "cuda":
         peak = _peak_activation_bytes(cfg, model, device)
         free, total = torch.cuda.mem_get_info(device)
@@ -104,11 +126,39 @@ def size_kv_pool(cfg: EngineConfig, model: LlamaFamilyModel, dtype: torch.dtype,
         available = int(psutil.virtual_memory().available)
         budget = int(available * cfg.kv_watermark) - step
         log.info("CPU memory %.1f GiB available, %.2f GiB for a step", available / 2**30, step / 2**30)
-    if cfg.kv_cache_gb is not None:
-        budget = min(budget, int(cfg.kv_cache_gb * 1024**3))
-    num_blocks = budget // block_bytes
+    if budget < block_bytes:
+        raise ValueError(
+            f"no room for the KV cache: kv_watermark {cfg.kv_watermark} leaves {budget} bytes, one block "
+            f"needs {block_bytes}"
+        )
+    watermark_blocks = budget // block_bytes
+    why_watermark = f"what kv_watermark {cfg.kv_watermark} leaves ({_size(budget)})"
+    if device.type == "cuda":
+        if gb_cap is not None and gb_cap // block_bytes < watermark_blocks:
+            num_blocks, why = gb_cap // block_bytes, f"kv_cache_gb {cfg.kv_cache_gb}"
+        else:
+            num_blocks, why = watermark_blocks, why_watermark
+    else:
+        max_model_len = cfg.context_len(model.rotary.cos.shape[0])
+        need = concurrency_blocks(cfg.max_num_seqs, max_model_len, cfg.block_size)
+        concurrency = (
+            f"(max_num_seqs {cfg.max_num_seqs} + {SPARE_SEQUENCES}) x max_model_len {max_model_len:,} tokens"
+        )
+        wanted, why = need, concurrency
+        if gb_cap is not None:
+            wanted, why = gb_cap // block_bytes, f"kv_cache_gb {cfg.kv_cache_gb}"
+            if wanted > need:
+                why += f" ({concurrency} use {need:,} blocks; the rest serves the prefix cache only)"
+        if wanted <= watermark_blocks:
+            num_blocks, why = wanted, f"{why}; kv_watermark would allow {_size(budget)}"
+        else:
+            num_blocks = watermark_blocks
+            why = f"{why_watermark}; {why} would take {wanted:,} blocks ({_size(wanted * block_bytes)})"
     if num_blocks < 1:
-        raise ValueError(f"no room for the KV cache: budget {budget} bytes, one block needs {block_bytes}")
+        raise ValueError(
+            f"no room for the KV cache: kv_cache_gb {cfg.kv_cache_gb} is under one block ({block_bytes} bytes)"
+        )
+    log.info("KV pool: %s blocks (%s) = %s", f"{num_blocks:,}", _size(num_blocks * block_bytes), why)
     return int(num_blocks)
 
 
