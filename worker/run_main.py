@@ -43,8 +43,11 @@ def _wait_for_worker(url: str, worker: subprocess.Popen[bytes], log_path: Path, 
 
 
 def summarize(results_path: Path, wall_s: float) -> str:
+    """What the demo shows: each labeled row with its label's probability (and the gold label, where the
+    row's metadata has one), each free-text answer, and one summary line."""
     reasons: collections.Counter[str] = collections.Counter()
-    prompt = completion = n = 0
+    prompt = completion = n = gold = right = 0
+    labeled, texts = [], []
     for line in results_path.read_bytes().splitlines():
         if not line.strip():
             continue
@@ -53,11 +56,31 @@ def summarize(results_path: Path, wall_s: float) -> str:
         reasons[r["finish_reason"]] += 1
         prompt += r["usage"]["prompt_tokens"]
         completion += r["usage"]["completion_tokens"]
+        expected = (r.get("metadata") or {}).get("gold")
+        if r.get("label_scores"):
+            prob = next(s["prob"] for s in r["label_scores"] if s["label"] == r["text"])
+            mark = ""
+            if expected is not None:
+                gold += 1
+                right += r["text"] == expected
+                mark = "" if r["text"] == expected else f"  (gold: {expected})"
+            labeled.append(f"  {r['id']:<12} {r['text']:<14} p={prob:.2f}{mark}")
+        else:
+            answer = r["text"] if r["error"] is None else f"error: {r['error']['message']}"
+            texts.append(f"  {r['id']:<12} [{r['finish_reason']}] {' '.join(answer.split())[:90]}")
     why = ", ".join(f"{k}={v}" for k, v in reasons.most_common())
-    return (
+    out = []
+    if labeled:
+        out += ["labels (choices, temperature 0: the arg-max label and its probability):", *labeled]
+        if gold:
+            out.append(f"  {right}/{gold} labels match the gold label in the row's metadata")
+    if texts:
+        out += ["answers:", *texts]
+    out.append(
         f"summary: {n} requests in {wall_s:.1f}s | prompt tokens {prompt}, completion tokens {completion} | "
         f"{completion / max(wall_s, 1e-9):.1f} completion tok/s | finish reasons: {why}"
     )
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:

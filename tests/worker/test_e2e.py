@@ -131,30 +131,29 @@ def test_over_long_prompt_fails_alone_and_cancel_stops_the_rest(server, workers,
     assert subprocess.run(check, capture_output=True, cwd=ROOT, check=False).returncode == 1
 
 
-def test_make_run_labels_a_prompt_file_end_to_end(tmp_path: Path):
-    prompts = write_jsonl(
-        tmp_path / "mine.jsonl",
-        [
-            {"id": "a", "messages": [{"role": "user", "content": "Is 'I love it' positive or negative?"}],
-             "temperature": 0, "max_new_tokens": 5},
-            {"id": "b", "prompt": "The capital of France is", "temperature": 0, "max_new_tokens": 8, "stop": ["."]},
-            {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}},
-        ],
-    )  # fmt: skip
+def test_make_run_shows_the_product_on_its_demo_file(tmp_path: Path):
+    """The first thing a user sees: the demo's labeling rows answer with a label and its probability, its
+    free-text rows end on their own (eos / stop), not cut at max_new_tokens."""
     out = tmp_path / "out.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     proc = subprocess.run(
-        ["make", "run", f"PROMPTS={prompts}", f"OUT={out}"],
-        capture_output=True, cwd=ROOT, env=env, timeout=600, check=False,
+        ["make", "run", f"PROMPTS={EXAMPLES}", f"OUT={out}"],
+        capture_output=True, cwd=ROOT, env=env, timeout=900, check=False,
     )  # fmt: skip
     text = proc.stdout.decode() + proc.stderr.decode()
     assert proc.returncode == 0, text
+    lines = [orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines() if x.strip()]
     results = [orjson.loads(x) for x in out.read_bytes().splitlines()]
-    assert [r["id"] for r in results] == ["a", "b", "c"]
+    assert [r["id"] for r in results] == [x.get("id") or x.get("custom_id") for x in lines]
     assert all(r["error"] is None and r["usage"]["completion_tokens"] > 0 for r in results)
-    assert "Paris" in results[1]["text"]
-    assert "summary: 3 requests" in text and "finish reasons:" in text
+    labeled = [r for r in results if r.get("label_scores")]
+    assert len(labeled) == sum("choices" in x for x in lines) >= len(lines) // 2
+    assert all(r["text"] == max(r["label_scores"], key=lambda s: s["logprob"])["label"] for r in labeled)
+    ended = sum(r["finish_reason"] in ("eos", "stop") for r in results)
+    assert ended >= 0.9 * len(results), [(r["id"], r["finish_reason"]) for r in results]
+    assert "Paris" in next(r["text"] for r in results if r["id"] == "gen-003")
+    assert "labels (choices, temperature 0" in text and "p=0." in text
+    assert f"summary: {len(lines)} requests" in text and "finish reasons:" in text
     assert "stopped the worker and the embedded Redis" in text
 
 
