@@ -245,3 +245,14 @@ def test_a_closed_stdout_ends_a_command_quietly(redis_url: str, tmp_path: Path) 
         )
         os.close(write)
         assert proc.returncode == 141 and proc.stderr == b"", (args, proc.stderr)
+
+
+def test_reusing_a_batch_id_for_other_content_exits_2_naming_the_line(redis_url: str, tmp_path: Path) -> None:
+    day1 = jsonl(tmp_path / "day1.jsonl", {"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"})
+    day2 = jsonl(tmp_path / "day2.jsonl", {"id": "a", "prompt": "one"}, {"id": "b", "prompt": "deux"})
+    assert cli(redis_url, "submit", str(day1), "--batch-id", "nightly-2026-11-30").returncode == 0
+    again = cli(redis_url, "submit", str(day1), "--batch-id", "nightly-2026-11-30")
+    assert again.returncode == 0 and "0 enqueued now" in again.stderr
+    other = cli(redis_url, "submit", str(day2), "--batch-id", "nightly-2026-11-30")
+    assert other.returncode == 2 and other.stdout == ""
+    assert "already exists with other content: line 2 (request 2) differs" in other.stderr
