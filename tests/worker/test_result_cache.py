@@ -183,7 +183,7 @@ def test_a_rerun_batch_is_answered_at_submit_with_the_original_answers(
     worker_a.signal(signal.SIGTERM)
     assert worker_a.wait(30) == 0
     r = sync_redis.Redis.from_url(server.url)
-    r.delete(keys.queue_fingerprint(keys.queue_name("default")))
+    r.delete(keys.queue_serving(keys.queue_name("default")))
     r.close()
     late = submit_json(server.url, path)
     assert late["cached"] == 0
@@ -192,3 +192,4 @@ def test_a_rerun_batch_is_answered_at_submit_with_the_original_answers(
     four = results_of(server.url, late["batch_id"])
     assert [r["cached"] for r in four] == [True] * 9 + [False]
     assert [r["text"] for r in four[:9]] == [r["text"] for r in one[:9]]
+    assert all(r["model"] == str(tiny_model_dir) for r in four)  # a cached answer names its model
