@@ -90,7 +90,7 @@ def memory_bandwidth(passes: int = 20) -> float:
 
 def enqueue_rate(n: int = 100_000) -> dict[str, Any]:
     """`producer submit` (the real CLI, validation included) on n lines into a local Redis."""
-    from producer.embedded_redis import RedisServer
+    from worker.embedded_redis import RedisServer
 
     with tempfile.TemporaryDirectory() as d, RedisServer() as server:
         path = Path(d) / "big.jsonl"

@@ -388,7 +388,7 @@ def run_llamacpp(lines: list[dict[str, Any]]) -> dict[str, Any]:
 def run_queue(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, workload: str) -> dict[str, Any]:
     import asyncio
 
-    from producer.embedded_redis import RedisServer
+    from worker.embedded_redis import RedisServer
 
     with RedisServer() as server:
         env = {**os.environ, "REDIS_URL": server.url}
@@ -407,7 +407,7 @@ def run_queue(lines: list[dict[str, Any]], dtype: str, max_num_seqs: int, worklo
 
 
 async def _queue_client(url: str, lines: list[dict[str, Any]], workload: str, worker: Any) -> dict[str, Any]:
-    from producer.client import BatchqClient
+    from producer.client.batchq_client import BatchqClient
 
     client = BatchqClient.from_url(url)
     try:

@@ -20,10 +20,10 @@ import orjson
 from arq.connections import ArqRedis
 from redis.asyncio import ConnectionPool, Redis
 
-from producer import keys, serde
-from producer.contract import SamplingParams
-from producer.embedded_redis import RedisServer
-from producer.submit import SubmitReport, create_batch, enqueue_spool, validate_to_spool
+from producer.client.submit import SubmitReport, create_batch, enqueue_spool, validate_to_spool
+from producer.wire import keys, serde
+from producer.wire.contract import SamplingParams
+from worker.embedded_redis import RedisServer
 
 
 def make_lines(n: int) -> bytes:

@@ -91,7 +91,7 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, prefix_cache: bool) -> d
 
 
 def run_queue(lines: list[dict[str, Any]], dtype: str, workload: Path) -> dict[str, Any]:
-    from producer.embedded_redis import RedisServer
+    from worker.embedded_redis import RedisServer
 
     with RedisServer() as server:
         env = {**os.environ, "REDIS_URL": server.url}
@@ -109,7 +109,7 @@ def run_queue(lines: list[dict[str, Any]], dtype: str, workload: Path) -> dict[s
 
 
 async def _queue_client(url: str, n: int, workload: Path, worker: Any) -> dict[str, Any]:
-    from producer.client import BatchqClient
+    from producer.client.batchq_client import BatchqClient
 
     async with BatchqClient.from_url(url) as client:
         deadline = time.monotonic() + 600

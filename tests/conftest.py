@@ -17,7 +17,7 @@ import pytest_asyncio
 import redis as sync_redis
 from redis.asyncio import Redis
 
-from producer.embedded_redis import RedisServer
+from worker.embedded_redis import RedisServer
 
 if TYPE_CHECKING:
     from tests.worker.conftest import Worker

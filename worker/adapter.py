@@ -1,4 +1,4 @@
-"""The one place where the wire contract (producer/contract.py) and the engine's own types meet.
+"""The one place where the wire contract (producer/wire/contract.py) and the engine's own types meet.
 
 A queued Request becomes an EngineRequest with fully resolved GenerationParams; an EngineResult becomes
 the stored Result. Fields a request leaves unset take the engine's defaults (GenerationParams);
@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from producer.contract import (
+from producer.wire.contract import (
     CHOICES_TEMPERATURE,
     ChoiceLogprobs,
     ErrorInfo,
@@ -24,7 +24,7 @@ from producer.contract import (
     TopLogprob,
     Usage,
 )
-from producer.contract import TokenLogprob as ContractTokenLogprob
+from producer.wire.contract import TokenLogprob as ContractTokenLogprob
 from worker.engine.params import NO_CONSTRAINT, Constraint, GenerationParams
 from worker.engine.request import EngineRequest, EngineResult, TokenLogprob
 

@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from producer import serde
+from producer.wire import serde
 from worker.config import ConfigError, WorkerConfig, load_config
 from worker.engine.config import EngineConfig
 
@@ -120,7 +120,7 @@ def _serve(cfg: WorkerConfig) -> int:
 
 
 async def _check(cfg: WorkerConfig, worker_id: str | None) -> int:
-    from producer.redis_url import connect
+    from producer.wire.redis_url import connect
     from worker.health import check
 
     redis = connect(cfg.redis_url, socket_connect_timeout=3)

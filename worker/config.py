@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer import keys
+from producer.wire import keys
 from worker.engine.config import EngineConfig
 
 

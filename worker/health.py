@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from producer import keys
-from producer.workers import Heartbeat
+from producer.wire import keys
+from producer.wire.workers import Heartbeat
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 
@@ -54,7 +54,8 @@ class EngineFacts:
 
 
 class Heartbeats:
-    """Writes the worker's heartbeat (producer/workers.py's Heartbeat) with its throughput since the last one."""
+    """Writes the worker's heartbeat (producer/wire/workers.py's Heartbeat) with its throughput since the
+    last one."""
 
     def __init__(self, cfg: WorkerConfig, engine: AsyncEngine, metrics_port: int | None = None) -> None:
         self.cfg, self.engine, self.metrics_port = cfg, engine, metrics_port

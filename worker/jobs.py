@@ -21,8 +21,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import keys, store
-from producer.contract import Request, Result, Timing
+from producer.wire import keys, store
+from producer.wire.contract import Request, Result, Timing
 from worker.adapter import cancelled_result, engine_request, error_result, to_result
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine

@@ -31,9 +31,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from producer import keys
-from producer.contract import FinishReason, Result
-from producer.workers import queue_label
+from producer.wire import keys
+from producer.wire.contract import FinishReason, Result
+from producer.wire.workers import queue_label
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.health import VERSION, EngineFacts

@@ -23,7 +23,7 @@ from arq.worker import Worker, func
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, WatchError
 
-from producer import keys, serde
+from producer.wire import keys, serde
 from worker.jobs import REDIS_ERRORS, JobHandler, retrying
 from worker.metrics import REDIS_ERRORS_SEEN
 

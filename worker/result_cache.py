@@ -1,4 +1,4 @@
-"""The worker's side of the result cache (keys and answers: producer/result_cache.py).
+"""The worker's side of the result cache (keys and answers: producer/wire/result_cache.py).
 
 A job whose output is determined looks its answer up before it runs (submit already answered what was
 cached when the batch came in; this catches answers stored since, by this batch's own twins or other
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from producer import keys
-from producer.contract import Request, Result
-from producer.lua import done
-from producer.result_cache import CACHEABLE, CachedAnswer, request_key
-from producer.workers import QueueServing
+from producer.wire import keys
+from producer.wire.contract import Request, Result
+from producer.wire.lua import done
+from producer.wire.result_cache import CACHEABLE, CachedAnswer, request_key
+from producer.wire.workers import QueueServing
 
 
 def key_of(fingerprint: str, req: Request) -> str | None:

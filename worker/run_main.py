@@ -19,9 +19,9 @@ from pathlib import Path
 import orjson
 import redis
 
-from producer import keys
-from producer.embedded_redis import RedisServer
-from producer.serde import mask_url
+from producer.wire import keys
+from producer.wire.serde import mask_url
+from worker.embedded_redis import RedisServer
 
 STATE_DIR = Path(".batchq")
 

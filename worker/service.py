@@ -14,8 +14,8 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from producer import keys, serde
-from producer.redis_url import pool_from_url
+from producer.wire import keys, serde
+from producer.wire.redis_url import pool_from_url
 from worker import health
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from redis.asyncio import Redis
 
-from producer import keys, store
-from producer.contract import ErrorInfo, Result, Usage
-from producer.retry import FINISH_REASONS, finish_reasons, retry_batch
-from producer.submit import submit_stream
+from producer.client.retry import FINISH_REASONS, finish_reasons, retry_batch
+from producer.client.submit import submit_stream
+from producer.wire import keys, store
+from producer.wire.contract import ErrorInfo, Result, Usage
 
 BID = "prop"
 REASONS = ["eos", "stop", "length", "timeout", "repetition", "error", "cancelled"]

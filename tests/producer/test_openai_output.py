@@ -15,7 +15,7 @@ from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 from openai.types.shared import ErrorObject
 
-from producer.client import BatchqClient
+from producer.client.batchq_client import BatchqClient
 from tests.worker.conftest import ROOT
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import time
 
-from producer.contract import BatchStatus
-from producer.progress import Progress, RateWindow
+from producer.cli.progress import Progress, RateWindow
+from producer.wire.contract import BatchStatus
 
 
 def status(

@@ -15,9 +15,9 @@ import sys
 import orjson
 import pytest
 
-from producer import store
-from producer.client import BatchqClient
-from producer.contract import Result
+from producer.client.batchq_client import BatchqClient
+from producer.wire import store
+from producer.wire.contract import Result
 from tests.worker.conftest import ROOT, assert_consistent
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from arq.jobs import (
 )
 from redis.asyncio import Redis
 
-from producer import keys, serde
+from producer.wire import keys, serde
 
 
 def pickled_shell_command(marker: Path) -> bytes:

@@ -26,12 +26,12 @@ import redis
 from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
 
-from producer import keys
-from producer.auth import owner_id
-from producer.batch_object import BatchRecord
-from producer.embedded_redis import RedisServer, free_port
+from producer.api.auth import owner_id
+from producer.api.batch_object import BatchRecord
+from producer.wire import keys
 from tests.tiny_models import build_tiny_checkpoint
 from tests.worker.conftest import ROOT, Worker, batch_state
+from worker.embedded_redis import RedisServer, free_port
 
 pytestmark = pytest.mark.slow
 

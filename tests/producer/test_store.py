@@ -9,10 +9,10 @@ import pytest
 from arq.constants import in_progress_key_prefix, job_key_prefix
 from redis.asyncio import Redis
 
-from producer import keys, store
-from producer.client import BatchqClient, WaitTimeout
-from producer.contract import BatchStatus, ErrorInfo, Result, Usage
-from producer.submit import submit_stream
+from producer.client.batchq_client import BatchqClient, WaitTimeout
+from producer.client.submit import submit_stream
+from producer.wire import keys, store
+from producer.wire.contract import BatchStatus, ErrorInfo, Result, Usage
 
 
 def lines(n: int) -> bytes:

@@ -13,12 +13,12 @@ from arq.constants import job_key_prefix
 from arq.jobs import deserialize_job
 from redis.asyncio import Redis
 
-from producer import keys, serde, store
-from producer import submit as submit_module
-from producer.client import BatchqClient
-from producer.contract import Request, Result, SamplingParams
-from producer.submit import InputError, submit_stream
-from producer.workers import Heartbeat, QueueServing
+from producer.client import submit as submit_module
+from producer.client.batchq_client import BatchqClient
+from producer.client.submit import InputError, submit_stream
+from producer.wire import keys, serde, store
+from producer.wire.contract import Request, Result, SamplingParams
+from producer.wire.workers import Heartbeat, QueueServing
 
 GOOD = b'{"id": "a", "prompt": "one"}\n{"id": "b", "messages": [{"role": "user", "content": "two"}]}\n'
 
@@ -276,7 +276,7 @@ async def test_a_cached_answer_only_answers_a_request_for_the_model_that_compute
     """The same line ran on smollm2-135m; submitted again for another model it is never answered from the
     cache, and for the served model only while a live worker of the queue serves it. A line naming no
     model is the queue's, whatever serves it."""
-    from producer.result_cache import CachedAnswer, request_key
+    from producer.wire.result_cache import CachedAnswer, request_key
 
     fp = "ab" * 16
     await publish_serving(redis, "q", fp, model="smollm2-135m")
@@ -351,7 +351,7 @@ async def test_an_uncompilable_schema_or_regex_is_refused_at_submit_naming_line_
 async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_enqueued(
     redis: Redis,
 ) -> None:
-    from producer.result_cache import CachedAnswer, request_key
+    from producer.wire.result_cache import CachedAnswer, request_key
 
     fp = "0123456789abcdef" * 2
     await publish_serving(redis, "q", fp)
@@ -365,7 +365,7 @@ async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_
     chat_key = request_key(fp, None, [{"role": "user", "content": "hi"}], params)
     text_key = request_key(fp, "two", None, {"max_new_tokens": 256, "temperature": 0.5, "seed": 9})
     assert chat_key and text_key
-    from producer.contract import LabelScore
+    from producer.wire.contract import LabelScore
 
     scores = [
         LabelScore(label="hello", logprob=-0.1, prob=0.9),

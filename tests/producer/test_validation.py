@@ -7,9 +7,9 @@ import io
 import orjson
 import pytest
 
-from producer.contract import Request, SamplingParams
-from producer.jsonl import MAX_LINE_BYTES
-from producer.submit import JSON_AT, SubmitChecks, SubmitReport, validate_to_spool
+from producer.client.jsonl import MAX_LINE_BYTES
+from producer.client.submit import JSON_AT, SubmitChecks, SubmitReport, validate_to_spool
+from producer.wire.contract import Request, SamplingParams
 
 
 def validate(

@@ -16,8 +16,8 @@ import orjson
 import pytest
 import redis
 
-from producer import keys
-from producer.embedded_redis import RedisServer
+from producer.wire import keys
+from worker.embedded_redis import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 import redis
 
-from producer import keys
+from producer.wire import keys
 from tests.worker.conftest import ROOT, assert_consistent, results_count, submit, wait_until, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ EXAMPLES = ROOT / "configs" / "examples" / "prompts.jsonl"
 
 
 def test_two_workers_complete_a_batch_with_exact_usage_and_engine_identical_text(server, workers, tmp_path):
-    from producer.contract import SamplingParams
+    from producer.wire.contract import SamplingParams
     from worker.adapter import generation_params
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
@@ -219,8 +219,8 @@ def test_a_batch_shows_its_token_rate_while_requests_run_and_names_the_model_tha
     import asyncio
     import time
 
-    from producer.progress import RateWindow
-    from producer.store import get_status
+    from producer.cli.progress import RateWindow
+    from producer.wire.store import get_status
 
     server, worker = shared_worker
     long = [{"id": f"long{i}", "prompt": f"story {i}", "max_new_tokens": 1000, "temperature": 0,

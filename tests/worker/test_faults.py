@@ -14,7 +14,7 @@ import pytest
 import redis
 from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
 
-from producer import keys
+from producer.wire import keys
 from tests.worker.conftest import assert_consistent, results_count, submit, wait_until, write_jsonl
 
 pytestmark = pytest.mark.slow

@@ -25,10 +25,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from producer import store
-from producer.contract import BatchStatus
-from producer.embedded_redis import RedisServer
+from producer.wire import store
+from producer.wire.contract import BatchStatus
 from tests.worker.conftest import ROOT, Worker, batch_state, submit, wait_until, write_jsonl
+from worker.embedded_redis import RedisServer
 
 pytestmark = pytest.mark.slow
 

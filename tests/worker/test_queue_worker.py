@@ -10,8 +10,8 @@ import pytest
 from arq.constants import in_progress_key_prefix
 from redis.asyncio.client import Pipeline
 
-from producer import keys
-from producer.client import BatchqClient
+from producer.client.batchq_client import BatchqClient
+from producer.wire import keys
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig

@@ -14,10 +14,10 @@ import pytest
 import redis as sync_redis
 import torch
 
-from producer import keys
-from producer.contract import Request, SamplingParams
-from producer.result_cache import request_key
-from producer.submit import JSON_AT, SubmitReport, validate_to_spool
+from producer.client.submit import JSON_AT, SubmitReport, validate_to_spool
+from producer.wire import keys
+from producer.wire.contract import Request, SamplingParams
+from producer.wire.result_cache import request_key
 from tests.tiny_models import build_tiny_checkpoint, byte_tokenizer
 from tests.worker.conftest import ROOT, assert_consistent, results_count, wait_until, write_jsonl
 from worker.engine.fingerprint import NUMERICS_VERSION, engine_fingerprint, tokenizer_digest, weights_digest

@@ -14,9 +14,9 @@ import orjson
 import pytest
 import redis
 
-from producer import keys
-from producer.embedded_redis import RedisServer, free_port, redis_server_binary
+from producer.wire import keys
 from tests.worker.conftest import ROOT, Worker, assert_consistent, results_count, wait_until, write_jsonl
+from worker.embedded_redis import RedisServer, free_port, redis_server_binary
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ sha256 of:
 The request text (with the tokenizer and chat template in the fingerprint) rather than its token ids:
 the producer has no tokenizer, and with the key computable here a rerun batch is answered at submit
 time, without enqueuing a job. Workers publish their fingerprint and model per queue
-(producer/workers.py QueueServing) and look up again when a job runs.
+(producer/wire/workers.py QueueServing) and look up again when a job runs.
 
 A cached answer only ever answers a request for the model that computed it: submit looks a request up
 only when it names no model or names the model the queue's workers serve, and for a request that names
@@ -27,8 +27,8 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict
 
-from producer import keys
-from producer.contract import ChoiceLogprobs, FinishReason, LabelScore, Result, Timing, Usage
+from producer.wire import keys
+from producer.wire.contract import ChoiceLogprobs, FinishReason, LabelScore, Result, Timing, Usage
 
 _NEVER = frozenset({"timeout_s", "n"})  # parameters that cannot change the output
 _GREEDY_IGNORES = frozenset({"seed", "top_p", "top_k", "min_p"})  # greedy takes the argmax before them

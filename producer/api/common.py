@@ -1,6 +1,7 @@
 """What the HTTP API's file and batch stores share: OpenAI's error object and its cursor pagination.
 
-Nothing here knows HTTP frameworks: the stores raise ApiError, producer/server.py turns it into a response.
+Nothing here knows HTTP frameworks: the stores raise ApiError, producer/api/server.py turns it into a
+response.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from producer.lua import done
+from producer.wire.lua import done
 
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100  # OpenAI's list defaults
 

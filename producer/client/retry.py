@@ -23,9 +23,9 @@ import orjson
 from arq.constants import job_key_prefix
 from redis.asyncio import Redis
 
-from producer import keys
-from producer.lua import LuaScript, done
-from producer.store import batch_keys, current_attempts, get_status, iter_results
+from producer.wire import keys
+from producer.wire.lua import LuaScript, done
+from producer.wire.store import batch_keys, current_attempts, get_status, iter_results
 
 Selection = Literal["failed", "cancelled", "timed-out"]
 FINISH_REASONS: dict[Selection, str] = {"failed": "error", "cancelled": "cancelled", "timed-out": "timeout"}

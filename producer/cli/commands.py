@@ -22,14 +22,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer.client import BatchqClient, WaitTimeout
-from producer.contract import BatchStatus, SamplingParams
-from producer.openai_format import is_error_line, openai_line, output_model_and_created
-from producer.progress import Progress
-from producer.serde import mask_url
-from producer.store import BatchNotFound, counter_for
-from producer.submit import InputError, new_batch_id
-from producer.workers import NoWorkerWarning
+from producer.cli.progress import Progress
+from producer.client.batchq_client import BatchqClient, WaitTimeout
+from producer.client.live_workers import NoWorkerWarning
+from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
+from producer.client.submit import InputError, new_batch_id
+from producer.wire.contract import BatchStatus, SamplingParams
+from producer.wire.serde import mask_url
+from producer.wire.store import BatchNotFound, counter_for
 
 OK, FAILED, INVALID, TIMED_OUT, SOME_FAILED, FAIL_ON = 0, 1, 2, 3, 4, 5
 BROKEN_PIPE = 128 + 13  # what a shell reports for a tool that SIGPIPE ended

@@ -9,11 +9,11 @@ from typing import Any
 
 import orjson
 
-from producer import keys
-from producer.api_common import ApiError
-from producer.contract import CHAT_URL, COMPLETIONS_URL, BatchStatus
-from producer.files import INPUT_PURPOSE, FileRecord
-from producer.submit import InputError
+from producer.api.common import ApiError
+from producer.api.files import INPUT_PURPOSE, FileRecord
+from producer.client.submit import InputError
+from producer.wire import keys
+from producer.wire.contract import CHAT_URL, COMPLETIONS_URL, BatchStatus
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 _WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")

@@ -20,10 +20,10 @@ from typing import IO, TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
 
-from producer import keys
-from producer.api_common import ApiError, list_object, not_found, page_ids
-from producer.lua import done
-from producer.submit import SubmitReport, validate_to_spool
+from producer.api.common import ApiError, list_object, not_found, page_ids
+from producer.client.submit import SubmitReport, validate_to_spool
+from producer.wire import keys
+from producer.wire.lua import done
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer

@@ -101,14 +101,14 @@ def queue_clock(queue: str) -> str:
 
 def result_cache(digest: str) -> str:
     """string with TTL: a determined request's stored answer, keyed by a digest of what decides it
-    (producer/result_cache.py)."""
+    (producer/wire/result_cache.py)."""
     return f"{PREFIX}result-cache:{digest}"
 
 
 def queue_serving(queue: str) -> str:
-    """string with TTL: JSON of what serves `queue` (producer/workers.py QueueServing: the model, the engine
-    fingerprint, the context length), set by each worker at start-up and with every heartbeat; submit
-    checks requests against it and keys its result-cache lookups with it."""
+    """string with TTL: JSON of what serves `queue` (producer/wire/workers.py QueueServing: the model, the
+    engine fingerprint, the context length), set by each worker at start-up and with every heartbeat;
+    submit checks requests against it and keys its result-cache lookups with it."""
     return f"{PREFIX}queue-serving:{queue}"
 
 
@@ -117,9 +117,9 @@ def batch_chat(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}:chat"
 
 
-# ---- The OpenAI-compatible HTTP API (`producer serve`, producer/server.py). Servers keep no state of their
-# own: every file and batch object lives here, so any instance serves any of them. `owner` is a hash of
-# the API key that created an object (producer/auth.py), never the key.
+# ---- The OpenAI-compatible HTTP API (`producer serve`, producer/api/server.py). Servers keep no state of
+# their own: every file and batch object lives here, so any instance serves any of them. `owner` is a hash
+# of the API key that created an object (producer/api/auth.py), never the key.
 
 API_PREFIX = PREFIX + "api:"
 DEFAULT_FILE_TTL_S = 30 * 24 * 3600  # OpenAI's default expiry of batch files; API batch objects last as long

@@ -19,12 +19,13 @@ from typing import IO, Any
 
 from redis.asyncio import Redis
 
-from producer import keys, store
-from producer.contract import BatchStatus, Result, SamplingParams
-from producer.redis_url import connect
-from producer.retry import RetryReport, Selection, finish_reasons, retry_batch
-from producer.submit import InputError, SubmitReport, submit_stream
-from producer.workers import Heartbeat, live_workers
+from producer.client.live_workers import live_workers
+from producer.client.retry import RetryReport, Selection, finish_reasons, retry_batch
+from producer.client.submit import InputError, SubmitReport, submit_stream
+from producer.wire import keys, store
+from producer.wire.contract import BatchStatus, Result, SamplingParams
+from producer.wire.redis_url import connect
+from producer.wire.workers import Heartbeat
 
 ProgressFn = Callable[[BatchStatus], Awaitable[None] | None]
 

@@ -1,14 +1,13 @@
-"""`producer`: submit JSONL batches to batchq and follow them. A thin argparse layer over BatchqClient."""
+"""The `producer` command's arguments: one subcommand per verb, each with an example and the exit statuses."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from producer import commands, keys, top
+from producer.cli import commands, top
+from producer.wire import keys
 
 EXIT_CODES = """exit status:
   0  success (wait: every request completed)
@@ -23,7 +22,7 @@ EXIT_CODES = """exit status:
 Handler = Callable[..., Coroutine[Any, Any, int]]
 
 
-def _cmd(sub: Any, name: str, handler: Handler | None, help_: str, example: str) -> argparse.ArgumentParser:
+def _cmd(sub: Any, name: str, handler: Handler, help_: str, example: str) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         name,
         help=help_,
@@ -266,52 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50, help="look at the newest N batches (default 50)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit, even on a terminal")
 
-    p = _cmd(
-        sub,
+    # The API server's own command (producer/api/serve.py) parses these arguments: see main().
+    sub.add_parser(
         "serve",
-        None,  # main() runs it: uvicorn owns the event loop
-        "serve OpenAI's Files and Batches API over batchq (the official openai client works unchanged)",
-        "BATCHQ_API_KEYS=sk-team-a,sk-team-b producer serve --port 8000\n"
-        "  producer serve --host 0.0.0.0 --api-keys-file /etc/batchq/api-keys --queue smollm2",
+        help="serve OpenAI's Files and Batches API over batchq (the official openai client works unchanged); "
+        "`producer serve --help` lists its options",
+        add_help=False,
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--queue", help="queue the batches go to (default: default)")
-    _model_opts(p, "every batch")
-    p.add_argument(
-        "--api-keys-file",
-        metavar="FILE",
-        help="bearer API keys, one per line (# comments), in addition to $BATCHQ_API_KEYS (comma-separated)",
-    )
-    p.add_argument(
-        "--allow-no-auth",
-        action="store_true",
-        help="without any API key, serve an open API (refused otherwise): anyone reaching the port sees all",
-    )
-    p.add_argument(
-        "--max-upload-mb",
-        type=float,
-        default=200,
-        metavar="MB",
-        help="largest upload (default 200, OpenAI's)",
-    )
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.handler is None:  # serve
-        from producer.server import serve  # starlette and uvicorn load for this command only
-
-        return serve(args)
-    try:
-        code = asyncio.run(commands.run(args.handler, args))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        code = 130
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,14 +27,14 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import LockError, RedisError
 
-from producer import keys, store
-from producer.api_common import ApiError, list_object, not_found, page_ids
-from producer.batch_object import BatchRecord, CreateRequest, batch_object, check_endpoint, input_errors
-from producer.contract import BatchStatus
-from producer.files import OUTPUT_PURPOSE, FileRecord, FileStore
-from producer.lua import done
-from producer.openai_format import is_error_line, openai_line, output_model_and_created
-from producer.submit import InputError, submit_stream
+from producer.api.batch_object import BatchRecord, CreateRequest, batch_object, check_endpoint, input_errors
+from producer.api.common import ApiError, list_object, not_found, page_ids
+from producer.api.files import OUTPUT_PURPOSE, FileRecord, FileStore
+from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
+from producer.client.submit import InputError, submit_stream
+from producer.wire import keys, store
+from producer.wire.contract import BatchStatus
+from producer.wire.lua import done
 
 log = logging.getLogger("batchq.server")
 

@@ -1,4 +1,5 @@
-"""`producer serve`: OpenAI's Files and Batches API over batchq, on Starlette and uvicorn.
+"""The HTTP API's app: OpenAI's Files and Batches API over batchq, on Starlette (`producer serve` runs it:
+producer/api/serve.py).
 
 The official `openai` client works against it unchanged (base_url=http://HOST:PORT/v1). Every /v1 route
 needs a bearer API key (auth.py) and sees only that key's objects; other keys' ids answer 404. Objects
@@ -8,9 +9,7 @@ nothing. Request bodies are capped (uploads --max-upload-mb, any other body MAX_
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,15 +26,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from producer import keys
-from producer.api_common import ApiError, parse_limit
-from producer.auth import API_KEYS_ENV, ApiKeys
-from producer.batch_object import expires_after
-from producer.batches import BatchStore
-from producer.files import FileStore
-from producer.lua import done
-from producer.redis_url import connect
-from producer.serde import mask_url
+from producer.api.auth import ApiKeys
+from producer.api.batch_object import expires_after
+from producer.api.batches import BatchStore
+from producer.api.common import ApiError, parse_limit
+from producer.api.files import FileStore
+from producer.wire import keys
+from producer.wire.lua import done
+from producer.wire.redis_url import connect
 
 log = logging.getLogger("batchq.server")
 
@@ -245,50 +243,3 @@ def create_app(settings: ServerSettings) -> Starlette:
     )
     app.add_middleware(BodyLimit, upload_bytes=settings.max_upload_bytes)
     return app
-
-
-def serve(args: argparse.Namespace) -> int:
-    """`producer serve`: load the keys, refuse an open API unless asked for, run uvicorn until signalled."""
-    import uvicorn
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        api_keys = ApiKeys.load(os.environ.get(API_KEYS_ENV), args.api_keys_file)
-    except (OSError, ValueError) as e:
-        log.error("cannot load API keys: %s", e.strerror if isinstance(e, OSError) else e)
-        return 2
-    where = f"http://{args.host}:{args.port}/v1"
-    if api_keys.open:
-        if not args.allow_no_auth:
-            log.error(
-                "no API keys: set %s (comma-separated) or --api-keys-file, or pass --allow-no-auth to serve "
-                "an open API",
-                API_KEYS_ENV,
-            )
-            return 2
-        log.warning(
-            "the API is OPEN (--allow-no-auth): anyone who reaches %s can submit and read every batch", where
-        )
-    else:
-        log.info("%d API key(s) loaded; each key sees only its own files and batches", len(api_keys))
-    settings = ServerSettings(
-        redis_url=args.redis_url,
-        keys=api_keys,
-        queue=args.queue,
-        model=args.model,
-        model_aliases=tuple(args.model_alias),
-        max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
-    )
-    log.info(
-        "serving %s over Redis %s, queue %s", where, mask_url(args.redis_url), keys.queue_name(args.queue)
-    )
-    uvicorn.run(
-        create_app(settings),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=10,
-    )
-    return 0

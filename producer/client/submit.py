@@ -3,7 +3,7 @@
 Pass 1 validates every line and writes normalised requests to a temporary spool file, so an invalid file
 enqueues nothing; a request whose output is determined gets its result-cache key there. Pass 2 creates
 the batch and goes through the spool in chunks: it answers the requests whose answer the result cache
-holds (producer/result_cache.py) at once and enqueues the rest, writing arq's job format directly (arq's
+holds (producer/wire/result_cache.py) at once and enqueues the rest, writing arq's job format directly (arq's
 enqueue_job costs a round trip plus a WATCH per job: far too slow for big files).
 """
 
@@ -25,14 +25,15 @@ import orjson
 from arq.constants import job_key_prefix, result_key_prefix
 from redis.asyncio import Redis
 
-from producer import keys
-from producer.contract import ErrorInfo, Result, SamplingParams, Timing, defaults_base
-from producer.grammars import grammar_problem
-from producer.jsonl import LineError, ParsedLine, parse_line, read_lines
-from producer.lua import LuaScript, done
-from producer.result_cache import CachedAnswer, request_key
-from producer.store import write_result
-from producer.workers import QueueServing, live_workers, queue_serving
+from producer.client.grammars import grammar_problem
+from producer.client.jsonl import LineError, ParsedLine, parse_line, read_lines
+from producer.client.live_workers import live_workers, queue_serving
+from producer.wire import keys
+from producer.wire.contract import ErrorInfo, Result, SamplingParams, Timing, defaults_base
+from producer.wire.lua import LuaScript, done
+from producer.wire.result_cache import CachedAnswer, request_key
+from producer.wire.store import write_result
+from producer.wire.workers import QueueServing
 
 MAX_REPORTED = 20
 DIGEST_BYTES = 8  # a request's content digest: locates the first differing line of a resubmission

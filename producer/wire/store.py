@@ -1,9 +1,9 @@
 """Batch state in Redis: results, counters, running set, status, cancellation, listing.
 
 The worker calls `start_attempt`, `write_result` and `is_cancelled`; the producer reads with `get_status` /
-`iter_results`, cancels with `cancel_batch` and retries with producer/retry.py. The counters change only in
-the Lua scripts that store a result or claim a retry, and count each request by its current attempt, so at
-every moment queued + running + completed + failed + cancelled == total.
+`iter_results`, cancels with `cancel_batch` and retries with producer/client/retry.py. The counters change
+only in the Lua scripts that store a result or claim a retry, and count each request by its current
+attempt, so at every moment queued + running + completed + failed + cancelled == total.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import orjson
 from arq.constants import in_progress_key_prefix, job_key_prefix
 from redis.asyncio import Redis
 
-from producer import keys
-from producer.contract import BatchStatus, ErrorInfo, Result
-from producer.lua import LuaScript, done
+from producer.wire import keys
+from producer.wire.contract import BatchStatus, ErrorInfo, Result
+from producer.wire.lua import LuaScript, done
 
 CHUNK = 500
 DONE_FIELDS = ("completed", "failed", "cancelled")
@@ -46,8 +46,8 @@ def counter_for(finish_reason: str) -> str:
 # Only the request's current attempt (attempts hash, absent: 0) may write, once: a late result of an attempt
 # a retry superseded is refused (and leaves the running set alone: the current attempt may be running), and
 # so is a second result of the same attempt (which takes a duplicate run's running mark out). A retry took
-# the older attempt's result out of the counters when it claimed the new attempt (producer/retry.py), so
-# the counters count each request by its current attempt: queued + running + completed + failed +
+# the older attempt's result out of the counters when it claimed the new attempt (producer/client/retry.py),
+# so the counters count each request by its current attempt: queued + running + completed + failed +
 # cancelled == total at every moment. `timed_out` and `length` count the completed results that ended on
 # their timeout_s or max_new_tokens. `tokens_generated` is a rate counter (tokens the workers generated,
 # reported while requests run; a result adds what was not reported yet): it never goes down.

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, TaskID, TextColumn
 from rich.progress import Progress as RichProgress
 
-from producer.contract import BatchStatus
+from producer.wire.contract import BatchStatus
 
 
 def eta_text(seconds: float | None) -> str:

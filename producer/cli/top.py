@@ -18,10 +18,10 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from producer.client import BatchqClient
-from producer.contract import BatchStatus
-from producer.progress import BatchRate, RateWindow, eta_text
-from producer.workers import Heartbeat, queue_label
+from producer.cli.progress import BatchRate, RateWindow, eta_text
+from producer.client.batchq_client import BatchqClient
+from producer.wire.contract import BatchStatus
+from producer.wire.workers import Heartbeat, queue_label
 
 ACTIVE = ("queued", "running")
 
@@ -57,7 +57,7 @@ def workers_table(workers: list[Heartbeat], now: float) -> Table:
 
 
 class BatchRates:
-    """Per batch, its RateWindow over top's own samples (producer/progress.py)."""
+    """Per batch, its RateWindow over top's own samples (producer/cli/progress.py)."""
 
     def __init__(self) -> None:
         self.windows: dict[str, RateWindow] = {}

@@ -13,7 +13,7 @@ from typing import IO, Any
 import orjson
 from pydantic import ValidationError
 
-from producer.contract import (
+from producer.wire.contract import (
     CHAT_URL,
     OpenAIBatchLine,
     OpenAIBody,
