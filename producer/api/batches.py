@@ -2,8 +2,8 @@
 and finalise it into output and error files.
 
 An API batch and the batchq batch that runs it share one id (`batch_<hex>`), so `producer status` follows
-it too. The API's own fields live in keys.api_batch; progress is read from the batchq batch (store.py)
-until every request has a result. Then one server instance, under a lock, finalises it: it writes the
+it too. The API's own fields live in keys.api_batch; the batchq batch is submitted, read and cancelled
+through BatchqClient, as the CLI does, and its progress is read from it until every request has a result. Then one server instance, under a lock, finalises it: it writes the
 output and error files in OpenAI's line shapes (openai_format.py) and records the final status and counts,
 after which the object no longer needs the batchq batch (whose results expire sooner).
 
@@ -24,17 +24,18 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import LockError, RedisError
 
 from producer.api.batch_object import BatchRecord, CreateRequest, batch_object, check_endpoint, input_errors
 from producer.api.common import ApiError, list_object, not_found, page_ids
 from producer.api.files import OUTPUT_PURPOSE, FileRecord, FileStore
+from producer.client.batchq_client import BatchqClient
 from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
-from producer.client.submit import InputError, submit_stream
-from producer.wire import keys, store
+from producer.client.submit import InputError
+from producer.wire import keys
 from producer.wire.contract import BatchStatus
 from producer.wire.lua import done
+from producer.wire.store import BatchNotFound
 
 log = logging.getLogger("batchq.server")
 
@@ -45,14 +46,15 @@ LOCK_S = 60  # renewed every LOCK_S / 3 while held; a crashed holder's lock laps
 class BatchStore:
     def __init__(
         self,
-        redis: Redis,
+        client: BatchqClient,
         files: FileStore,
         *,
         queue: str | None,
         model: str | None,
         aliases: Mapping[str, str] | None = None,
     ) -> None:
-        self.redis = redis
+        self.client = client
+        self.redis = client.redis  # the API's own records (keys.api_batch); batchq's go through the client
         self.files = files
         self.queue = queue
         self.model = model
@@ -122,7 +124,7 @@ class BatchStore:
         await done(self.redis.hsetnx(keys.api_batch(batch_id), "cancelling_at", str(int(time.time()))))
         # Written before read, as _submit does the other way round: one of the two sees the other's write.
         if await done(self.redis.hget(keys.api_batch(batch_id), "in_progress_at")):
-            await store.cancel_batch(self.redis, batch_id)
+            await self.client.cancel(batch_id)
         return await self._object(await self._reload(batch_id))
 
     # ---- the lifecycle ----
@@ -134,9 +136,9 @@ class BatchStore:
             with tempfile.TemporaryFile(prefix="batchq-api-") as tmp:
                 await self.files.copy_to(f, tmp)
                 tmp.seek(0)
-                report = await submit_stream(
-                    self.redis, tmp, batch_id=bid, queue=self.queue, model=self.model,
-                    model_aliases=self.aliases, offload=True,
+                report = await self.client.submit_file(
+                    tmp, batch_id=bid, queue=self.queue, model=self.model, model_aliases=self.aliases,
+                    offload=True,
                 )  # fmt: skip
         except (InputError, LookupError) as e:  # LookupError: the input file was deleted meanwhile
             await self._set(bid, status="failed", failed_at=int(time.time()), errors=input_errors(e))
@@ -144,7 +146,7 @@ class BatchStore:
         # The model the lines ask for (after --model-alias); once the batch ends, the model that ran.
         await self._set(bid, in_progress_at=int(time.time()), model=report.model or "")
         if await done(self.redis.hget(keys.api_batch(bid), "cancelling_at")):
-            await store.cancel_batch(self.redis, bid)
+            await self.client.cancel(bid)
 
     async def _resume(self, bid: str) -> None:
         """Finish a submit that a crashed instance left: nobody holds the lock and nothing marks it done."""
@@ -172,12 +174,12 @@ class BatchStore:
                 self._spawn(self._resume(rec.id))
             return batch_object(rec, "cancelling" if rec.cancelling_at else "validating")
         try:
-            st = await store.get_status(self.redis, rec.id)
-        except store.BatchNotFound:
+            st = await self.client.status(rec.id)
+        except BatchNotFound:
             return await self._finalize(rec, None)
         if st.done < st.total and not rec.expiring_at and time.time() >= rec.expires_at:
             await done(self.redis.hsetnx(keys.api_batch(rec.id), "expiring_at", str(int(time.time()))))
-            await store.cancel_batch(self.redis, rec.id)
+            await self.client.cancel(rec.id)
             return await self._object(await self._reload(rec.id))
         if st.done >= st.total:
             return await self._finalize(rec, st)
@@ -223,7 +225,7 @@ class BatchStore:
     async def _write_files(self, rec: BatchRecord) -> tuple[str, str, str]:
         """The output file (answers) and error file (failed and cancelled requests); "" for an empty one;
         and the model that answered ("" when none did)."""
-        model, created = output_model_and_created(await store.get_meta(self.redis, rec.id))
+        model, created = output_model_and_created(await self.client.batch_meta(rec.id))
         hexid = rec.id.removeprefix("batch_")
         ttl = rec.output_ttl_s or keys.DEFAULT_FILE_TTL_S
         out, err = (
@@ -237,7 +239,7 @@ class BatchStore:
         await err.start()
         expired = bool(rec.expiring_at)
         ran = ""
-        async for result, chat in store.iter_results(self.redis, rec.id):
+        async for result, chat in self.client.results_with_kind(rec.id):
             ran = ran or result.model or ""
             line = openai_line(
                 result, chat=chat, batch_id=rec.id, model=model, created=created, expired=expired

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.datastructures import FormData, UploadFile
@@ -31,9 +30,9 @@ from producer.api.batch_object import expires_after
 from producer.api.batches import BatchStore
 from producer.api.common import ApiError, parse_limit
 from producer.api.files import FileStore
+from producer.client.batchq_client import BatchqClient
 from producer.wire import keys
 from producer.wire.lua import done
-from producer.wire.redis_url import connect
 
 log = logging.getLogger("batchq.server")
 
@@ -105,11 +104,12 @@ Handler = Callable[["Api", Request, str], Awaitable[Response]]
 class Api:
     """The route handlers; each gets the caller's owner id (auth.owner_id), checked before it runs."""
 
-    def __init__(self, redis: Redis, settings: ServerSettings) -> None:
-        self.redis = redis
-        self.files = FileStore(redis)
+    def __init__(self, client: BatchqClient, settings: ServerSettings) -> None:
+        self.client = client
+        self.redis = client.redis
+        self.files = FileStore(client.redis)
         self.batches = BatchStore(
-            redis,
+            client,
             self.files,
             queue=settings.queue,
             model=settings.model,
@@ -195,13 +195,13 @@ def create_app(settings: ServerSettings) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = connect(settings.redis_url, socket_connect_timeout=5, health_check_interval=30)
-        app.state.api = Api(redis, settings)
+        client = BatchqClient.from_url(settings.redis_url)
+        app.state.api = Api(client, settings)
         try:
             yield
         finally:
             await app.state.api.batches.close()
-            await redis.aclose()
+            await client.close()
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)

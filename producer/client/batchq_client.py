@@ -93,13 +93,16 @@ class BatchqClient:
         result_ttl_s: int = keys.DEFAULT_RESULT_TTL_S,
         result_cache: bool = True,
         on_created: Callable[[str], None] | None = None,
+        offload: bool = False,
     ) -> SubmitReport:
         """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input.
 
         `batch_id`: the same content again under an existing id is a no-op (it finishes an interrupted
         submit); other content is refused with InputError, naming the first line that differs.
         `model`: for lines that name none; `model_aliases`: {name a line gives: model the workers serve}.
-        result_cache=False: every request is computed afresh, even where workers hold its answer."""
+        result_cache=False: every request is computed afresh, even where workers hold its answer.
+        offload=True: validate the lines in a thread, so that the caller's event loop (a server's) keeps
+        serving meanwhile."""
         opts: dict[str, Any] = dict(
             batch_id=batch_id,
             queue=queue,
@@ -110,6 +113,7 @@ class BatchqClient:
             result_ttl_s=result_ttl_s,
             result_cache=result_cache,
             on_created=on_created,
+            offload=offload,
         )
         if not isinstance(path_or_stdin, str | Path):
             return await submit_stream(self.redis, path_or_stdin, **opts)
