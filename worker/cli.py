@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import sys
 from typing import Any, Literal, get_args, get_origin
@@ -24,6 +25,8 @@ examples:
 
 exit status: 0 normal stop, 1 failed check / start-up error, 2 bad arguments, config or model, 70 stalled engine
 """
+# What serving needs beyond a producer install: pyproject's [worker] extra (`pip install batchq` has none).
+WORKER_EXTRA = ("torch", "transformers", "psutil", "prometheus_client")
 
 
 def _flag_type(annotation: Any) -> tuple[type, tuple[str, ...] | None]:
@@ -89,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.check:
         return asyncio.run(_check(cfg, ns.worker_id))
+    missing = [m for m in WORKER_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"worker: {', '.join(missing)} not installed: serving needs pip install 'batchq[worker]' "
+            "(`pip install batchq` is the producer side)",
+            file=sys.stderr,
+        )
+        return 1
     from worker.models.loader import ModelLoadError, check_model_reference  # imports no torch
 
     try:

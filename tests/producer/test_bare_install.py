@@ -3,8 +3,9 @@ and no torch.
 
 The project is built from the working tree by pip's normal build (build isolation, pip's cache, the package
 index this machine is configured with) into a fresh venv, so an import that needs a worker-only dependency
-fails here, not on a producer's laptop. The venv is made without pip of its own (ensurepip would double the
-test's time): this interpreter's pip installs into it with --python.
+fails here, not on a producer's laptop; the `worker` command it also installs says, in one line, which
+extra serving needs. The venv is made without pip of its own (ensurepip costs a third of the test's time):
+this interpreter's pip installs into it with --python.
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def test_a_bare_install_runs_the_producer_without_torch(tmp_path: Path) -> None:
     assert torch.returncode != 0 and "No module named 'torch'" in torch.stderr
     show = run(*pip, "show", "torch", cwd=tmp_path, env=env)
     assert show.returncode != 0 and "not found" in show.stderr
+    # The worker is installed with the producer but cannot serve: it says what to install, in one line.
+    worker = run(bin_ / "worker", "--model", "smollm2-135m", cwd=tmp_path, env=env)
+    assert worker.returncode == 1 and len(worker.stderr.splitlines()) == 1, worker.stderr[-3000:]
+    assert (
+        worker.stderr.startswith("worker: torch, transformers")
+        and "pip install 'batchq[worker]'" in worker.stderr
+    )
     found = run(bin_ / "python", "-c", f"import importlib.util as u; print([m for m in {WORKER_ONLY!r} if u.find_spec(m)])",
                 cwd=tmp_path, env=env)  # fmt: skip
     assert found.stdout.strip() == "[]", found.stdout + found.stderr
