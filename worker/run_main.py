@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             _wait_for_worker(url, worker, log_path, ns.start_timeout_s)
             print("worker ready; submitting", ns.prompts)
             t0 = time.monotonic()
+            # The producer's command, as a user runs it: the worker imports only producer.wire.
             submit = [sys.executable, "-m", "producer.cli", "submit", ns.prompts, "--queue", ns.queue, "--model",
                       ns.model, "--wait", "-o", ns.output]  # fmt: skip
             rc = subprocess.call(submit, env=env)
