@@ -25,7 +25,7 @@ def run_step(sched: Scheduler, token: int = 70) -> tuple[ScheduledBatch, list[Se
 
 def test_admission_reserves_the_worst_case_and_waits_for_room() -> None:
     bm = BlockManager(num_blocks=10, block_size=4, prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, policy="fcfs", admission="reserve")
     a, b, c = make_seq("a", 8, 12), make_seq("b", 4, 12), make_seq("c", 4, 4)  # need 5, 4, 2 blocks
     for s in (a, b, c):
         sched.add(s)
@@ -43,7 +43,7 @@ def test_admission_reserves_the_worst_case_and_waits_for_room() -> None:
 
 def test_the_token_budget_splits_prompts_into_chunks_and_max_num_seqs_bounds_admission() -> None:
     bm = BlockManager(num_blocks=1000, block_size=16, prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=100)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=100, policy="fcfs", admission="reserve")
     seqs = [make_seq(str(i), 40, 4) for i in range(5)]
     for s in seqs:
         sched.add(s)
@@ -60,7 +60,7 @@ def test_the_token_budget_splits_prompts_into_chunks_and_max_num_seqs_bounds_adm
 
 def test_a_prompt_larger_than_the_budget_is_computed_over_several_steps() -> None:
     bm = BlockManager(100, 16)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32, policy="fcfs", admission="reserve")
     big, small = make_seq("big", 200, 4), make_seq("small", 4, 4)
     sched.add(big)
     sched.add(small)
@@ -81,7 +81,7 @@ def test_a_prompt_larger_than_the_budget_is_computed_over_several_steps() -> Non
 def test_random_workload_keeps_pool_invariants_after_every_step(prefix_caching: bool) -> None:
     rng = random.Random(7)
     bm = BlockManager(num_blocks=40, block_size=4, prefix_caching=prefix_caching)
-    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=64)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=64, policy="fcfs", admission="reserve")
     pending = [make_seq(str(i), rng.randint(1, 30), rng.randint(1, 20)) for i in range(60)]
     for s in pending:  # shared prefixes of random lengths
         s.prompt_ids = [65 + rng.randint(0, 1)] * rng.randint(0, s.prompt_len) + [90] * s.prompt_len
@@ -102,7 +102,11 @@ def test_random_workload_keeps_pool_invariants_after_every_step(prefix_caching: 
 
 def test_longest_first_admits_the_longest_generations_first_then_by_arrival() -> None:
     sched = Scheduler(
-        BlockManager(1000, 16), max_num_seqs=3, max_num_batched_tokens=1000, policy="longest_first"
+        BlockManager(1000, 16),
+        max_num_seqs=3,
+        max_num_batched_tokens=1000,
+        policy="longest_first",
+        admission="reserve",
     )
     for name, max_new in [("short1", 8), ("long", 200), ("short2", 8), ("mid", 64), ("long2", 200)]:
         sched.add(make_seq(name, 10, max_new))
@@ -115,7 +119,7 @@ def test_longest_first_admits_the_longest_generations_first_then_by_arrival() ->
 
 def test_requests_sharing_a_prefix_compute_it_once_and_budget_only_their_own_tokens() -> None:
     bm = BlockManager(num_blocks=100, block_size=4)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=30)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=30, policy="fcfs", admission="reserve")
     shared = list(range(100, 120))  # five blocks
     seqs = [make_seq(f"r{i}", 22, 2) for i in range(4)]
     for i, s in enumerate(seqs):
@@ -136,7 +140,7 @@ def test_requests_sharing_a_prefix_compute_it_once_and_budget_only_their_own_tok
 def test_optimistic_admission_preempts_the_newest_and_resumes_it_first(seed: int) -> None:
     rng = random.Random(seed)
     bm = BlockManager(num_blocks=24, block_size=4)
-    sched = Scheduler(bm, max_num_seqs=12, max_num_batched_tokens=64, admission="optimistic")
+    sched = Scheduler(bm, max_num_seqs=12, max_num_batched_tokens=64, policy="fcfs", admission="optimistic")
     seqs = [make_seq(str(i), rng.randint(1, 20), rng.randint(5, 40) if i < 20 else 40) for i in range(30)]
     # The first 20 stop within 3 tokens (teaching the scheduler a low ratio), the last 10 run long.
     stop_at = {s.request_id: rng.randint(1, 3) if i < 20 else s.max_new_tokens for i, s in enumerate(seqs)}

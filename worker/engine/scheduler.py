@@ -68,9 +68,11 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        policy: SchedulePolicy = "fcfs",
-        admission: Admission = "reserve",
+        *,
+        policy: SchedulePolicy,
+        admission: Admission,
     ) -> None:
+        """Every setting comes from the caller (the engine passes EngineConfig's, where the defaults live)."""
         self.block_manager = block_manager
         self.admission = admission
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
