@@ -10,10 +10,14 @@ its prompt (`match_prefix`) and computes only the rest. A block whose last user 
 and its registration in the free queue, least recently freed first; it is evicted (unregistered) only
 when the pool hands it out again.
 
-Admission: each sequence reserves its worst case, ceil((prompt + max_new_tokens) / block_size) blocks,
-when it is admitted, and allocates them as it grows, so nothing ever runs out of memory. What a
+Reservations: a sequence is admitted with a reservation of blocks (`admit`), allocates them as it grows
+(`ensure_capacity`), and may raise its reservation later (`grow`) while the pool has room. What a
 reservation costs the pool is only the blocks it newly takes: a cached block that another running
-sequence already holds costs nothing more. The pool is never over-committed:
+sequence already holds costs nothing more. The scheduler decides how much to reserve (its admission rule,
+scheduler.py), a `choices` request's scratch blocks included: under "reserve" a sequence's worst case,
+ceil((prompt + max_new_tokens) / block_size) blocks, so `grow` never has to raise it; under "optimistic"
+only what its prompt fills now, so `grow` may find no room, and the scheduler then preempts a sequence to
+make some. Either way the pool is never over-committed:
 
     blocks held by running sequences (each counted once) + blocks they may still allocate <= num_blocks.
 """
@@ -51,7 +55,7 @@ class BlockManager:
         self._block_of: dict[BlockHash, int] = {}  # chain hash -> registered block
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of a sequence's computed full blocks
-        self._reserved: dict[str, int] = {}  # worst-case table length of each sequence
+        self._reserved: dict[str, int] = {}  # table length each sequence may reach (its reservation)
         self._growth = 0  # blocks running sequences may still allocate: sum(reserved - len(table))
         self.hit_blocks = 0  # prefix-cache hits and evictions since start (stats)
         self.evicted_blocks = 0
@@ -104,7 +108,7 @@ class BlockManager:
         return blocks
 
     def new_blocks_needed(self, need: int, hits: list[int]) -> int:
-        """What admitting a sequence of worst case `need` blocks with these cache hits takes from the pool."""
+        """What admitting a sequence that reserves `need` blocks with these cache hits takes from the pool."""
         return need - sum(1 for b in hits if self._refs[b] > 0)
 
     def can_admit(self, need: int, hits: list[int]) -> bool:
