@@ -33,6 +33,7 @@ from worker.engine.model_runner import ModelRunner, ScoredLabels
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
 from worker.engine.prompts import PromptBuilder
 from worker.engine.request import (
+    EngineCounters,
     EngineError,
     EngineRequest,
     EngineResult,
@@ -108,15 +109,7 @@ class Engine:
         self._inbox: list[tuple[EngineRequest, float]] = []
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
-        self._steps = 0
-        self._prefill_steps = 0
-        self._prefill_s = 0.0
-        self._decode_s = 0.0
-        self._score_steps = 0
-        self._score_s = 0.0
-        self._tokens_generated = 0
-        self._prompt_tokens = 0
-        self._cached_prompt_tokens = 0
+        self.counters = EngineCounters()
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> Engine:
@@ -224,8 +217,8 @@ class Engine:
             return results
         for seq in self.scheduler.computed(batch):
             if not seq.preemptions:  # a resumed one counted its prompt already
-                self._prompt_tokens += seq.prompt_len
-                self._cached_prompt_tokens += seq.cached_prompt_tokens
+                self.counters.prompt_tokens += seq.prompt_len
+                self.counters.cached_prompt_tokens += seq.cached_prompt_tokens
         for i, token, logprobs in zip(out.sampled, out.tokens, out.logprobs, strict=True):
             res = self._take_token(batch.seqs[i], token, logprobs, now)
             if res is not None:
@@ -233,15 +226,16 @@ class Engine:
         return results
 
     def _account(self, batch: ScheduledBatch, seconds: float) -> None:
-        self._steps += 1
+        c = self.counters
+        c.steps += 1
         if batch.phase == "decode":
-            self._decode_s += seconds
+            c.decode_s += seconds
         elif batch.phase == "score":
-            self._score_steps += 1
-            self._score_s += seconds
+            c.score_steps += 1
+            c.score_s += seconds
         else:  # a step with prompt chunks (decode rows beside them or not)
-            self._prefill_steps += 1
-            self._prefill_s += seconds
+            c.prefill_steps += 1
+            c.prefill_s += seconds
 
     def _take_token(
         self, seq: Sequence, token: int, logprobs: RowLogprobs | None, now: float
@@ -249,7 +243,7 @@ class Engine:
         """Append a sampled token; -> the sequence's result where a stop rule ends it."""
         if seq.labels is not None:
             return None  # prefilled: its labels are scored in a step of their own
-        self._tokens_generated += 1
+        self.counters.tokens_generated += 1
         if logprobs is not None:
             seq.token_logprobs.append(logprobs)
         reason = self.stop_rules.append_token(seq, token, now)
@@ -275,16 +269,8 @@ class Engine:
             waiting=len(self.scheduler.waiting) + inbox,
             kv_blocks_used=self.block_manager.num_used,
             kv_blocks_total=self.block_manager.num_blocks,
-            tokens_generated=self._tokens_generated,
-            prompt_tokens=self._prompt_tokens,
-            cached_prompt_tokens=self._cached_prompt_tokens,
-            steps=self._steps,
-            prefill_steps=self._prefill_steps,
             preemptions=self.scheduler.preemptions,
-            prefill_s=self._prefill_s,
-            decode_s=self._decode_s,
-            score_steps=self._score_steps,
-            score_s=self._score_s,
+            **vars(self.counters),
         )
 
     def abort_all(self, error: EngineError) -> list[EngineResult]:
@@ -292,23 +278,12 @@ class Engine:
         now = time.monotonic()
         with self._lock:
             pending, self._inbox = self._inbox, []
-        results = [_empty_result(r, "error", now, received, error) for r, received in pending]
+        results = [_unstarted(r, "error", now, received, error) for r, received in pending]
         for seq in list(self._seqs.values()):
+            seq.finish_reason = "error"
             self.scheduler.finish(seq)
             del self._seqs[seq.request_id]
-            results.append(
-                EngineResult(
-                    seq.request_id,
-                    "",
-                    [],
-                    "error",
-                    seq.prompt_len,
-                    len(seq.output_ids),
-                    None,
-                    now - seq.started_at,
-                    error,
-                )
-            )
+            results.append(seq.to_result(now, error=error))
         return results
 
     # ---- internals --------------------------------------------------------------------------------
@@ -322,16 +297,14 @@ class Engine:
         for req, received in pending:
             if req.request_id in cancelled:
                 cancelled.discard(req.request_id)
-                results.append(_empty_result(req, "cancelled", now, received))
+                results.append(_unstarted(req, "cancelled", now, received))
                 continue
             try:
                 if req.request_id in self._seqs:
                     raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
                 seq = self.prompts.sequence(req, received)
             except RequestError as exc:
-                results.append(
-                    _empty_result(req, "error", now, received, EngineError(exc.error_type, str(exc)))
-                )
+                results.append(_unstarted(req, "error", now, received, EngineError(exc.error_type, str(exc))))
                 continue
             self._seqs[seq.request_id] = seq
             self.scheduler.add(seq)
@@ -381,9 +354,9 @@ class Engine:
         return seq.to_result(now, logprobs=logprobs, label_scores=scores)
 
 
-def _empty_result(
+def _unstarted(
     req: EngineRequest, reason: FinishReason, now: float, received: float, error: EngineError | None = None
 ) -> EngineResult:
-    """A result for a request that never became a sequence (cancelled before it ran, or refused)."""
+    """The result of a request that never became a sequence (cancelled before it ran, or refused)."""
     start = req.started_at if req.started_at is not None else received
-    return EngineResult(req.request_id, "", [], reason, 0, 0, None, now - start, error)
+    return EngineResult.unstarted(req.request_id, reason, now - start, error)

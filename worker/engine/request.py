@@ -70,22 +70,61 @@ class TokenLogprob:
     top: list[TokenChoice]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineResult:
+    """One request's outcome. Every field is named where a result is built: `Sequence.to_result` for a
+    request that became a sequence, `EngineResult.unstarted` for one that never did."""
+
     request_id: str
     text: str
     token_ids: list[int]  # every generated token, a final EOS / stop token included
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (not computed)
     ttft_s: float | None  # None when no token was generated
     total_s: float
-    error: EngineError | None = None  # set exactly when finish_reason is "error"
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
-    label_scores: list[LabelScore] | None = None  # `choices` requests, in the request's label order
-    logprobs: list[TokenLogprob] | None = None  # `logprobs` requests: every generated token but a final
+    error: EngineError | None  # set exactly when finish_reason is "error"
+    label_scores: list[LabelScore] | None  # `choices` requests, in the request's label order
+    logprobs: list[TokenLogprob] | None  # `logprobs` requests: every generated token but a final
     # EOS / stop token; a `choices` request: its label's tokens and the EOS, teacher-forced (they sum to
     # the label's score)
+
+    @classmethod
+    def unstarted(
+        cls, request_id: str, reason: FinishReason, total_s: float, error: EngineError | None = None
+    ) -> EngineResult:
+        """A request that never became a sequence (cancelled before it ran, or refused): nothing generated."""
+        return cls(
+            request_id=request_id,
+            text="",
+            token_ids=[],
+            finish_reason=reason,
+            prompt_tokens=0,
+            completion_tokens=0,
+            cached_tokens=0,
+            ttft_s=None,
+            total_s=total_s,
+            error=error,
+            label_scores=None,
+            logprobs=None,
+        )
+
+
+@dataclass
+class EngineCounters:
+    """What the engine counts as it runs, cumulative since load: one object, updated in place by the
+    engine's thread and copied into each EngineStats snapshot."""
+
+    tokens_generated: int = 0
+    prompt_tokens: int = 0  # of the requests prefilled so far
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served from the prefix cache (not computed)
+    steps: int = 0
+    prefill_steps: int = 0
+    prefill_s: float = 0.0  # time in the model for prefill steps
+    decode_s: float = 0.0  # time in the model for decode steps
+    score_steps: int = 0  # `choices` scoring steps (label rows only; in `steps`, not in prefill_steps)
+    score_s: float = 0.0  # time in the model for scoring steps
 
 
 @dataclass(frozen=True)

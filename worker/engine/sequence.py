@@ -8,7 +8,7 @@ from typing import Any, Literal
 from worker.engine.block_manager import BlockHash
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.params import GenerationParams
-from worker.engine.request import EngineResult, FinishReason, LabelScore, TokenLogprob
+from worker.engine.request import EngineError, EngineResult, FinishReason, LabelScore, TokenLogprob
 
 SequenceStatus = Literal["waiting", "running", "finished"]
 
@@ -71,21 +71,26 @@ class Sequence:
         now: float,
         logprobs: list[TokenLogprob] | None = None,
         label_scores: list[LabelScore] | None = None,
+        error: EngineError | None = None,
     ) -> EngineResult:
-        assert self.finish_reason is not None
-        ttft = None if self.first_token_at is None else self.first_token_at - self.started_at
+        """Its result, finish_reason set. An error (the engine failed the step it was in) carries no text,
+        tokens or time to first token: only what the sequence used (prompt, cache, tokens computed)."""
+        assert self.finish_reason is not None and (error is None) == (self.finish_reason != "error")
+        failed = error is not None
+        ttft = None if self.first_token_at is None or failed else self.first_token_at - self.started_at
         return EngineResult(
             request_id=self.request_id,
-            text=self.text,
-            token_ids=list(self.output_ids),
+            text="" if failed else self.text,
+            token_ids=[] if failed else list(self.output_ids),
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len,
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_prompt_tokens,
             ttft_s=ttft,
             total_s=now - self.started_at,
-            logprobs=logprobs,
+            error=error,
             label_scores=label_scores,
+            logprobs=logprobs,
         )
 
 
