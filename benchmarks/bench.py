@@ -297,7 +297,7 @@ def main() -> int:
     if ns.dtype == "auto":
         from worker.engine.device import cpu_auto_dtype
 
-        ns.dtype = str(cpu_auto_dtype()).removeprefix("torch.")
+        ns.dtype = str(cpu_auto_dtype("auto")).removeprefix("torch.")
         print(f"  dtype auto -> {ns.dtype}", file=sys.stderr, flush=True)
 
     from worker.models.loader import resolve_checkpoint

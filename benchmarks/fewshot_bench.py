@@ -239,7 +239,7 @@ def main() -> int:
     if ns.dtype == "auto":
         from worker.engine.device import cpu_auto_dtype
 
-        ns.dtype = str(cpu_auto_dtype()).removeprefix("torch.")
+        ns.dtype = str(cpu_auto_dtype("auto")).removeprefix("torch.")
     lines = wl.fewshot(ns.n, ns.seed)
     info: dict[str, Any] = {"machine": machine(), "dtype": ns.dtype, "requests": ns.n, "seed": ns.seed}
     info["shared_prefix_tokens"] = prompt_tokens([{"messages": lines[0]["messages"][:1]}])

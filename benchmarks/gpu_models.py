@@ -94,7 +94,8 @@ def engine_from_hf(hf: Any, cfg: EngineConfig) -> Engine:
     model.rotary = RotaryTable(rope.inv_freq.float().cpu(), float(rope.attention_scaling), max_len).to(device)
     model.eval()
     loaded = LoadedModel("random-" + str(spec.hidden_size), model, byte_tokenizer(), hcfg, [2], max_len, "")
-    backend = select_backend(device, cfg.attention_backend)
+    backend = select_backend(cfg, device, dtype)
+    model.use_backend(backend)
     num_blocks = size_kv_pool(cfg, model, dtype, device)
     context = cfg.context_len(max_len)
     runner = ModelRunner(

@@ -1,6 +1,6 @@
 """Paged decode attention: Triton kernel vs the torch reference on one CUDA GPU; on the CPU, the C
-kernel (worker/kernels/paged_decode.c) vs the torch path of worker/kernels/cpu.py. With --linear, the
-CPU linear kernel (worker/kernels/linear.c) against torch and against what the machine allows.
+kernel (worker/kernels/paged_decode.c) vs the torch path of worker/kernels/torch_attention.py. With
+--linear, the CPU linear kernel (worker/kernels/linear.c) against torch and against what the machine allows.
 
     .venv/bin/python benchmarks/kernel_bench.py [--heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16]
     .venv/bin/python benchmarks/kernel_bench.py --cpu [--heads 9 --kv-heads 3 --head-dim 64 --dtype float32]
@@ -59,7 +59,7 @@ def make_inputs(
 
 
 def cpu_decode(args: argparse.Namespace) -> int:
-    from worker.kernels import native, reference
+    from worker.kernels import native_attention, reference
     from worker.kernels.torch_attention import TorchAttention
 
     dtype = getattr(torch, args.dtype)
@@ -73,7 +73,7 @@ def cpu_decode(args: argparse.Namespace) -> int:
         f"decode: heads {args.heads}, kv heads {args.kv_heads}, head dim {args.head_dim}, "
         f"block size {args.block_size}, {args.dtype}, {args.layers} layers' caches\n"
     )
-    if native.library() is None:
+    if native_attention.library() is None:
         print("kernel_bench: the C kernel is not available here (see the warning above)")
         return 1
     print(f"{'batch':>5} {'tokens':>7} | {'torch ms':>8} {'C ms':>6} {'speed-up':>8} | {'C KV GB/s':>9}")
@@ -98,7 +98,7 @@ def cpu_decode(args: argparse.Namespace) -> int:
             q, caches[0][0].permute(1, 2, 0, 3), caches[0][1].permute(1, 2, 0, 3), tables, lens32, scale
         )
         times = {}
-        for name, attn in (("torch", TorchAttention(native=False)), ("C", TorchAttention())):
+        for name, attn in (("torch", TorchAttention(native=False)), ("C", TorchAttention(native=True))):
             got = attn.paged_decode_attention(q, *caches[0], tables, lens32, scale)
             err = (got.float() - want.float()).abs().max().item()
             if err > 5e-2:
@@ -130,7 +130,7 @@ def _best_ms(fn: Callable[[], object], passes: int) -> float:
 
 
 def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]]) -> None:
-    from worker.kernels import native
+    from worker.kernels import native_linear
 
     for w, wt, packed, bf16, int8, int8_scale in layers:
         if kind == "torch F.linear":
@@ -138,35 +138,37 @@ def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ..
         elif kind == "torch x@W[in,out]":
             torch.mm(x, wt)
         elif kind == "C float32":
-            native.linear(x, packed, None, None, w.shape[0])
+            native_linear.linear(x, packed, None, None, w.shape[0])
         elif kind == "C bfloat16":
-            native.linear(x, bf16, None, None, w.shape[0])
+            native_linear.linear(x, bf16, None, None, w.shape[0])
         else:
-            native.linear(x, int8, int8_scale, None, w.shape[0])
+            native_linear.linear(x, int8, int8_scale, None, w.shape[0])
 
 
 def machine_bounds(passes: int = 20) -> tuple[float, float, float]:
     """(memory bandwidth in bytes/s, float32 GEMM peak in FLOP/s: MKL's, linear.c's), measured here."""
-    from worker.kernels import native
+    from worker.kernels import native_linear
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import gemm_ceiling, memory_bandwidth
 
     bandwidth = memory_bandwidth(passes)
     x, w = torch.randn(1024, 2048), torch.randn(2048, 2048)
-    packed = native.pack(w)
-    ours = 2 * 1024 * 2048 * 2048 / (_best_ms(lambda: native.linear(x, packed, None, None, 2048), 5) / 1e3)
+    packed = native_linear.pack(w)
+    ms = _best_ms(lambda: native_linear.linear(x, packed, None, None, 2048), 5)
+    ours = 2 * 1024 * 2048 * 2048 / (ms / 1e3)
     return bandwidth, gemm_ceiling("float32"), ours
 
 
 def cpu_linear(args: argparse.Namespace) -> int:
-    from worker.kernels import native
+    from worker.kernels import native_linear
+    from worker.kernels.linear_methods import PackedLinear
     from worker.models.layers import Linear
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import machine
 
-    if native.linear_library() is None:
+    if native_linear.library() is None:
         print("kernel_bench: the C linear kernel is not available here (see the warning above)")
         return 1
     m = machine()
@@ -204,10 +206,12 @@ def cpu_linear(args: argparse.Namespace) -> int:
                 lin = Linear(k, n, bias=False)
                 lin.load(w)
                 lin.quantize(dtype)
-                lin.use_native()  # packed for linear.c
+                lin.use_method(PackedLinear(bf16_gemm_rows=0))  # packed for linear.c
                 narrow.append(lin)
             bf16, int8 = narrow
-            layers.append((w, w.t().contiguous(), native.pack(w), bf16.weight, int8.weight, int8.scale))
+            layers.append(
+                (w, w.t().contiguous(), native_linear.pack(w), bf16.weight, int8.weight, int8.scale)
+            )
         for r in rows:
             x = torch.randn(r, k, generator=gen)
             fns = {kind: functools.partial(_linear_pass, kind, x, layers) for kind in kinds}

@@ -108,7 +108,7 @@ def main() -> int:
     if ns.dtype == "auto":
         from worker.engine.device import cpu_auto_dtype
 
-        ns.dtype = str(cpu_auto_dtype()).removeprefix("torch.")
+        ns.dtype = str(cpu_auto_dtype("auto")).removeprefix("torch.")
 
     def load(kv_cache_dtype: str = "auto", weight_dtype: str = "auto") -> Any:
         cfg = EngineConfig(

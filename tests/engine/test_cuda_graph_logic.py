@@ -73,13 +73,14 @@ def test_padded_decode_gives_the_real_rows_eager_logits_and_spares_their_kv(tiny
     dummy = 8
     runner = ModelRunner(
         loaded.model,
-        select_backend(torch.device("cpu")),
+        select_backend(EngineConfig(), torch.device("cpu"), torch.float32),
         dummy + 1,
         BLOCK,
         torch.device("cpu"),
         torch.float32,
         max_model_len=loaded.max_model_len,
         max_num_seqs=4,
+        cuda_graphs=False,
     )
     seqs, tables = _prefilled(runner)
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
@@ -136,8 +137,9 @@ def test_run_stages_a_batch_into_the_static_buffers_and_slices_the_real_rows(tin
     loaded = load_model(str(tiny_dir), torch.float32, torch.device("cpu"))
     dummy, cpu = 8, torch.device("cpu")
     runner = ModelRunner(
-        loaded.model, select_backend(cpu), dummy + 1, BLOCK, cpu, torch.float32, loaded.max_model_len, 8
-    )
+        loaded.model, select_backend(EngineConfig(), cpu, torch.float32), dummy + 1, BLOCK, cpu, torch.float32,
+        loaded.max_model_len, 8, cuda_graphs=False,
+    )  # fmt: skip
     seqs, tables = _prefilled(runner)
     graphs = _EagerGraphRunner(loaded.model, runner.backend, runner.kv_caches, BLOCK, dummy, 8, 64, cpu)
     assert graphs.block_tables.shape == (8, 16) and graphs.can_run(2, tables)
@@ -160,9 +162,9 @@ def test_run_stages_a_batch_into_the_static_buffers_and_slices_the_real_rows(tin
 def test_graph_replay_matches_eager_decode_logits(tiny_dir: Path) -> None:
     dev = torch.device("cuda")
     loaded = load_model(str(tiny_dir), torch.float32, dev)
-    backend = select_backend(dev, "triton")
+    backend = select_backend(EngineConfig(attention_backend="triton"), dev, torch.float32)
     runner = ModelRunner(
-        loaded.model, backend, 8, BLOCK, dev, torch.float32, cuda_graphs=True, max_num_seqs=8
+        loaded.model, backend, 8, BLOCK, dev, torch.float32, loaded.max_model_len, 8, cuda_graphs=True
     )
     assert runner.graphs is not None and runner.kv_caches[0][0].shape[0] == 9  # one dummy block
     seqs, tables = _prefilled(runner)

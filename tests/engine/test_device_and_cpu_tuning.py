@@ -30,8 +30,9 @@ def test_auto_takes_bfloat16_on_cpu_only_where_its_matmuls_are_clearly_faster(
     rates = {torch.float32: f32, torch.bfloat16: bf16}
     monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates[dtype])
     monkeypatch.setattr(device, "native_gemm_flops", lambda **_: native)
-    assert pick_dtype("auto", CPU) == want
-    assert pick_dtype("float32", CPU) == torch.float32 and pick_dtype("bfloat16", CPU) == torch.bfloat16
+    assert pick_dtype("auto", CPU, "auto") == want
+    assert pick_dtype("float32", CPU, "auto") == torch.float32
+    assert pick_dtype("bfloat16", CPU, "auto") == torch.bfloat16
 
 
 def test_gemm_probe_measures_this_machine() -> None:

@@ -13,7 +13,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
-from worker.kernels import native as native_kernel
+from worker.kernels import native_attention
 from worker.kernels.cascade import MIN_SHARED_TOKENS
 
 BLOCK = 4
@@ -70,8 +70,8 @@ def test_a_long_shared_prefix_decodes_the_same_through_cascade_attention(ckpt: P
     on = run_checked(cached, reqs)
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
     assert all(r.cached_tokens >= MIN_SHARED_TOKENS for r in on[1:])
-    attn = cached.model_runner.backend.paged_decode_attention.__self__  # type: ignore[attr-defined]
-    if native_kernel.library() is not None:  # cascade decode rides on the C kernel
+    attn = cached.model_runner.backend.attention.paged_decode_attention.__self__  # type: ignore[attr-defined]
+    if native_attention.library() is not None:  # cascade decode rides on the C kernel
         assert attn._cascade.shared_steps >= 5, "the shared prefix never went through cascade attention"
 
 

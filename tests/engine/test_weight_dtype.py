@@ -13,9 +13,9 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
-from worker.kernels import native
+from worker.kernels import native_linear
 
-pytestmark = pytest.mark.skipif(native.linear_library() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(native_linear.library() is None, reason="no C compiler here")
 
 PROMPTS = [list(range(10, 47)), [7, 8, 9, 10, 11], [300, 5] * 20]
 
@@ -45,7 +45,8 @@ def prefill_logits(engine: Engine) -> torch.Tensor:
 def test_float32_engine_runs_every_linear_through_the_kernel(tied_llama: Path) -> None:
     engine = load(tied_llama)
     model = engine.model_runner.model
-    assert all(lin.native and lin.weight.dtype == torch.float32 for lin in model.linears())
+    assert engine.model_runner.backend.linear.name == "c"
+    assert all(lin.method.name == "c" and lin.weight.dtype == torch.float32 for lin in model.linears())
 
 
 @pytest.mark.parametrize(
@@ -82,3 +83,13 @@ def test_weight_dtype_of_the_compute_dtype_changes_nothing(tied_llama: Path) -> 
         lin.weight.dtype == torch.bfloat16 and lin.scale is None
         for lin in engine.model_runner.model.linears()
     )
+
+
+def test_narrow_weights_refused_without_the_c_kernels(tied_llama: Path) -> None:
+    cfg = EngineConfig(
+        dtype="float32", model=str(tied_llama), kv_cache_gb=0.01, weight_dtype="int8", cpu_kernels="torch"
+    )
+    with pytest.raises(
+        ValueError, match="needs the C linear kernel, unavailable here \\(cpu_kernels = 'torch'\\)"
+    ):
+        Engine.load(cfg)

@@ -13,8 +13,7 @@ import torch
 
 from tests.kernels.paged_cases import GRID, Case, assert_close, build_cache, random_queries
 from tests.kernels.test_cpu_attention import cpu_layout
-from worker.kernels import native as native_kernel
-from worker.kernels import reference
+from worker.kernels import native_attention, reference
 from worker.kernels.cascade import MIN_SHARED_TOKENS, shared_prefixes
 from worker.kernels.torch_attention import TorchAttention
 
@@ -62,8 +61,8 @@ def test_decode_over_shared_prefixes_matches_reference(case: Case) -> None:
     cache = shared_cache(case, lens, groups, gen)
     q = random_queries(case, len(lens), gen, CPU)
     scale = 1 / math.sqrt(case.head_dim)
-    attn = TorchAttention()
-    if not native_kernel.supports(q, cpu_layout(cache.k_cache)):
+    attn = TorchAttention(native=True)
+    if not native_attention.supports(q, cpu_layout(cache.k_cache)):
         pytest.skip("cascade decode runs with the C kernel, which does not take this case here")
     kc, vc = cpu_layout(cache.k_cache), cpu_layout(cache.v_cache)
     got = attn.paged_decode_attention(q, kc, vc, cache.block_tables, cache.context_lens, scale)

@@ -24,8 +24,7 @@ from tests.kernels.paged_cases import (
 )
 from tests.kernels.test_triton_decode import decode_lengths
 from tests.kernels.test_triton_prefill import prefill_lengths
-from worker.kernels import native as native_kernel
-from worker.kernels import reference
+from worker.kernels import native_attention, native_build, reference
 from worker.kernels.torch_attention import TorchAttention, causal_tiles, length_groups
 
 CPU = torch.device("cpu")
@@ -50,10 +49,10 @@ def test_decode_matches_reference(case: Case, native: bool, workspace_bytes: int
     q = random_queries(case, len(lens), gen, CPU)
     scale = 1 / math.sqrt(case.head_dim)
     attn = TorchAttention(workspace_bytes=workspace_bytes, native=native)
-    if native and not native_kernel.supports(q, cache.k_cache):
+    if native and not native_attention.supports(q, cache.k_cache):
         # Only a missing compiler may send the C-kernel case to the torch path; a shape must not.
-        assert case.dtype not in (torch.float32, torch.bfloat16) or native_kernel.library() is None
-        pytest.skip(f"the C kernel does not take {case} here (compiler: {native_kernel.compiler()})")
+        assert case.dtype not in (torch.float32, torch.bfloat16) or native_attention.library() is None
+        pytest.skip(f"the C kernel does not take {case} here (compiler: {native_build.compiler()})")
 
     got = attn.paged_decode_attention(
         q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cache.context_lens, scale
@@ -86,7 +85,7 @@ def test_prefill_matches_reference(case: Case, new_kv: bool) -> None:
     kv = {"k": torch.cat(new_k), "v": torch.cat(new_v)} if new_kv else {}
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu_seqlens, cache.context_lens, scale)
 
-    got = TorchAttention().paged_prefill_attention(
+    got = TorchAttention(native=True).paged_prefill_attention(
         q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), *args[3:], **kv
     )
 
@@ -173,17 +172,17 @@ def test_causal_tiles_match_float64_attention(dtype: torch.dtype, q_len: int, of
 )
 def test_c_kernel_outside_its_specialised_shapes(case: Case) -> None:
     """Head dims and group sizes the C kernel has no unrolled copy for run its generic loop, correctly."""
-    if native_kernel.library() is None:
-        pytest.skip(f"no C kernel here (compiler: {native_kernel.compiler()})")
+    if native_attention.library() is None:
+        pytest.skip(f"no C kernel here (compiler: {native_build.compiler()})")
     gen = torch.Generator().manual_seed(case.seed)
     lens = [1, 7, case.block_size * 3, 300]
     cache = build_cache(case, lens, gen, CPU)
     q = random_queries(case, len(lens), gen, CPU)
     scale = 1 / math.sqrt(case.head_dim)
     k, v = cpu_layout(cache.k_cache), cpu_layout(cache.v_cache)
-    assert native_kernel.supports(q, k)
+    assert native_attention.supports(q, k)
 
-    got = native_kernel.paged_decode(q, k, v, cache.block_tables, cache.context_lens, scale)
+    got = native_attention.paged_decode(q, k, v, cache.block_tables, cache.context_lens, scale)
 
     want = reference.paged_decode_attention(
         q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale

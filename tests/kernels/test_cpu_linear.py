@@ -1,20 +1,22 @@
 """The C linear kernel (linear.c) against a float64 reference: every row/column remainder of its tiles and
 panels, with and without bias, float32, bfloat16 and int8 weights; the packed layout; and the Linear
-layer's choice of path."""
+layer's methods (linear_methods.py)."""
 
 from __future__ import annotations
 
-import ctypes
 import platform
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from worker.kernels import native
+from worker.kernels import native_build, native_linear
+from worker.kernels.linear_methods import TORCH_LINEAR, PackedLinear
 from worker.models.layers import Linear, RMSNorm, RotaryTable, apply_rotary
 
-pytestmark = pytest.mark.skipif(native.linear_library() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(native_linear.library() is None, reason="no C compiler here")
+PACKED = PackedLinear(bf16_gemm_rows=0)  # linear.c on every row count
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None):
@@ -33,7 +35,7 @@ def test_float32_matches_float64(m: int, k: int, n: int) -> None:
     w = torch.randn(n, k, generator=gen) / k**0.5
     bias = torch.randn(n, generator=gen) if n % 2 else None
 
-    y = native.linear(x, native.pack(w), None, bias, n)
+    y = native_linear.linear(x, native_linear.pack(w), None, bias, n)
 
     want = reference(x, w, None, bias)
     assert y.shape == (m, n) and y.dtype == torch.float32
@@ -51,10 +53,10 @@ def test_narrow_weights_widen_exactly(dtype: torch.dtype, m: int) -> None:
     lin = Linear(k, n, bias=True)
     lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
     lin.quantize(dtype)
-    lin.use_native()
+    lin.use_method(PACKED)
     assert lin.weight.dtype == dtype and (lin.scale is not None) == (dtype == torch.int8)
 
-    y = native.linear(x, lin.weight, lin.scale, lin.bias, n)
+    y = native_linear.linear(x, lin.weight, lin.scale, lin.bias, n)
 
     want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
@@ -79,14 +81,17 @@ def test_pack_unpack_and_rows_round_trip() -> None:
     for n, k in ((1, 3), (31, 8), (32, 8), (33, 5), (100, 16)):
         for dtype in (torch.float32, torch.bfloat16, torch.int8):
             w = (torch.randn(n, k, generator=gen) * 50).to(dtype)
-            packed = native.pack(w)
-            assert packed.shape == (-(-n // native.PANEL), k, native.PANEL) and packed.dtype == dtype
-            assert native.is_packed(packed, n, k)
-            assert torch.equal(native.unpack(packed, n), w)
-            tail = n - (packed.shape[0] - 1) * native.PANEL
+            packed = native_linear.pack(w)
+            assert (
+                packed.shape == (-(-n // native_linear.PANEL), k, native_linear.PANEL)
+                and packed.dtype == dtype
+            )
+            assert native_linear.is_packed(packed, n, k)
+            assert torch.equal(native_linear.unpack(packed, n), w)
+            tail = n - (packed.shape[0] - 1) * native_linear.PANEL
             assert not packed[-1, :, tail:].float().any()  # the last panel's padding columns are zeros
             ids = torch.randint(0, n, (7,), generator=gen)
-            assert torch.equal(native.packed_rows(packed, ids), w[ids])
+            assert torch.equal(native_linear.packed_rows(packed, ids), w[ids])
 
 
 def test_linear_layer_packs_for_the_kernel_and_back() -> None:
@@ -96,18 +101,19 @@ def test_linear_layer_packs_for_the_kernel_and_back() -> None:
     lin.load(w, b)
     x = torch.randn(5, 40, generator=gen)
     want = lin(x)  # F.linear on [out, in]
-    assert torch.equal(want, torch.nn.functional.linear(x, w, b))
-    lin.use_native()
-    assert lin.native and lin.weight.shape == (1, 40, 32) and torch.equal(lin.unpacked(), w)
+    assert lin.method is TORCH_LINEAR and torch.equal(want, torch.nn.functional.linear(x, w, b))
+    lin.use_method(PACKED)
+    assert lin.weight.shape == (1, 40, 32) and torch.equal(lin.unpacked(), w)
     torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([0, 23, 5])
     assert torch.equal(lin.rows(ids, torch.float32), w[ids])  # a tied embedding's lookup
     lin.load(w * 2, b)  # loading into a packed layer packs
     assert torch.equal(lin.unpacked(), w * 2)
-    lin.use_native(False)
-    assert not lin.native and torch.equal(lin.weight, w * 2)
-    assert not native.linear_supports(x.bfloat16(), torch.empty(24, 48))  # bfloat16 activations: torch
-    assert native.linear_supports(torch.empty(5, 48), torch.empty(24, 48, dtype=torch.bfloat16))
+    lin.use_method(TORCH_LINEAR)
+    assert lin.weight.shape == (24, 40) and torch.equal(lin.weight, w * 2)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w * 2, b))
+    assert not native_linear.linear_supports(x.bfloat16(), torch.empty(24, 48))  # bfloat16 activations: torch
+    assert native_linear.linear_supports(torch.empty(5, 48), torch.empty(24, 48, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("t", [1, 7, 300])
@@ -117,9 +123,9 @@ def test_rmsnorm_matches_the_torch_formula(t: int) -> None:
     with torch.no_grad():
         norm.weight.copy_(torch.randn(576, generator=gen))
     x = torch.randn(t, 576, generator=gen) * 3
-    want = norm(x)  # the torch path (native off)
+    want = norm(x)  # the torch path (the backend has not given it the C rows)
 
-    got = native.rmsnorm(x, norm.weight, norm.eps)
+    got = native_linear.rmsnorm(x, norm.weight, norm.eps)
 
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
 
@@ -135,21 +141,18 @@ def test_rotary_in_place_matches_the_torch_formula_on_a_fused_qkv_view(t: int) -
     q, k = q.view(t, heads, d), k.view(t, kv_heads, d)
     want_q, want_k, want_v = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone()
 
-    apply_rotary(q, cos, sin, in_place=True)
-    apply_rotary(k, cos, sin, in_place=True)
+    apply_rotary(q, cos, sin, in_place=native_linear.rotary_)
+    apply_rotary(k, cos, sin, in_place=native_linear.rotary_)
 
     torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
     assert torch.equal(v, want_v)  # the V columns of the fused output are left alone
 
 
-def _load_for(flags: tuple[str, ...]) -> ctypes.CDLL:
-    cc = native.compiler()
+def _load_for(flags: tuple[str, ...]) -> SimpleNamespace:
+    cc = native_build.compiler()
     assert cc is not None
-    lib = ctypes.CDLL(str(native._build(cc, native.LINEAR_SOURCE, flags)))
-    lib.batchq_linear.restype = ctypes.c_int
-    lib.batchq_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
-    return lib
+    return native_build.bind(native_build.build(cc, native_linear.SOURCES, flags), native_linear.SIGNATURES)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
@@ -171,12 +174,12 @@ def test_narrower_instruction_sets_give_the_same_answers(
         lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
         if dtype != torch.float32:
             lin.quantize(dtype)
-        lin.use_native()
+        lin.use_method(PACKED)
         y = torch.empty(m, n)
         scale = None if lin.scale is None else lin.scale.data_ptr()
         assert lib.batchq_linear(
             x.data_ptr(), lin.weight.data_ptr(), scale, lin.bias.data_ptr(), y.data_ptr(), m, k, n,
-            native.WEIGHT_TYPES[dtype], 2,
+            native_linear.WEIGHT_TYPES[dtype], 2,
         ) == 0  # fmt: skip
         want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)
         torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
@@ -187,15 +190,14 @@ def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
     lin = Linear(64, 48, bias=True)
     lin.load(torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen))
     lin.quantize(torch.bfloat16)
-    lin.use_native()
-    lin.bf16_gemm_rows = 4
+    lin.use_method(PackedLinear(bf16_gemm_rows=4))
     small, big = torch.randn(3, 64, generator=gen), torch.randn(4, 64, generator=gen)
 
     # Below the threshold: linear.c, float32 activations times the stored weight, exactly as the kernel.
-    assert torch.equal(lin(small), native.linear(small, lin.weight, None, lin.bias, 48))
+    assert torch.equal(lin(small), native_linear.linear(small, lin.weight, None, lin.bias, 48))
     # From it on: bf16 activations through torch's GEMM, float32 out, close to the float32-activation answer.
     got = lin(big)
     assert got.dtype == torch.float32
     want = reference(big, lin.unpacked().float(), None, lin.bias).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
-    assert not torch.equal(got, native.linear(big, lin.weight, None, lin.bias, 48))
+    assert not torch.equal(got, native_linear.linear(big, lin.weight, None, lin.bias, 48))

@@ -5,7 +5,6 @@ steps is tests/engine/test_tiny_models.py's (the engine runs the stack there).""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from pathlib import Path
 
@@ -18,9 +17,10 @@ from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
-from worker.kernels import native
+from worker.kernels import native_stack
+from worker.kernels.linear_methods import PackedLinear
 
-pytestmark = pytest.mark.skipif(native.stack_library() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(native_stack.library() is None, reason="no C compiler here")
 
 ARCHS = {
     "llama-biased": ("llama", {"attention_bias": True, "mlp_bias": True}),  # q/k/v/o and MLP biases
@@ -80,7 +80,8 @@ def both_paths(engine: Engine, batch: ScheduledBatch) -> tuple[torch.Tensor, tor
         k.copy_(k0)
         v.copy_(v0)
     backend = runner.backend
-    runner.backend = dataclasses.replace(backend, plain_native_decode=None)
+    assert backend.decode_stack
+    runner.backend = dataclasses.replace(backend, decode_stack=False)  # the same kernels, layer by layer
     try:
         layered = runner.compute_logits(batch)
     finally:
@@ -147,34 +148,23 @@ def test_one_sequence_and_many(checkpoint: Path) -> None:
         torch.testing.assert_close(stacked, layered, rtol=1e-4, atol=1e-4)
 
 
-def test_generation_through_the_stack_equals_layer_by_layer(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def run() -> list[list[int]]:
-        engine = load(checkpoint)
+def test_generation_through_the_stack_equals_layer_by_layer(checkpoint: Path) -> None:
+    def run(decode_stack: bool) -> list[list[int]]:
+        engine = load(checkpoint, decode_stack=decode_stack)
+        assert engine.model_runner.backend.decode_stack == decode_stack
         reqs = [
             EngineRequest(f"g{i}", GenerationParams(temperature=0, max_new_tokens=24), prompt_token_ids=p)
             for i, p in enumerate(PROMPTS)
         ]
         return [r.token_ids for r in engine.generate(reqs)]
 
-    stacked = run()
-    monkeypatch.setenv("BATCHQ_NATIVE_STACK", "0")
-    native.stack_library.cache_clear()
-    try:
-        assert native.stack_library() is None
-        layered = run()
-    finally:
-        monkeypatch.delenv("BATCHQ_NATIVE_STACK")
-        native.stack_library.cache_clear()
-    assert stacked == layered
+    assert run(decode_stack=True) == run(decode_stack=False)
 
 
 def test_fp8_rounding_is_torchs() -> None:
     """decode_stack.c writes FP8 as torch's CPU cast does: nearest even, saturating at +-448."""
-    lib = native.stack_library()
+    lib = native_stack.library()
     assert lib is not None
-    lib.batchq_to_fp8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     gen = torch.Generator().manual_seed(0)
     patterns = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64)
     x = torch.cat(
@@ -196,19 +186,19 @@ def test_fp8_rounding_is_torchs() -> None:
 
 
 def test_calibration_steps_aside(tmp_path: Path) -> None:
-    """While the FP8 scales are calibrated, every Attention records its K/V: those steps run layer by
-    layer."""
+    """FP8 calibration's pass (kv_absmax) records every layer's K/V, so it runs layer by layer, even on a
+    decode step the stack would take, and computes what the layer-by-layer step computes."""
     path = build_tiny_checkpoint(tmp_path / "llama", "llama")
     engine = load(path)
     batch = decode_batch(engine, PROMPTS[:2])
-    model = engine.model_runner.model
-    for a in model.attentions():
-        a.observed = []
+    runner = engine.model_runner
+    model = runner.model
+    step = runner.decode_inputs(batch.seqs, batch.block_tables)
     model._stack = None
-    logits = engine.model_runner.compute_logits(batch)
-    assert model._stack is not None and model._stack[1] is None
-    assert all(len(a.observed or []) == 1 for a in model.attentions())
-    assert torch.isfinite(logits).all()
+    absmax = model.kv_absmax(step.input_ids, step.positions, step.meta, runner.kv_caches, runner.backend)
+    assert model._stack is None  # never consulted
+    assert len(absmax) == model.spec.num_layers and all(k > 0 and v > 0 for k, v in absmax)
+    assert all(torch.isfinite(torch.tensor(absmax)).flatten())
 
 
 def test_a_shared_prefix_keeps_cascade_attention(tmp_path: Path) -> None:
@@ -226,11 +216,18 @@ def test_a_shared_prefix_keeps_cascade_attention(tmp_path: Path) -> None:
     runner.model._stack = None
     logits = runner.compute_logits(batch)
     assert runner.model._stack is None  # never consulted: the backend said the step is not plain
-    assert runner.backend.plain_native_decode is not None
+    assert runner.backend.decode_stack
     k_cache = runner.kv_caches[0][0]
     tables = runner.decode_inputs(batch.seqs, batch.block_tables).meta
-    assert not runner.backend.plain_native_decode(k_cache, tables.block_tables, tables.context_lens)
+    assert not runner.backend.stack_applies(k_cache, tables.block_tables, tables.context_lens)
     assert torch.isfinite(logits).all()
+
+
+def with_bf16_gemm_rows(engine: Engine, rows: int) -> None:
+    """What select_backend chooses on a CPU with fast bf16 GEMMs, at `rows` rows."""
+    runner = engine.model_runner
+    runner.backend = dataclasses.replace(runner.backend, bf16_gemm_rows=rows, linear=PackedLinear(rows))
+    runner.model.use_backend(runner.backend)
 
 
 def test_bf16_gemm_rows_take_the_torch_path(tmp_path: Path) -> None:
@@ -238,14 +235,13 @@ def test_bf16_gemm_rows_take_the_torch_path(tmp_path: Path) -> None:
     GEMM layer by layer; smaller ones the stack."""
     path = build_tiny_checkpoint(tmp_path / "llama", "llama")
     engine = load(path, weight_dtype="bfloat16")
+    with_bf16_gemm_rows(engine, 2)
     model = engine.model_runner.model
-    for lin in model.linears():
-        lin.bf16_gemm_rows = 2
+    assert all(lin.method.bf16_gemm_rows == 2 for lin in model.linears())  # type: ignore[attr-defined]
     engine.model_runner.compute_logits(decode_batch(engine, PROMPTS[:1]))
     assert model._stack is not None and model._stack[1] is not None
     engine = load(path, weight_dtype="bfloat16")
+    with_bf16_gemm_rows(engine, 2)
     model = engine.model_runner.model
-    for lin in model.linears():
-        lin.bf16_gemm_rows = 2
     engine.model_runner.compute_logits(decode_batch(engine, PROMPTS[1:3]))
     assert model._stack is None

@@ -17,8 +17,7 @@ from tests.kernels.paged_cases import GRID, Case, PagedCache, assert_close, buil
 from tests.kernels.test_cpu_attention import cpu_layout
 from tests.kernels.test_triton_decode import decode_lengths
 from tests.kernels.test_triton_prefill import prefill_lengths
-from worker.kernels import native as native_kernel
-from worker.kernels import reference
+from worker.kernels import native_attention, reference
 from worker.kernels.torch_attention import TorchAttention
 
 CPU = torch.device("cpu")
@@ -48,8 +47,8 @@ def test_decode_over_a_narrow_cache_is_float32_attention_over_its_values(
     cache = narrowed(build_cache(case, lens, gen, CPU), kv_dtype)  # garbage in every slot no one owns
     q = random_queries(case, len(lens), gen, CPU).float()
     scale = 1 / math.sqrt(case.head_dim)
-    if native and not native_kernel.supports(q, cache.k_cache):
-        assert native_kernel.library() is None
+    if native and not native_attention.supports(q, cache.k_cache):
+        assert native_attention.library() is None
         pytest.skip("no C compiler here")
 
     got = TorchAttention(native=native).paged_decode_attention(
@@ -89,7 +88,7 @@ def test_prefill_over_a_narrow_cache_is_float32_attention_over_its_values(
             new_v.append(cache.v_cache.flatten(0, 1)[slots].float() * wobble)
         kv = {"k": torch.cat(new_k), "v": torch.cat(new_v)}
 
-    got = TorchAttention().paged_prefill_attention(
+    got = TorchAttention(native=True).paged_prefill_attention(
         q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cu_seqlens,
         cache.context_lens, scale, **kv,
     )  # fmt: skip

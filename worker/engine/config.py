@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
+CpuKernels = Literal["auto", "torch"]
 SchedulePolicy = Literal["fcfs", "longest_first"]
 Admission = Literal["optimistic", "reserve"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"]
@@ -37,6 +38,18 @@ class EngineConfig(BaseModel):
     )
     attention_backend: AttentionBackendName = Field(
         default="auto", description="auto: Triton kernels on CUDA where they import, else torch"
+    )
+    cpu_kernels: CpuKernels = Field(
+        default="auto",
+        description="auto: the CPU kernels in C (decode attention; under float32 compute also the linear "
+        "layers, RMSNorm and rotary), compiled at load where a C compiler builds them, else torch (one warning "
+        "says why); torch: torch ops only, nothing compiled (weight_dtype then takes auto only)",
+    )
+    decode_stack: bool = Field(
+        default=True,
+        description="run each CPU decode step whole, every layer in one C call (decode_stack.c), where it "
+        "applies (float32 compute, cpu_kernels auto, no shared prefix for cascade attention); off: layer by "
+        "layer, the same kernels with torch ops between them",
     )
     block_size: int = Field(default=16, ge=1, description="tokens per KV block")
     kv_cache_gb: float | None = Field(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from worker.kernels.backend import AttentionBackend
+from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import KVCache, LlamaFamilyModel
 
@@ -94,7 +94,7 @@ class CudaGraphRunner:
     def __init__(
         self,
         model: LlamaFamilyModel,
-        backend: AttentionBackend,
+        backend: Backend,
         kv_caches: list[KVCache],
         block_size: int,
         dummy_block: int,

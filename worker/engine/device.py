@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from worker.engine.config import Device, Dtype, KVCacheDtype, WeightDtype
+from worker.engine.config import CpuKernels, Device, Dtype, KVCacheDtype, WeightDtype
 
 log = logging.getLogger(__name__)
 
@@ -43,42 +43,45 @@ def gemm_flops(dtype: torch.dtype, n: int = 1024, reps: int = 4) -> float:
 
 def native_gemm_flops(n: int = 1024, reps: int = 4) -> float:
     """FLOP/s of linear.c on an n x n x n product (0 where it is not available)."""
-    from worker.kernels import native
+    from worker.kernels import native_linear
 
-    if native.linear_library() is None:
+    if native_linear.library() is None:
         return 0.0
-    a, w = torch.randn(n, n), native.pack(torch.randn(n, n))
-    native.linear(a, w, None, None, n)
+    a, w = torch.randn(n, n), native_linear.pack(torch.randn(n, n))
+    native_linear.linear(a, w, None, None, n)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        native.linear(a, w, None, None, n)
+        native_linear.linear(a, w, None, None, n)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
 
-def cpu_bf16_gemm_speedup() -> float:
-    """bf16 GEMM FLOP/s over float32's (the better of torch's and linear.c's) on this CPU; 0 without oneDNN."""
+def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
+    """bf16 GEMM FLOP/s over float32's on this CPU (float32's: the better of torch's and, with cpu_kernels
+    auto, linear.c's); 0 without oneDNN."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0.0
-    f32 = max(gemm_flops(torch.float32), native_gemm_flops())
+    f32 = gemm_flops(torch.float32)
+    if cpu_kernels == "auto":
+        f32 = max(f32, native_gemm_flops())
     bf16 = gemm_flops(torch.bfloat16)
     log.info("CPU matmul %.0f GFLOP/s float32, %.0f bfloat16", f32 / 1e9, bf16 / 1e9)
     return bf16 / f32
 
 
-def cpu_auto_dtype() -> torch.dtype:
+def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:
     """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32's here, else float32."""
-    speedup = cpu_bf16_gemm_speedup()
+    speedup = cpu_bf16_gemm_speedup(cpu_kernels)
     choice = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
     log.info("dtype auto -> %s (bf16 GEMMs %.2fx float32's)", str(choice).removeprefix("torch."), speedup)
     return choice
 
 
-def pick_dtype(name: Dtype, device: torch.device) -> torch.dtype:
+def pick_dtype(name: Dtype, device: torch.device, cpu_kernels: CpuKernels) -> torch.dtype:
     """auto: bfloat16 on CUDA; on CPU the faster of float32 and bfloat16 (see cpu_auto_dtype)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else cpu_auto_dtype()
+        return torch.bfloat16 if device.type == "cuda" else cpu_auto_dtype(cpu_kernels)
     return _DTYPES[name]
 
 

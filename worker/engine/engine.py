@@ -45,14 +45,8 @@ from worker.engine.request import (
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
-from worker.kernels import native as native_kernel
 from worker.kernels.backend import select_backend
 from worker.models.loader import LoadedModel, load_model
-
-# bfloat16 weights on a CPU whose bf16 GEMMs are fast: steps of at least this many rows (prompt chunks)
-# take oneDNN's bf16 GEMM, smaller ones (decode) linear.c. 2 Zen 5 cores, 128 requests of the standard
-# workload: 251.5 tok/s against 166.7 with linear.c for every step, batch-1 decode unchanged (91 vs 89).
-BF16_GEMM_ROWS = 64
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +91,10 @@ class Engine:
             kv_dtype=str(kv_dtype),
             device=model_runner.device.type,
             attention=model_runner.backend.name,
-            native_decode=model_runner.device.type == "cpu" and native_kernel.library() is not None,
-            native_linear=loaded.model.lm_head.native,
-            native_stack=loaded.model.native and native_kernel.stack_library() is not None,
-            bf16_gemm_rows=loaded.model.lm_head.bf16_gemm_rows,
+            native_decode=model_runner.backend.c_decode,
+            native_linear=loaded.model.lm_head.method.name == "c",
+            native_stack=model_runner.backend.decode_stack,
+            bf16_gemm_rows=model_runner.backend.bf16_gemm_rows,
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
             max_model_len=max_model_len,
@@ -116,7 +110,7 @@ class Engine:
         device = pick_device(cfg.device)
         if device.type == "cpu":
             bound_onednn_caches()  # before the dtype probe's matmuls
-        dtype = pick_dtype(cfg.dtype, device)
+        dtype = pick_dtype(cfg.dtype, device, cfg.cpu_kernels)
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         t0 = time.monotonic()
@@ -124,23 +118,23 @@ class Engine:
         loaded = load_model(cfg.model, dtype, device)
         if device.type == "cpu":
             keep_freed_memory()  # after loading: the checkpoint's copy of the weights goes back to the OS
-            native_kernel.library()  # build the C kernels (or warn) now, not in the first step
+        backend = select_backend(
+            cfg,
+            device,
+            dtype,
+            weight_dtype,
+            lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
+        )
         if weight_dtype != dtype:
-            if native_kernel.linear_library() is None:
+            if backend.linear.name != "c":
+                why = "cpu_kernels = 'torch'" if cfg.cpu_kernels == "torch" else "the warning above says why"
                 raise ValueError(
-                    f"weight_dtype {cfg.weight_dtype} needs the C linear kernel, unavailable here (the warning "
-                    "above says why): use weight_dtype = 'auto'"
+                    f"weight_dtype {cfg.weight_dtype} needs the C linear kernel, unavailable here ({why}): use "
+                    "weight_dtype = 'auto'"
                 )
             loaded.model.quantize_weights(weight_dtype)
             log.info("linear weights stored as %s", weight_dtype)
-        if device.type == "cpu" and dtype == torch.float32 and native_kernel.linear_library() is not None:
-            loaded.model.use_native_ops()
-            native_kernel.stack_library()  # build the decode stack now, not in the first decode step
-            if weight_dtype == torch.bfloat16 and cpu_bf16_gemm_speedup() >= BF16_MIN_SPEEDUP:
-                # Prompt-sized steps through oneDNN's bf16 GEMM (Zen 4/5, AMX), decode through linear.c.
-                for lin in loaded.model.linears():
-                    lin.bf16_gemm_rows = BF16_GEMM_ROWS
-        backend = select_backend(device, cfg.attention_backend)
+        loaded.model.use_backend(backend)
         kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype)
         if backend.name == "triton" and kv_dtype != dtype:
             raise ValueError(

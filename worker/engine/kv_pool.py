@@ -29,7 +29,7 @@ def _scratch_prefill(
     s = model.spec
     dtype = model.dtype
     nblk = -(-t // block_size)
-    shape = torch_backend().kv_cache_shape(nblk, block_size, s.num_kv_heads, s.head_dim)
+    shape = torch_backend().attention.kv_cache_shape(nblk, block_size, s.num_kv_heads, s.head_dim)
     caches = [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(s.num_layers)
@@ -183,22 +183,15 @@ def calibrate_kv_scales(
     """Per-layer scales of an FP8 KV cache: each layer's largest |K| and |V| over a prefill of `ids`
     (CALIBRATION_TEXT tokenised), times FP8_HEADROOM, mapped to FP8_MAX. A per-tensor scale keeps small
     values (V is often ~0.01) out of FP8's subnormals and large ones (K after RoPE) below 448.
-    Sets each layer's k_scale / v_scale and returns them."""
-    attns = model.attentions()
+    Sets each layer's k_scale / v_scale (model.set_kv_scales) and returns them."""
     t = min(len(ids), model.rotary.cos.shape[0])
     caches, meta = _scratch_prefill(model, t, 16, device)
-    for a in attns:
-        a.k_scale = a.v_scale = 1.0
-        a.observed = []
-    try:
-        model(torch.tensor(ids[:t], device=device), meta.slot_mapping, meta, caches, torch_backend())
-        observed = [a.observed[0] if a.observed else (1.0, 1.0) for a in attns]
-    finally:
-        for a in attns:
-            a.observed = None
-    scales = []
-    for a, (kmax, vmax) in zip(attns, observed, strict=True):
-        a.k_scale = max(kmax, 1e-6) * FP8_HEADROOM / FP8_MAX
-        a.v_scale = max(vmax, 1e-6) * FP8_HEADROOM / FP8_MAX
-        scales.append((a.k_scale, a.v_scale))
+    model.set_kv_scales([(1.0, 1.0)] * model.spec.num_layers)  # observe K and V as they are
+    ids_t = torch.tensor(ids[:t], device=device)
+    observed = model.kv_absmax(ids_t, meta.slot_mapping, meta, caches, torch_backend())
+    scales = [
+        (max(kmax, 1e-6) * FP8_HEADROOM / FP8_MAX, max(vmax, 1e-6) * FP8_HEADROOM / FP8_MAX)
+        for kmax, vmax in observed
+    ]
+    model.set_kv_scales(scales)
     return scales

@@ -21,7 +21,7 @@ from worker.engine.grammar import mask_logits
 from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import RowLogprobs, Sequence
-from worker.kernels.backend import AttentionBackend
+from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import KVCache, LlamaFamilyModel
 
@@ -67,16 +67,19 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaFamilyModel,
-        backend: AttentionBackend,
+        backend: Backend,
         num_blocks: int,
         block_size: int,
         device: torch.device,
         kv_dtype: torch.dtype,
         max_model_len: int,
         max_num_seqs: int,
-        cuda_graphs: bool = False,
+        *,
+        cuda_graphs: bool,
         eos_token_id: int = 0,
     ) -> None:
+        """`model` already prepared for `backend` (LlamaFamilyModel.use_backend). cuda_graphs: capture decode
+        steps where they can run (CUDA + Triton; the engine passes EngineConfig.cuda_graphs)."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -86,7 +89,9 @@ class ModelRunner:
         s = model.spec
         use_graphs = cuda_graphs and device.type == "cuda" and backend.name == "triton"
         # Graphs pad batches with rows that write and read one extra block, never handed to a sequence.
-        shape = backend.kv_cache_shape(num_blocks + int(use_graphs), block_size, s.num_kv_heads, s.head_dim)
+        shape = backend.attention.kv_cache_shape(
+            num_blocks + int(use_graphs), block_size, s.num_kv_heads, s.head_dim
+        )
         # Uninitialised: a CPU pool's pages become resident only as blocks fill (the kernels never read a
         # slot no sequence owns; tests/kernels fill such slots with NaN to check).
         self.kv_caches: list[KVCache] = [

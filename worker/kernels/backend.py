@@ -1,9 +1,21 @@
-"""Attention backend selection: Triton kernels on CUDA when they import, pure torch otherwise.
+"""The platform: every kernel choice of one engine, made once at load (vLLM's platform and attention-backend
+classes). `select_backend` builds a Backend from the engine's settings; the model is prepared for it once
+(`LlamaFamilyModel.use_backend`) and receives it with every forward pass. Model code asks the Backend;
+it reads no flag or environment variable of its own.
 
-Every backend exposes reference.py's three functions with its signatures, plus the cache layout it
-wants (`kv_cache_shape`). Prefill also receives this step's new k/v; a backend may attend to them
-directly instead of reading them back from the cache (the CPU path does, the Triton kernel reads the
-cache).
+What a Backend decides:
+- attention (`AttentionBackend`): the Triton kernels on CUDA where they import, else torch ops
+  (torch_attention.TorchAttention), whose decode runs paged_decode.c on the CPU where the C kernels are on;
+- each linear layer's method, and with it its weight's layout (linear_methods): linear.c over packed
+  panels on a CPU under float32 compute with the C kernels on, F.linear on [out, in] elsewhere;
+- RMSNorm and rotary rows in C (linear.c's) or in torch ops;
+- the bf16-GEMM row threshold: bfloat16 weights on a CPU whose bf16 GEMMs are fast take oneDNN's GEMM for
+  steps of BF16_GEMM_ROWS rows or more (prompt chunks), linear.c for smaller ones (decode);
+- per decode step, whether decode_stack.c runs it whole (`stack_applies`, `build_decode_stack`).
+
+Every attention backend takes reference.py's three functions' arguments, plus the cache layout it wants
+(`kv_cache_shape`). Prefill also receives this step's new k/v; a backend may attend to them directly
+instead of reading them back from the cache (torch does, the Triton kernel reads the cache).
 """
 
 from __future__ import annotations
@@ -12,15 +24,32 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from worker.kernels import reference
+from worker.kernels import native_attention, native_linear, native_stack
+from worker.kernels.linear_methods import TORCH_LINEAR, LinearMethod, PackedLinear, dequantized
+from worker.kernels.native_stack import DecodeStack, StackLayer, StackLinear
 from worker.kernels.torch_attention import TorchAttention
 
+# What model code uses of the kernels: it imports them from here, the one door (tests/test_architecture.py).
+__all__ = [
+    "TORCH_LINEAR",
+    "Backend",
+    "DecodeStack",
+    "LinearMethod",
+    "StackLayer",
+    "StackLinear",
+    "dequantized",
+]
+
 log = logging.getLogger(__name__)
+
+# bfloat16 weights on a CPU whose bf16 GEMMs are fast: steps of at least this many rows (prompt chunks) take
+# oneDNN's bf16 GEMM, smaller ones (decode) linear.c, which streams the weight once whatever the rows.
+BF16_GEMM_ROWS = 64
 
 
 def reference_kv_cache_shape(
@@ -38,56 +67,156 @@ class AttentionBackend:
     # (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k=new_k, v=new_v)
     paged_prefill_attention: Callable[..., Tensor]
     # (k_cache, block_tables, context_lens) -> whether this decode step's attention would be the plain C
-    # kernel of paged_decode.c, so that the model may run the whole step in C (decode_stack.c); None:
-    # never
+    # kernel of paged_decode.c (the kernel decode_stack.c runs); None: never
     plain_native_decode: Callable[[Tensor, Tensor, Tensor], bool] | None = None
 
 
-def torch_backend() -> AttentionBackend:
-    attn = TorchAttention()
+def torch_attention(c_decode: bool) -> AttentionBackend:
+    """Attention in torch ops (any device); c_decode: decode through paged_decode.c where it applies."""
+    attn = TorchAttention(native=c_decode)
     return AttentionBackend(
         "torch",
         attn.kv_cache_shape,
         attn.write_kv,
         attn.paged_decode_attention,
         attn.paged_prefill_attention,
-        attn.plain_native_decode,
+        attn.plain_native_decode if c_decode else None,
     )
 
 
-def _prefill_from_cache(mod: ModuleType) -> Callable[..., Tensor]:
+def _prefill_from_cache(mod: object) -> Callable[..., Tensor]:
     def prefill(*args: object, k: Tensor | None = None, v: Tensor | None = None) -> Tensor:
-        out: Tensor = mod.paged_prefill_attention(*args)
+        out: Tensor = mod.paged_prefill_attention(*args)  # type: ignore[attr-defined]
         return out
 
     return prefill
 
 
-def triton_backend() -> AttentionBackend:
+def triton_attention() -> AttentionBackend:
     """Raises ImportError / AttributeError when the Triton kernels are missing or incomplete."""
     mod = importlib.import_module("worker.kernels.triton_attention")
     return AttentionBackend(
         "triton",
         reference_kv_cache_shape,
-        getattr(mod, "write_kv", reference.write_kv),
+        mod.write_kv,
         mod.paged_decode_attention,
         _prefill_from_cache(mod),
     )
 
 
-def select_backend(device: torch.device, requested: str = "auto") -> AttentionBackend:
+def select_attention(device: torch.device, requested: str, c_decode: bool) -> AttentionBackend:
     """requested: auto | torch | triton. auto = triton on CUDA when importable, else torch."""
     if requested == "torch":
-        return torch_backend()
+        return torch_attention(c_decode)
     if requested == "triton":
         if device.type != "cuda":
             raise ValueError("attention_backend 'triton' needs a CUDA device")
-        return triton_backend()
+        return triton_attention()
     if requested != "auto":
         raise ValueError(f"unknown attention backend {requested!r} (auto, torch or triton)")
     if device.type == "cuda":
         try:
-            return triton_backend()
+            return triton_attention()
         except (ImportError, AttributeError) as exc:
             log.warning("Triton attention unavailable (%s); using the torch path", exc)
-    return torch_backend()
+    return torch_attention(c_decode)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One engine's kernels (see the module docstring). Frozen: chosen once, at load."""
+
+    attention: AttentionBackend
+    linear: LinearMethod  # for every linear layer whose weight it takes (TORCH_LINEAR for the others)
+    rmsnorm: Callable[[Tensor, Tensor, float], Tensor] | None = None  # float32 rows [T, D] in C; None: torch
+    rotary_: Callable[[Tensor, Tensor, Tensor], None] | None = None  # float32 [T, H, D] in place in C
+    bf16_gemm_rows: int = 0  # 0: never (see BF16_GEMM_ROWS)
+    decode_stack: bool = False  # decode steps may run in decode_stack.c (`stack_applies` says which)
+
+    @property
+    def name(self) -> str:
+        """The attention backend's name: what the logs, the fingerprint and CUDA graphs go by."""
+        return self.attention.name
+
+    @property
+    def c_decode(self) -> bool:
+        """Whether decode attention runs paged_decode.c where it applies."""
+        return self.attention.plain_native_decode is not None
+
+    def linear_method(self, weight: Tensor) -> LinearMethod:
+        """The method a linear layer with this weight (its dtype and device) runs."""
+        return self.linear if self.linear.takes(weight) else TORCH_LINEAR
+
+    def stack_applies(self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> bool:
+        """Whether decode_stack.c runs this decode step (its metadata; one layer's K cache): the stack is
+        on, the step has fewer rows than the bf16 GEMM threshold, and the layer-by-layer step's attention
+        would be paged_decode.c alone (cascade attention over a shared prefix is faster where it applies,
+        and keeps the step layer by layer)."""
+        if not self.decode_stack:
+            return False
+        if self.bf16_gemm_rows and context_lens.shape[0] >= self.bf16_gemm_rows:
+            return False
+        plain = self.attention.plain_native_decode
+        return plain is not None and plain(k_cache, block_tables, context_lens)
+
+    def build_decode_stack(
+        self,
+        layers: list[StackLayer],
+        final_norm: Tensor,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+    ) -> DecodeStack | None:
+        """The decode stack over these layers (built once per set of caches), or None where decode_stack.c
+        does not take them (native_stack.stack_supported)."""
+        if not self.decode_stack or not native_stack.stack_supported(layers, heads, kv_heads, head_dim):
+            return None
+        if final_norm.dtype != torch.float32:
+            return None
+        return DecodeStack(layers, final_norm, heads, kv_heads, head_dim, eps)
+
+
+def torch_backend() -> Backend:
+    """torch ops everywhere, nothing in C: the scratch passes at load (pool sizing, FP8 calibration) run
+    their attention here, over caches of their own."""
+    return Backend(torch_attention(c_decode=False), TORCH_LINEAR)
+
+
+class KernelSettings(Protocol):
+    """The engine settings the backend is chosen from (EngineConfig's, where they are described)."""
+
+    @property
+    def attention_backend(self) -> str: ...
+    @property
+    def cpu_kernels(self) -> str: ...
+    @property
+    def decode_stack(self) -> bool: ...
+
+
+def select_backend(
+    settings: KernelSettings,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None = None,
+    fast_bf16_gemm: Callable[[], bool] | None = None,
+) -> Backend:
+    """The backend for a model computing in `dtype` on `device`, its linear weights stored as weight_dtype
+    (None: dtype). The C kernels it uses are built (or found cached) now, not in the first step; one that
+    cannot be built leaves its torch path, with one warning. fast_bf16_gemm: whether this CPU's bf16 GEMMs
+    are fast enough for prompt-sized steps of bfloat16 weights (asked only then)."""
+    c = device.type == "cpu" and settings.cpu_kernels == "auto"
+    attention = select_attention(
+        device, settings.attention_backend, c and native_attention.library() is not None
+    )
+    if not (c and dtype == torch.float32 and native_linear.library() is not None):
+        return Backend(attention, TORCH_LINEAR)
+    rows = 0
+    if weight_dtype == torch.bfloat16 and fast_bf16_gemm is not None and fast_bf16_gemm():
+        rows = BF16_GEMM_ROWS
+    stack = (
+        settings.decode_stack
+        and attention.plain_native_decode is not None
+        and native_stack.library() is not None
+    )
+    return Backend(attention, PackedLinear(rows), native_linear.rmsnorm, native_linear.rotary_, rows, stack)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from worker.kernels import native as native_kernel
+from worker.kernels import native_attention
 
 MIN_SHARED_TOKENS = 64  # a shorter shared prefix is not worth a second pass
 ROWS_PER_TILE = 2048  # query rows per kv head in one prefix GEMM (bounds the scores' memory)
@@ -160,7 +160,7 @@ def cascade_decode(
     kvh = k_cache.shape[0]
     g = h // kvh
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
-    out = native_kernel.paged_decode(q, k_cache, v_cache, plan.suffix_tables, plan.suffix_lens, scale, lse)
+    out = native_attention.paged_decode(q, k_cache, v_cache, plan.suffix_tables, plan.suffix_lens, scale, lse)
     if out is None:
         return None
     for grp, idx in zip(plan.groups, plan.index, strict=True):

@@ -1,9 +1,9 @@
 /* A whole decode step of a Llama-family decoder on the CPU, every layer in one call.
 
-   Built and loaded by worker/kernels/native.py together with linear.c and paged_decode.c, whose
-   per-thread pieces it calls (batchq_linear_part, batchq_paged_decode_task, the RMSNorm and rotary
-   rows): the arithmetic is theirs, so a step computes what the layer-by-layer path computes, in the same
-   order (the SiLU excepted, see silu_mul).
+   Built by worker/kernels/native_build.py together with linear.c and paged_decode.c, whose per-thread
+   pieces it calls (batchq_linear_part, batchq_paged_decode_task, the RMSNorm and rotary rows), and bound
+   by native_stack.py: the arithmetic is theirs, so a step computes what the layer-by-layer path computes,
+   in the same order (the SiLU excepted, see silu_mul).
 
    Why: at decode sizes the layer-by-layer path spent more time between its kernels than in them. One
    SmolLM2-135M step at batch 1 with int8 weights was ~1,000 torch ops, ~120 ctypes calls and as many

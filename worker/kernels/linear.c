@@ -1,11 +1,11 @@
 /* y = x W^T (+ bias) for the CPU: the linear layers of every step, decode-sized or prompt-sized.
 
-   Built and loaded by worker/kernels/native.py (cc -O3 -march=native -fopenmp), like paged_decode.c.
+   Built by worker/kernels/native_build.py (cc -O3 -march=native -fopenmp), bound by native_linear.py.
 
    x: [M, K] float32 (rows contiguous); bias: [N] float32 or NULL; y: [M, N] float32. W, the [N, K]
-   weight of nn.Linear, is stored packed in panels of PANEL output columns (native.pack): panel p holds
-   columns p*PANEL .. p*PANEL+PANEL-1 as K rows of PANEL contiguous elements, [ceil(N/PANEL), K, PANEL],
-   the last panel zero-padded; float32, bfloat16, or int8 with a float32 scale per output (wscale).
+   weight of nn.Linear, is stored packed in panels of PANEL output columns (native_linear.pack): panel p
+   holds columns p*PANEL .. p*PANEL+PANEL-1 as K rows of PANEL contiguous elements, [ceil(N/PANEL), K,
+   PANEL], the last panel zero-padded; float32, bfloat16, or int8 with a float32 scale per output (wscale).
 
    Why not torch: at the row counts of decode steps (1-64) MKL's sgemm ran far below the machine's memory
    bandwidth, worse on AMD than on Intel (issue #21's table: the 576 x 49,152 LM head at M = 8 took 50 ms
@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-#define PANEL 32 /* output columns per panel: native.py's PANEL */
+#define PANEL 32 /* output columns per panel: native_linear.py's PANEL */
 #ifndef NV
 #define NV 2 /* weight vectors per tile and k: a tile's NV * VL columns */
 #endif

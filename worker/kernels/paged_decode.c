@@ -1,7 +1,7 @@
 /* Paged decode attention for the CPU, reading each sequence's K/V blocks in place.
 
-   Built and loaded by worker/kernels/native.py (cc -O3 -march=native -fopenmp). Vector loops use
-   GCC/Clang vector extensions, threads come from torch's OpenMP pool.
+   Built by worker/kernels/native_build.py (cc -O3 -march=native -fopenmp), bound by native_attention.py.
+   Vector loops use GCC/Clang vector extensions, threads come from torch's OpenMP pool.
 
    Cache layout (one layer), as in torch_attention.py: k, v [kv_heads, num_blocks, block_size, head_dim].
    One task = one (sequence, kv head): its G = heads / kv_heads query rows share every K/V row read.
@@ -12,7 +12,7 @@
    q: [B, H, D] float32, already scaled; out: [B, H, D] float32; k, v: float32, bfloat16 or FP8 E4M3
    (elem), widened to float32 as they are read;
    block_tables: [B, W] int32; context_lens: [B] int32.
-   D must be a multiple of 16 and at most MAX_D; G at most MAX_G (native.py checks).
+   D must be a multiple of 16 and at most MAX_D; G at most MAX_G (native_attention.py checks).
 */
 #include <math.h>
 #include <stdint.h>
@@ -176,7 +176,7 @@ void batchq_paged_decode_task(const float *q, const void *k, const void *v, floa
 /* lse: NULL, or [batch, heads] floats that receive each row's log-sum-exp of its (scaled) scores, which
    lets the caller merge this attention with another over other keys (cascade attention).
    Returns 0, or -1 when a thread could not allocate its scores and its tasks never ran (the caller
-   then falls back to torch). Threads come from OpenMP: native.py links the libgomp that torch already
+   then falls back to torch). Threads come from OpenMP: native_build.py links the libgomp that torch already
    loaded, so this reuses torch's thread pool (a second pool would fight its spinning threads for the
    cores). */
 int batchq_paged_decode(const float *q, const void *k, const void *v, float *out, float *lse,

@@ -1,4 +1,5 @@
-"""Pure-torch paged attention: the CPU path and the oracle every Triton kernel is tested against.
+"""Pure-torch paged attention, written for clarity: the oracle every attention kernel is tested against
+(no engine path runs it).
 
 Cache layout (one layer): k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim].
 A token's slot is block_id * block_size + offset; block_tables map each sequence's logical

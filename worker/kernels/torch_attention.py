@@ -1,13 +1,15 @@
 """The torch attention backend: paged attention in torch ops, on any device (the CPU path, and CUDA when
-Triton is unavailable or not asked for); on the CPU, decode runs in C where native.py can build it.
+Triton is unavailable or not asked for); on the CPU, decode runs in C (native_attention.py) where the
+backend turns the C kernels on.
 
 Cache layout (one layer): k_cache, v_cache: [kv_heads, num_blocks, block_size, head_dim], kv-head
 outermost (reference.py and the Triton kernels use [num_blocks, block_size, kv_heads, head_dim]).
 Gathering a sequence's blocks is then one contiguous-row index_select per kv head, and the result is
 already [kv_heads, seqs, tokens, head_dim], the layout the batched matmuls read without a copy.
 
-Decode runs the C kernel of native.py where a C compiler exists: it reads each block in place. The
-torch path below is its fallback (no compiler, BATCHQ_NATIVE_KERNELS=0, an unsupported shape).
+Decode runs the C kernel of native_attention.py where the backend says (native=True): it reads each
+block in place. The torch path below is its fallback (no compiler, cpu_kernels = "torch", an unsupported
+shape).
 It gathers a length-sorted group of sequences at a time into a reused workspace (no allocation, no
 page faults per step), then computes the group's attention as two batched matmuls around a softmax,
 with the kv heads as the batch dimension and each sequence's query heads of one kv head as its query
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from worker.kernels import native as native_kernel
+from worker.kernels import native_attention
 from worker.kernels.cascade import CascadePlanner, cascade_decode
 
 MAX_GROUP = 64  # sequences per padded group
@@ -121,11 +123,11 @@ class TorchAttention:
     """write_kv / paged_decode_attention / paged_prefill_attention over the kv-head-major layout.
 
     One instance per model runner: it owns the gather workspace, grown on demand up to WORKSPACE_BYTES.
-    On the CPU, decode runs the C kernel (native.py) where it builds and handles the shapes, unless
-    native=False.
+    With native=True, decode on the CPU runs the C kernel (native_attention.py) where it handles the
+    shapes.
     """
 
-    def __init__(self, workspace_bytes: int = WORKSPACE_BYTES, native: bool = True) -> None:
+    def __init__(self, native: bool, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         self.workspace_bytes = workspace_bytes
         self.native = native
         self._ws: dict[str, Tensor] = {}
@@ -206,7 +208,7 @@ class TorchAttention:
     def plain_native_decode(self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> bool:
         """Whether paged_decode_attention would run the C kernel alone this step (no cascade over a shared
         prefix, which is faster where it applies): the model's C decode stack runs that same kernel."""
-        if not self.native or not native_kernel.cache_supported(k_cache):
+        if not self.native or not native_attention.cache_supported(k_cache):
             return False
         return not self._cascade.plan(block_tables, context_lens, k_cache.shape[2]).groups
 
@@ -226,12 +228,12 @@ class TorchAttention:
         Sequences are sorted by length and cut into groups of similar length, each padded only to its
         own longest context, so a few long contexts do not make every short one pay for their padding.
         """
-        if self.native and native_kernel.supports(q, k_cache):
+        if self.native and native_attention.supports(q, k_cache):
             shared = self._cascade.plan(block_tables, context_lens, k_cache.shape[2])
             if shared.groups:
                 out = cascade_decode(q, k_cache, v_cache, shared, scale)
             else:
-                out = native_kernel.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+                out = native_attention.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
             if out is not None:
                 return out
         b, h, d = q.shape

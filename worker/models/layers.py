@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.kernels import native
+from worker.kernels.backend import TORCH_LINEAR, LinearMethod, dequantized
 
 
 class Linear(nn.Module):
     """y = x W^T (+ bias), W [out, in] as in nn.Linear and Hugging Face checkpoints.
 
-    On the CPU, with float32 activations, the C kernel of native.py (linear.c) runs every call where it
-    builds (`use_native`): the weight is then stored packed in linear.c's panels of 32 output columns
-    ([ceil(out / 32), in, 32]), each streamed once per call, with the register-tiled outer product of GEMM
-    kernels. MKL's sgemm, at decode sizes, ran at a third of the memory bandwidth or less on AMD EPYCs
-    (issue #21), and at prompt sizes ~2.5x slower than linear.c there (`python benchmarks/kernel_bench.py
-    --linear` prints both). Elsewhere (CUDA, bfloat16 compute, no C compiler) F.linear runs on the
-    [out, in] weight, the very op Hugging Face runs.
+    The weight is stored in the layout of the layer's method (`method`, linear_methods.py), chosen once at
+    load by the backend (`use_method`): nn.Linear's [out, in] for F.linear, the very op Hugging Face runs;
+    on a CPU under float32 compute, linear.c's packed panels of 32 outputs ([ceil(out / 32), in, 32]), each
+    streamed once per call with the register-tiled outer product of GEMM kernels, where MKL's sgemm runs far
+    below memory bandwidth at decode sizes (`python benchmarks/kernel_bench.py --linear` compares them).
+    `unpacked()` is the [out, in] weight whatever the layout.
 
     `quantize` may store the weight narrower for the C kernel, which widens it to float32 as it reads:
     bfloat16 (half the bytes) or int8 with a float32 scale per output (a quarter). Both change outputs
@@ -31,56 +30,34 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # packed when self.native
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # in self.method's layout
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.scale: Tensor | None
         self.register_buffer("scale", None)  # [out] float32: int8 weights only
-        self.native = False  # set by use_native(): linear.c on CPU float32 activations, weight packed
-        # bfloat16 weights: steps of at least this many rows run oneDNN's bf16 GEMM instead (0: never); set
-        # at load where bf16 GEMMs are much faster than float32 ones (device.cpu_auto_dtype's probe)
-        self.bf16_gemm_rows = 0
+        self.method: LinearMethod = TORCH_LINEAR
 
     @torch.no_grad()
-    def use_native(self, on: bool = True) -> None:
-        """Run linear.c (on float32 activations) where it takes this weight, packing the weight for it;
-        off: back to the [out, in] weight and F.linear."""
-        if on and not self.native and native.weight_supported(self.weight):
-            self.weight = nn.Parameter(native.pack(self.weight.detach()), requires_grad=False)
-            self.native = True
-        elif not on and self.native:
-            self.weight = nn.Parameter(self.unpacked(), requires_grad=False)
-            self.native = False
+    def use_method(self, method: LinearMethod) -> None:
+        """Run `method`, the weight moved into its layout (the backend's choice, made once at load)."""
+        if method.layout != self.method.layout:
+            self.weight = nn.Parameter(method.store(self.unpacked()), requires_grad=False)
+        self.method = method
 
     def unpacked(self) -> Tensor:
-        """The weight [out, in] as stored (a copy where it is packed)."""
-        return native.unpack(self.weight, self.out_features) if self.native else self.weight
+        """The weight [out, in] as stored (a copy where its layout is another)."""
+        return self.method.unpack(self.weight, self.out_features)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
-        if self.native and x.dtype == torch.float32:
-            if (
-                self.bf16_gemm_rows
-                and self.weight.dtype == torch.bfloat16
-                and x.shape[0] >= self.bf16_gemm_rows
-            ):
-                # Prompt-sized steps on a CPU with fast bf16 GEMMs (oneDNN): bf16 activations, float32 out.
-                # The [out, in] copy of the weight costs ~15% of such a GEMM at 512 rows.
-                return F.linear(
-                    x.bfloat16(), self.unpacked(), None if self.bias is None else self.bias.bfloat16()
-                ).float()
-            return native.linear(x, self.weight, self.scale, self.bias, self.out_features)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        return self.method(x, self.weight, self.scale, self.bias, self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight [out, in] in `dtype` (itself where it is stored so, unpacked)."""
-        w = self.unpacked()
-        if self.scale is not None:
-            return (w.float() * self.scale[:, None]).to(dtype)
-        return w if w.dtype == dtype else w.to(dtype)
+        return dequantized(self.unpacked(), self.scale, dtype)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows `ids` of the weight in `dtype`: a tied embedding's lookup. ids: [T] -> [T, in]."""
-        w = native.packed_rows(self.weight, ids) if self.native else F.embedding(ids, self.weight)
+        w = self.method.rows(self.weight, ids)
         if self.scale is not None:
             return (w.float() * self.scale[ids, None]).to(dtype)
         return w.to(dtype)
@@ -88,25 +65,22 @@ class Linear(nn.Module):
     @torch.no_grad()
     def load(self, weight: Tensor, bias: Tensor | None = None) -> None:
         """Copy a Hugging Face weight [out, in] (and bias [out])."""
-        self.weight.copy_(native.pack(weight) if self.native else weight)
+        self.weight.copy_(self.method.store(weight))
         if self.bias is not None:
             assert bias is not None, "a biased layer needs its bias"
             self.bias.copy_(bias)
 
     @torch.no_grad()
     def quantize(self, dtype: torch.dtype) -> None:
-        """Store the weight as bfloat16, or as int8 with a symmetric scale per output row."""
-        packed = self.native
-        self.use_native(False)
-        w = self.weight.detach().float()
+        """Store the weight as bfloat16, or as int8 with a symmetric scale per output row (in its layout)."""
+        w = self.unpacked().float()
         if dtype == torch.int8:
             scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-            self.weight = nn.Parameter((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), False)
+            w = (w / scale[:, None]).round().clamp(-127, 127)
             self.scale = scale.contiguous()
         else:
-            self.weight = nn.Parameter(w.to(dtype), requires_grad=False)
             self.scale = None
-        self.use_native(packed)
+        self.weight = nn.Parameter(self.method.store(w.to(dtype)), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -116,12 +90,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.native = False  # linear.c's batchq_rmsnorm for float32 rows on the CPU (set at load)
+        self.c_rows: Callable[[Tensor, Tensor, float], Tensor] | None = (
+            None  # the backend's (float32), at load
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., dim] -> [..., dim]
-        if self.native and x.dtype == torch.float32:  # rows of any shape (Qwen3's per-head norms: 3-D)
-            return native.rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        if self.c_rows is not None and x.dtype == torch.float32:  # any rows (Qwen3's per-head norms: 3-D)
+            return self.c_rows(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -144,11 +120,13 @@ class RotaryTable(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, in_place: bool = False) -> Tensor:
-    # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]. in_place: float32 on the CPU, rotated by
-    # linear.c's batchq_rotary in x's own memory (x may be a view into the fused QKV output).
-    if in_place:
-        native.rotary_(x, cos.squeeze(1), sin.squeeze(1))
+def apply_rotary(
+    x: Tensor, cos: Tensor, sin: Tensor, in_place: Callable[[Tensor, Tensor, Tensor], None] | None = None
+) -> Tensor:
+    # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]. in_place: the backend's rotary in C (float32 on the
+    # CPU), which rotates x in its own memory (x may be a view into the fused QKV output).
+    if in_place is not None:
+        in_place(x, cos.squeeze(1), sin.squeeze(1))
         return x
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -7,6 +7,7 @@ all come from transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.kernels import native
-from worker.kernels.backend import AttentionBackend
+from worker.kernels.backend import Backend, DecodeStack, StackLayer, StackLinear
 from worker.models.layers import AttentionMetadata, Linear, RMSNorm, RotaryTable, apply_rotary
 
 KVCache = tuple[Tensor, Tensor]  # k, v in the attention backend's layout (backend.kv_cache_shape)
@@ -73,8 +73,7 @@ class Attention(nn.Module):
         # kv_pool.calibrate_kv_scales; 1 otherwise): q.k/s_k scores with the softmax scale times s_k, and
         # the output is multiplied by s_v, so the kernels never see a scale.
         self.k_scale = self.v_scale = 1.0
-        self.observed: list[tuple[float, float]] | None = None  # calibration: each call's max |K|, |V|
-        self.native = False  # rotary in place by linear.c (CPU, float32; set at load)
+        self.c_rotary: Callable[[Tensor, Tensor, Tensor], None] | None = None  # the backend's, at load
 
     def forward(
         self,
@@ -83,9 +82,11 @@ class Attention(nn.Module):
         sin: Tensor,
         kv: KVCache,
         meta: AttentionMetadata,
-        backend: AttentionBackend,
+        backend: Backend,
+        kv_absmax: list[tuple[float, float]] | None = None,
     ) -> Tensor:
-        # x: [T, hidden] -> [T, hidden]
+        # x: [T, hidden] -> [T, hidden]. kv_absmax: where given, receives this call's largest |K| and |V|
+        # (before the cache's scales; FP8 calibration).
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -93,31 +94,30 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin, self.native), apply_rotary(k, cos, sin, self.native)
-        if self.observed is not None:
-            self.observed.append((float(k.abs().max()), float(v.abs().max())))
+        q, k = apply_rotary(q, cos, sin, self.c_rotary), apply_rotary(k, cos, sin, self.c_rotary)
+        if kv_absmax is not None:
+            kv_absmax.append((float(k.abs().max()), float(v.abs().max())))
         scale = self.scale
         if self.k_scale != 1.0 or self.v_scale != 1.0:
             k, v, scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale
         k_cache, v_cache = kv
-        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = backend.attention
+        attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.phase == "decode":
-            o = backend.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
-            )
+            o = attn.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         elif meta.phase == "prefill":
             assert meta.cu_seqlens_q is not None
-            o = backend.paged_prefill_attention(
+            o = attn.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
                 k=k, v=v,
             )  # fmt: skip
         else:  # mixed: decode rows first, then prompt chunks, each through its own kernel
             assert meta.cu_seqlens_q is not None and meta.decode is not None
             nd = meta.decode.context_lens.shape[0]
-            od = backend.paged_decode_attention(
+            od = attn.paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, scale
             )
-            op = backend.paged_prefill_attention(
+            op = attn.paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
                 k=k[nd:], v=v[nd:],
             )  # fmt: skip
@@ -160,8 +160,7 @@ class LlamaFamilyModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
-        self.native = False  # use_native_ops(): decode steps may run the whole stack in C (decode_stack.c)
-        self._stack: tuple[list[KVCache], native.DecodeStack | None] | None = None  # (its caches, stack)
+        self._stack: tuple[list[KVCache], DecodeStack | None] | None = None  # (its caches, the stack)
 
     def attentions(self) -> list[Attention]:
         """Every layer's attention module, in order."""
@@ -175,22 +174,30 @@ class LlamaFamilyModel(nn.Module):
         """Every linear layer, the LM head last."""
         return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head] + [self.lm_head]
 
-    def use_native_ops(self, on: bool = True) -> None:
-        """Run the linear layers, RMSNorms and rotary embeddings through linear.c (CPU, float32
-        activations; see layers.Linear). Where a linear's weight does not suit it, that layer stays on
-        torch."""
+    def use_backend(self, backend: Backend) -> None:
+        """Run every layer on the backend's kernels: each linear layer the method the backend has for its
+        weight (which moves it into that method's layout), RMSNorm and rotary rows in C where the backend
+        has them. Once, at load, after quantize_weights."""
         for lin in self.linears():
-            lin.use_native(on)
+            lin.use_method(backend.linear_method(lin.weight))
         for m in self.modules():
-            if isinstance(m, RMSNorm | Attention):
-                m.native = on
-        self.native = on
+            if isinstance(m, RMSNorm):
+                m.c_rows = backend.rmsnorm
+            elif isinstance(m, Attention):
+                m.c_rotary = backend.rotary_
         self._stack = None
 
     def quantize_weights(self, dtype: torch.dtype) -> None:
         """Store every linear weight (the LM head and a tied embedding included) as `dtype`."""
         for lin in self.linears():
             lin.quantize(dtype)
+        self._stack = None
+
+    def set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Each layer's (k_scale, v_scale): its cache holds K / k_scale and V / v_scale (an FP8 cache's
+        calibrated scales, kv_pool.calibrate_kv_scales)."""
+        for a, (k_scale, v_scale) in zip(self.attentions(), scales, strict=True):
+            a.k_scale, a.v_scale = k_scale, v_scale
         self._stack = None
 
     @property
@@ -210,55 +217,70 @@ class LlamaFamilyModel(nn.Module):
         positions: Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
-        backend: AttentionBackend,
+        backend: Backend,
     ) -> Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         h = self.embed(input_ids)
-        if meta.phase == "decode" and self.native and h.dtype == torch.float32:
-            stack = self.decode_stack(kv_caches, backend, meta, h.shape[0])
+        if meta.phase == "decode" and backend.stack_applies(
+            kv_caches[0][0], meta.block_tables, meta.context_lens
+        ):
+            stack = self.decode_stack(kv_caches, backend)
             if stack is not None:  # every layer in one C call (same kernels, without the ops between them)
                 cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
                 return stack(h, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens)
+        return self._layers(h, positions, meta, kv_caches, backend, None)
+
+    @torch.inference_mode()
+    def kv_absmax(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        backend: Backend,
+    ) -> list[tuple[float, float]]:
+        """A forward pass, layer by layer, that returns each layer's largest |K| and |V| before the cache's
+        scales (FP8 calibration, kv_pool.calibrate_kv_scales). It writes K/V into `kv_caches` as any pass."""
+        absmax: list[tuple[float, float]] = []
+        self._layers(self.embed(input_ids), positions, meta, kv_caches, backend, absmax)
+        return absmax
+
+    def _layers(
+        self,
+        h: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        backend: Backend,
+        kv_absmax: list[tuple[float, float]] | None,
+    ) -> Tensor:
+        # h: [T, hidden] embedded -> [T, hidden] after the final norm
         cos, sin = self.rotary(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, backend)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, backend, kv_absmax)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    def decode_stack(
-        self, kv_caches: list[KVCache], backend: AttentionBackend, meta: AttentionMetadata, rows: int
-    ) -> native.DecodeStack | None:
-        """The C decode stack for this step, or None where the layer-by-layer path must run: the stack
-        cannot take these weights or caches (or the FP8 scales are being calibrated), the backend's decode
-        attention this step is not its plain C kernel (e.g. cascade attention over a shared prefix), or
-        bfloat16 weights with enough rows for oneDNN's bf16 GEMM."""
-        if backend.plain_native_decode is None or not backend.plain_native_decode(
-            kv_caches[0][0], meta.block_tables, meta.context_lens
-        ):
-            return None
-        if self.lm_head.bf16_gemm_rows and rows >= self.lm_head.bf16_gemm_rows:
-            return None
-        if self._stack is None or self._stack[0] is not kv_caches:  # the runner keeps one list of caches
-            self._stack = (kv_caches, self._build_stack(kv_caches))
+    def decode_stack(self, kv_caches: list[KVCache], backend: Backend) -> DecodeStack | None:
+        """The C decode stack over these caches (built on first use, kept while the runner keeps the same
+        list of caches), or None where decode_stack.c does not take these weights or caches."""
+        if self._stack is None or self._stack[0] is not kv_caches:
+            self._stack = (kv_caches, self._build_stack(kv_caches, backend))
         return self._stack[1]
 
-    def _build_stack(self, kv_caches: list[KVCache]) -> native.DecodeStack | None:
+    def _build_stack(self, kv_caches: list[KVCache], backend: Backend) -> DecodeStack | None:
+        if self.rotary.cos.dtype != torch.float32:  # the step's rotary rows are read as float32
+            return None
         s = self.spec
         layers = []
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.observed is not None:  # calibrating the FP8 scales: Attention records each call
-                return None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(lin.native for lin in projections):
-                return None
-            qkv, o, gate_up, down = (
-                native.StackLinear(lin.weight, lin.scale, lin.bias) for lin in projections
-            )
+            qkv, o, gate_up, down = (StackLinear(lin.weight, lin.scale, lin.bias) for lin in projections)
             layers.append(
-                native.StackLayer(
+                StackLayer(
                     qkv,
                     o,
                     gate_up,
@@ -274,12 +296,7 @@ class LlamaFamilyModel(nn.Module):
                     v_scale=attn.v_scale,
                 )
             )
-        if not native.stack_supported(layers, s.num_heads, s.num_kv_heads, s.head_dim):
-            return None
-        # the rotary table's rows are read as float32 [positions, head_dim]
-        if self.rotary.cos.dtype != torch.float32 or self.norm.weight.dtype != torch.float32:
-            return None
-        return native.DecodeStack(
+        return backend.build_decode_stack(
             layers, self.norm.weight, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
         )
 

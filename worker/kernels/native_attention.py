@@ -1,0 +1,82 @@
+"""The decode attention kernel in C (paged_decode.c), for the torch attention backend on the CPU.
+
+The torch decode path copies every sequence's K/V blocks into a workspace and then reads them again in two
+batched matmuls; decode is memory-bound, so that copy is most of its time. The C kernel reads each block in
+place, once, on torch's OpenMP threads (`python benchmarks/kernel_bench.py --cpu` compares the two).
+"""
+
+from __future__ import annotations
+
+from ctypes import c_int, c_void_p
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from worker.kernels.native_build import KERNELS, Signature, cached, load
+
+SOURCES = (KERNELS / "paged_decode.c",)
+SIGNATURES = {
+    "batchq_paged_decode": Signature(c_int, [c_void_p] * 7 + [c_int] * 10),
+}
+MAX_D, MAX_G = 256, 16  # paged_decode.c's limits
+ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # paged_decode.c's `elem`
+
+
+@cached
+def library() -> SimpleNamespace | None:
+    """The loaded decode attention kernel, or None (with one warning) where it cannot be built."""
+    return load(SOURCES, "decode attention", SIGNATURES)
+
+
+def cache_supported(k_cache: Tensor) -> bool:
+    """Whether the kernel reads this cache [KVH, NB, BS, D]: on the CPU, float32, bfloat16 or FP8 E4M3,
+    head_dim a multiple of 16 up to MAX_D."""
+    d = k_cache.shape[3]
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype in ELEMENT_TYPES
+        and d % 16 == 0
+        and d <= MAX_D
+        and library() is not None
+    )
+
+
+def supports(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether the kernel handles this call: a cache it reads (cache_supported), CPU queries, at most
+    MAX_G query heads per kv head."""
+    return q.device.type == "cpu" and q.shape[1] // k_cache.shape[0] <= MAX_G and cache_supported(k_cache)
+
+
+def paged_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    lse: Tensor | None = None,
+) -> Tensor | None:
+    """torch_attention.TorchAttention.paged_decode_attention's contract, caches [KVH, NB, BS, D] (check
+    `supports` first). -> [batch, heads, head_dim] in q's dtype (float32 when `lse` is given), or None
+    if the kernel could not allocate its scratch memory. `lse`: a contiguous float32 [batch, heads] that
+    receives each row's log-sum-exp of its scaled scores (to merge with attention over other keys)."""
+    lib = library()
+    assert lib is not None
+    b, h, d = q.shape
+    kvh, nb, bs, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+    assert lse is None or (lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == (b, h))
+    qs = (q.float() * scale).contiguous()
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    max_len = max(int(lens.max()), 1) if b else 1
+    rc = lib.batchq_paged_decode(
+        qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        None if lse is None else lse.data_ptr(), tables.data_ptr(), lens.data_ptr(), b, h, kvh, d, bs, nb,
+        tables.shape[1], max_len, ELEMENT_TYPES[k_cache.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        return None
+    return out if lse is not None else out.to(q.dtype)
