@@ -1,5 +1,6 @@
 """The layering the code promises (docs/architecture.md): no import cycles, the engine a library of its own,
-the producer in rooms (wire, client, cli, api) of which the worker imports the wire only.
+the models reaching the kernels only through the backend, the producer in rooms (wire, client, cli, api)
+of which the worker imports the wire only.
 
 The graph is read from the source with ast (no module is imported): an edge for every import statement,
 at module level or inside a function, TYPE_CHECKING blocks included.
@@ -135,6 +136,36 @@ def test_the_engine_kernels_and_models_import_nothing_of_the_queue_or_the_contra
         if dep.startswith(LIBRARY_MAY_NOT_IMPORT)
     ]
     assert bad == []
+
+
+def kernel_violations(g: dict[str, set[str]]) -> list[str]:
+    """Imports of the kernels by the models other than through the backend, the one door to them: the
+    backend object decides which kernel runs, so model code never picks one itself."""
+    return sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in g.items()
+        if within(mod, "worker.models")
+        for dep in deps
+        if within(dep, "worker.kernels") and dep != "worker.kernels.backend"
+    )
+
+
+def test_the_models_reach_the_kernels_only_through_the_backend() -> None:
+    g = graph()
+    assert "worker.kernels.backend" in g["worker.models.llama"]  # the walk sees the models' kernel imports
+    assert kernel_violations(g) == []
+
+
+def test_the_kernel_rule_catches_a_breach() -> None:
+    g = {
+        "worker.models.layers": {"worker.kernels.backend", "worker.kernels.native_linear"},
+        "worker.models.llama": {"worker.kernels"},
+        "worker.engine.device": {"worker.kernels.native_linear"},  # the engine may reach the kernels
+    }
+    assert kernel_violations(g) == [
+        "worker.models.layers -> worker.kernels.native_linear",
+        "worker.models.llama -> worker.kernels",
+    ]
 
 
 def loaded_by(imports: str, tops: tuple[str, ...]) -> list[str]:
