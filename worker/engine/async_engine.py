@@ -3,10 +3,9 @@
 Model compute never runs on the event loop, so heartbeats, timeouts and signals keep working.
 
 Every torch call of a process should come from one thread: each thread that runs a parallel op gets
-its own OpenMP team, and an idle team's spinning workers then compete with the busy one for the cores.
-Measured on 2 cores, a model loaded and warmed up on one thread and stepped on another ran decode steps
-at 45 sequences in ~550 ms instead of ~290 ms. `AsyncEngine.load` therefore loads the model on the
-engine thread itself, which then runs the step loop.
+its own OpenMP team, and an idle team's spinning workers then compete with the busy one for the cores
+(a model loaded and warmed up on one thread and stepped on another decodes markedly slower).
+`AsyncEngine.load` therefore loads the model on the engine thread itself, which then runs the step loop.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""CPU allocator and oneDNN settings the engine makes once at load: measured, each with its reason."""
+"""CPU allocator and oneDNN settings the engine makes once at load, each with its reason (the runs that
+measured them: benchmarks/RESULTS.md, 2026-11-30)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import ctypes
 import os
 
 # oneDNN, which runs bf16 matmuls on the CPU, JIT-compiles a kernel per matmul shape and keeps up to
-# 1024 of them (its primitive cache, and ideep's LRU cache in front of it), about 0.9 MB each. Serving
-# meets new shapes nearly every step (token counts, sequence counts, context lengths): a worker's RSS
-# grew by 700 MB over one 256-request bf16 run. 128 entries still hold a whole step's shapes, so every
-# layer after the first reuses them (32 entries cost 15% of the run's speed). oneDNN reads these once,
-# at its first matmul in the process; a value already in the environment wins.
+# 1024 of them (its primitive cache, and ideep's LRU cache in front of it), each about a megabyte.
+# Serving meets new shapes nearly every step (token counts, sequence counts, context lengths), so a
+# worker's RSS grows by hundreds of MB over a run. 128 entries still hold a whole step's shapes, so every
+# layer after the first reuses them (far fewer cost speed). oneDNN reads these once, at its first matmul
+# in the process; a value already in the environment wins.
 ONEDNN_CACHE_CAPACITY = 128
 
 
@@ -21,10 +22,10 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
 
 
 # glibc hands every freed block above its mmap threshold back to the kernel, and trims the heap's top
-# once 128 KB are free there. A CPU step's large temporaries (a 4096-token prefill's 25 MB MLP
-# activations, the logits) are then page-faulted in again, zero-filled, every time they are allocated:
-# ~12% of a bf16 prefill step on 2 Zen 5 cores (benchmarks/profile_engine.py). Keeping freed memory
-# in the heap lets the next step reuse it; RSS holds at the step's high-water mark instead.
+# once 128 KB are free there. A CPU step's large temporaries (a long prefill's MLP activations, the
+# logits) are then page-faulted in again, zero-filled, every time they are allocated: a visible share of
+# a prefill step (benchmarks/profile_engine.py shows it). Keeping freed memory in the heap lets the next
+# step reuse it; RSS holds at the step's high-water mark instead.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEEP_FREED_BYTES = 1 << 30
 

@@ -8,10 +8,10 @@ C decode kernel, which also returns each row's log-sum-exp); the halves merge by
     lse = logaddexp(lse_prefix, lse_suffix)
     out = out_prefix * exp(lse_prefix - lse) + out_suffix * exp(lse_suffix - lse)
 
-The C kernel computes q.k as a dot product per key row (~36 GFLOP/s on 2 cores) where the shared part
-becomes a matmul: on 64 few-shot sequences with a 608-token shared prefix (SmolLM2, float32), a decode
-step went from 196 to 166 ms. Prefill keeps its per-sequence attention: there the shared part was already
-a matmul (SDPA's flash kernel), and splitting it off measured slower (a 945-token step: 1.31 s -> 1.56 s).
+The C kernel computes q.k as a dot product per key row, far below a matmul's rate, where the shared part
+becomes a matmul (`python benchmarks/fewshot_bench.py` measures labeling batches with a shared few-shot
+prefix). Prefill keeps its per-sequence attention: there the shared part was already a matmul (SDPA's
+flash kernel), and splitting it off was slower.
 Only keys that every query of the step sees belong to the prefix, so the prefix half needs no mask.
 """
 

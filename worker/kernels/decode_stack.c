@@ -5,10 +5,10 @@
    by native_stack.py: the arithmetic is theirs, so a step computes what the layer-by-layer path computes,
    in the same order (the SiLU excepted, see silu_mul).
 
-   Why: at decode sizes the layer-by-layer path spent more time between its kernels than in them. One
-   SmolLM2-135M step at batch 1 with int8 weights was ~1,000 torch ops, ~120 ctypes calls and as many
-   OpenMP fork/joins: 7.2 ms for 106 MB of weights that stream in ~2 ms (issue #21). Here one OpenMP
-   region runs the whole stack; the phases of a layer are separated by barriers (~1 us with 2 threads).
+   Why: at decode sizes the layer-by-layer path spends more time between its kernels than in them: one
+   SmolLM2-135M step is ~1,000 torch ops, ~120 ctypes calls and as many OpenMP fork/joins, several times
+   the time its weights take to stream (issue #21). Here one OpenMP region runs the whole stack; the
+   phases of a layer are separated by barriers (about a microsecond each).
 
    Per layer, for M decode rows (one token per sequence), h [M, hidden] updated in place:
      xn = rmsnorm(h)                         rows split over threads
@@ -157,8 +157,8 @@ static inline void write_cache(void *cache, const Spec *s, int kh, int64_t slot,
 
 /* act[i] = silu(gate[i]) * up[i] over n values. silu(x) = x / (1 + e^-x), written with e = e^-|x| so the
    exponential's argument is never positive: x / (1 + e) for x >= 0, x e / (1 + e) below. The polynomial
-   exponential vectorises where expf would not (30 x 1,536 of them per token were ~0.4 ms at batch 1); it
-   differs from torch's SiLU by about one float32 rounding. */
+   exponential vectorises where expf would not (a layer's intermediate size of them per token, every
+   layer); it differs from torch's SiLU by about one float32 rounding. */
 static void silu_mul(const float *gate, const float *up, float *act, long n) {
 #pragma omp simd
     for (long i = 0; i < n; i++) {

@@ -7,10 +7,9 @@
    holds columns p*PANEL .. p*PANEL+PANEL-1 as K rows of PANEL contiguous elements, [ceil(N/PANEL), K,
    PANEL], the last panel zero-padded; float32, bfloat16, or int8 with a float32 scale per output (wscale).
 
-   Why not torch: at the row counts of decode steps (1-64) MKL's sgemm ran far below the machine's memory
-   bandwidth, worse on AMD than on Intel (issue #21's table: the 576 x 49,152 LM head at M = 8 took 50 ms
-   on a Zen 3 EPYC where streaming its 113 MB once takes 3.4-4.7 ms), and at prompt sizes this kernel
-   also runs ~2.5x MKL's float32 rate on AMD (2 Zen 5 cores: ~510 against ~200 GFLOP/s).
+   Why not torch: at the row counts of decode steps (1-64) MKL's sgemm runs far below the machine's memory
+   bandwidth, worse on AMD than on Intel (issue #21), and at prompt sizes this kernel also outruns MKL's
+   float32 rate on AMD (`python benchmarks/kernel_bench.py --linear` measures both against the bounds).
 
    How (the register-tiled outer product of GEMM kernels): a tile is MR rows of x against NV vectors of
    VL output columns. For each k it loads the NV weight vectors of panel row k (widening bfloat16 and
@@ -58,22 +57,22 @@ typedef int32_t vi32 __attribute__((vector_size(VL * 4)));
 enum { F32 = 0, BF16 = 1, I8 = 2 }; /* the weight's element type */
 
 static const int ELEM_BYTES[] = {4, 2, 1};
-/* A panel is prefetched this far ahead of its loads (every line): the hardware prefetchers alone kept too
-   few lines in flight once a tile had several x rows of work per weight. ~4 KB covers DRAM latency at one
-   core's share of the bandwidth (2 Zen 5 cores, a step's linears at 8 rows: 12.8 ms with 1 KB ahead, 11.0
-   with 4 KB; at 16 rows 20.9 ms with one line per panel row prefetched and no look at the next panel,
-   15.0 with every line and the next panel's prefetched while the second tile rereads this one). */
+/* A panel is prefetched this far ahead of its loads (every line): the hardware prefetchers alone keep too
+   few lines in flight once a tile has several x rows of work per weight. ~4 KB covers DRAM latency at one
+   core's share of the bandwidth. Every line of a panel row is prefetched, and the next panel while the
+   second tile rereads this one, so memory never waits for the tiles that reuse a panel. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
 /* Each output sums KBLOCK products in registers at a time, then adds that partial sum to its total: one
-   sequential float32 sum over all of K (1,536 terms in an MLP) erred ~3x more than MKL's blocked sums. */
+   sequential float32 sum over all of K (an MLP's intermediate size of terms) errs several times more than
+   MKL's blocked sums. */
 #ifndef KBLOCK
 #define KBLOCK 64
 #endif
 
 /* VL weights widened to float32. The widenings are intrinsics on x86: GCC 12 turns the generic
-   __builtin_convertvector of int8 lanes into scalar inserts (int8 weights ran 2x slower than float32). */
+   __builtin_convertvector of int8 lanes into scalar inserts (int8 weights then ran slower than float32). */
 static inline vf load_w(const char *p, const int elem) {
 #if defined(__AVX512F__)
     if (elem == BF16)

@@ -52,8 +52,8 @@ static inline v16 load_row(const char *p, const int elem) {
                                                                        : load_f32((const float *)p);
 }
 
-/* The sum of 16 lanes by halving: 4 shuffle-adds (a loop of 16 scalar adds was a 16-add dependency chain per
-   score: half of the attention time at 16 sequences). */
+/* The sum of 16 lanes by halving: 4 shuffle-adds (a loop of 16 scalar adds is a 16-add dependency chain per
+   score, a large share of the attention time). */
 static inline float hsum(v16 x) {
     typedef float v8 __attribute__((vector_size(32)));
     typedef float v4 __attribute__((vector_size(16)));
@@ -123,7 +123,7 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
 }
 
 /* One function per common (G, D) and element type, each compiled on its own: inlined together into one
-   function, the shapes made the compiler's work superlinear (100 s on an AVX2-only Zen 3 core). */
+   function, the shapes made the compiler's work superlinear (minutes of build time). */
 #define SHAPE(G, D)                                                                                 \
     static __attribute__((noinline)) void task_##G##_##D##_f32(const Job *job, int b, int kh, float *s) { \
         task_body(job, b, kh, s, G, D, F32);                                                        \

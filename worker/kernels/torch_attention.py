@@ -15,9 +15,8 @@ page faults per step), then computes the group's attention as two batched matmul
 with the kv heads as the batch dimension and each sequence's query heads of one kv head as its query
 rows, so grouped-query heads never copy K/V. Attention computes in q's (the model's) dtype: a cache
 narrower than that (kv_cache_dtype) widens as it is read. Scores are rounded to that dtype before the
-softmax, which runs in float32 inside (HF's eager attention does the same). Measured on 2 Zen 5 cores, bf16, 43
-sequences of 300-600 tokens: 1.6 ms per layer with SDPA's flash kernel, 0.6 ms with the matmuls (its
-tiles do ~3 query rows of work per call here).
+softmax, which runs in float32 inside (HF's eager attention does the same). SDPA's flash kernel is slower
+here: its tiles do only a few query rows of work per call at decode.
 Prefill attends over each sequence's own K/V from this step (nothing read back from the cache) unless
 the sequence continues a cached prefix: in float32 with one causal SDPA call, in bf16/fp16 as
 causal tiles of batched matmuls (causal_tiles).
@@ -94,9 +93,9 @@ def causal_tiles(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> 
     Each tile reads only the keys its last row can see, so the causal half is mostly skipped, its scores
     stay in cache, and only its diagonal block needs a mask. The queries are laid out once per sequence
     as [KVH, q_len, G, D], so a tile's rows of one kv head are one contiguous matrix. Scores are scaled
-    inside the matmul and rounded to q's dtype before the softmax (float32 inside). In bf16 on 2 Zen 5
-    cores this is ~1.7x faster than SDPA's flash kernel at 100-600 tokens; in float32 SDPA is faster,
-    so the caller keeps it there.
+    inside the matmul and rounded to q's dtype before the softmax (float32 inside). In bf16 this beats
+    SDPA's flash kernel at prompt lengths of a few hundred tokens; in float32 SDPA is faster, so the
+    caller keeps it there.
     """
     q_len, h, d = q.shape
     kvh = k.shape[0]

@@ -1,6 +1,7 @@
 """Model loading: resolve a model reference, load it with transformers, build our decoder from it.
 
-A .gguf file is dequantised once (~16 s for SmolLM2-135M) and cached as a safetensors checkpoint
+A .gguf file is dequantised once (slow: every tensor goes through gguf's numpy code) and cached as a
+safetensors checkpoint
 under $BATCHQ_CACHE_DIR (default ~/.cache/batchq), keyed by file name + size + mtime.
 
 A reference that names nothing loadable, or a checkpoint that cannot be read, raises ModelLoadError
