@@ -3,7 +3,7 @@ and the tokenizer and chat template that turn a request's text into tokens.
 
 Two engines with the same fingerprint give the same text for the same request (greedy, or sampled
 with a seed), so a result computed by one may answer a request sent to the other: the result cache
-(producer/result_cache.py) is keyed by it.
+(producer/wire/result_cache.py) is keyed by it.
 """
 
 from __future__ import annotations
