@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # Before torch, the model and Redis: a --model that names nothing loadable is refused at once.
-        check_model_reference(cfg.engine.model)
+        if not cfg.engine_stand_in:
+            check_model_reference(cfg.engine.model)
     except ModelLoadError as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from producer.wire import keys
 from worker.engine.config import EngineConfig
@@ -22,6 +22,9 @@ from worker.engine.config import EngineConfig
 
 class ConfigError(ValueError):
     pass
+
+
+STAND_IN_MODEL = "stand-in"  # the model name a stand-in worker serves (worker/stand_in.py)
 
 
 def _default_worker_id() -> str:
@@ -74,6 +77,21 @@ class WorkerConfig(BaseModel):
         gt=0,
         description="how long cached answers are kept (7 days)",
     )
+
+    engine_stand_in: bool = Field(
+        default=False,
+        description="benchmarks and tests only: answer every request at once without a model "
+        "(worker/stand_in.py), to measure the queue path alone; needs --model stand-in",
+    )
+
+    @model_validator(mode="after")
+    def _stand_in_serves_no_real_model(self) -> WorkerConfig:
+        if self.engine_stand_in != (self.engine.model == STAND_IN_MODEL):
+            raise ValueError(
+                f"engine_stand_in and model {STAND_IN_MODEL!r} go together (the stand-in answers without a "
+                "model, so it must not take a real model's queue)"
+            )
+        return self
 
     @property
     def max_jobs(self) -> int:
