@@ -1,13 +1,17 @@
-"""The arq job: a thin shell that hands one request to the engine and stores its result.
+"""What a worker does with the jobs it claimed: each becomes an engine request or, at once, a result.
 
-The model is loaded once at worker start-up (see service.py); a job only validates, looks up the
-result cache, submits, awaits and writes. Every accepted request ends in exactly one stored result:
-store.write_result's first write wins.
+The model is loaded once at worker start-up (see service.py). A claimed job (producer/wire/jobs.py) is
+validated, refused when it used up max_tries or names another model, answered as cancelled when its batch
+was, looked up in the result cache, or handed to the engine. Every ending is a `Finished` in one buffer
+that the queue worker writes in bulk (one Redis call for every result ready): no Redis round trip and no
+asyncio task per request. Every accepted request ends in exactly one stored result: the write's first
+result per attempt wins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -15,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import orjson
-from arq.constants import in_progress_key_prefix, retry_key_prefix
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -23,9 +26,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.wire import keys, store
 from producer.wire.contract import Request, Result, Timing
+from producer.wire.jobs import Claimed, Finished, finish_jobs, hand_back
+from producer.wire.lua import done
+from producer.wire.result_cache import CACHEABLE, CachedAnswer
 from worker.adapter import cancelled_result, engine_request, error_result, to_result
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
+from worker.engine.request import EngineRequest, EngineResult
 from worker.metrics import REDIS_ERRORS_SEEN, WorkerMetrics
 from worker.result_cache import ResultCache, key_of
 
@@ -34,7 +41,8 @@ log = logging.getLogger("batchq.worker")
 P = ParamSpec("P")
 T = TypeVar("T")
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
-Storer = Callable[..., Awaitable[None]]  # store_(result, generated=0)
+MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model it does not serve
+FLUSH_MAX = 2000  # results one write call takes at most
 
 
 async def retrying(fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -50,15 +58,25 @@ async def retrying(fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwa
             delay = min(delay * 2, 5.0)
 
 
-MODEL_NOT_FOUND = "model_not_found"  # OpenAI's error code for a model it does not serve
-
-
 def model_not_found(asked: str, cfg: WorkerConfig) -> str:
     served = cfg.engine.model
     return (
         f"request is for model {asked!r} but this worker serves {served!r} (queue {cfg.queue!r}); "
         f"name that model, or map the name with --model-alias {asked}={served}"
     )
+
+
+@dataclass(slots=True)
+class Running:
+    """A request the engine has (or the result-cache lookup is about to decide on)."""
+
+    job_id: str
+    req: Request
+    raw: bytes  # the request's queue payload, kept with a retryable result
+    ereq: EngineRequest
+    picked_at: float
+    cache_key: str | None
+    handed_back: bool = False
 
 
 @dataclass
@@ -68,138 +86,188 @@ class JobHandler:
     cfg: WorkerConfig
     engine: AsyncEngine
     redis: Redis
-    handing_back: bool = False  # set on SIGTERM once the grace period is over
-    inflight: dict[str, str] = field(default_factory=dict)  # job id -> batch id
+    inflight: dict[str, Running] = field(default_factory=dict)  # job id -> request the engine has
     reported: dict[str, int] = field(default_factory=dict)  # job id -> tokens added to its batch's counter
+    buffer: list[Finished] = field(default_factory=list)  # endings not written yet
     completed: int = 0
     failed: int = 0
     from_cache: int = 0
 
     def __post_init__(self) -> None:
+        self.queue = keys.queue_name(self.cfg.queue)
         self.result_cache = ResultCache(self.redis, self.engine.core.fingerprint, self.cfg.result_cache_ttl_s)
         self.metrics = WorkerMetrics(self.cfg, self.engine)  # served by service.py when metrics_port is set
+        self.ready = asyncio.Event()  # set when the buffer has endings to write
+        self.freed = asyncio.Event()  # set when a held job was written: a slot for a new claim
+        self._writing: set[str] = set()  # job ids of the write in progress
 
-    async def run(self, payload: Any, job_id: str, job_try: int) -> str:
+    def held(self) -> list[str]:
+        """Job ids this worker holds leases on: with the engine, or ended and not written yet."""
+        return [*self.inflight, *(f.job_id for f in self.buffer), *self._writing]
+
+    # ---- taking claimed jobs ----
+
+    async def take(self, jobs: list[Claimed]) -> None:
+        """Start every claimed job; the determined ones the result cache holds are answered from it."""
+        lookups: list[Running] = []
+        held = set(self.held())
+        for job in jobs:
+            if job.job_id in held:
+                continue  # our lease lapsed in an outage and the claim took it again: it is running here
+            run = self._accept(job)
+            if run is None:
+                continue
+            if run.cache_key is not None and run.req.result_cache:
+                lookups.append(run)
+            else:
+                self._submit(run)
+        if lookups:
+            raws = await retrying(self._mget, [r.cache_key or "" for r in lookups])
+            for run, raw in zip(lookups, raws, strict=True):
+                if raw is None:
+                    self._submit(run)
+                else:
+                    self._answer_from_cache(run, CachedAnswer.from_json(raw))
+
+    async def _mget(self, cache_keys: list[str]) -> list[bytes | None]:
+        return list(await done(self.redis.mget(cache_keys)))
+
+    def _accept(self, job: Claimed) -> Running | None:
+        """The job as a request to run, or None when it ended here (its ending is in the buffer)."""
+        batch_id, index, attempt = keys.split_job_id(job.job_id)
         try:
+            payload: Any = orjson.loads(job.payload)["a"][0]
             req = Request.model_validate(payload)
-        except ValidationError as e:
-            batch_id, index, attempt = keys.split_job_id(job_id)
-            msg = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
-            result = error_result(str(index + 1), index, "invalid_request", msg)
-            await self._store(batch_id, result.model_copy(update={"attempt": attempt}))
-            return "invalid"
-        start = await retrying(store.start_attempt, self.redis, req.batch_id, req.index, req.attempt)
-        if start == store.START_NOTHING:
-            # Ran before (a lease expired while it finished elsewhere: first write won), or a retry has
-            # superseded this attempt (its result would be refused).
-            return "duplicate"
-        store_ = self._storer(req, payload)
-        if job_try > self.cfg.max_tries:
+        except (ValidationError, orjson.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            msg = _invalid(e)
+            self._end(
+                job.job_id, batch_id, error_result(str(index + 1), index, "invalid_request", msg), attempt
+            )
+            return None
+        raw = orjson.dumps(payload)
+        if job.job_try > self.cfg.max_tries:
             msg = (
                 f"request failed {self.cfg.max_tries} times: a worker died or was killed while running it "
                 f"(max_tries={self.cfg.max_tries})"
             )
-            await store_(error_result(req.id, req.index, "max_tries_exceeded", msg, req))
-            return "max_tries"
-        if req.model is not None and req.model != self.cfg.engine.model:
-            await store_(
-                error_result(req.id, req.index, MODEL_NOT_FOUND, model_not_found(req.model, self.cfg), req)
+            self._end_req(
+                job.job_id, req, raw, error_result(req.id, req.index, "max_tries_exceeded", msg, req)
             )
-            return MODEL_NOT_FOUND
-        if start == store.START_CANCELLED:
-            await store_(cancelled_result(req))
-            return "cancelled"
-        return await self._generate(req, job_id, store_)
-
-    def _storer(self, req: Request, payload: Any) -> Storer:
-        """Stores a result of this request's attempt, keeping the payload where a retry may need it."""
-        raw = orjson.dumps(payload)
-
-        async def store_(result: Result, generated: int = 0) -> None:
-            result = result.model_copy(update={"attempt": req.attempt})
-            await self._store(req.batch_id, result, raw, generated)
-
-        return store_
-
-    async def _generate(self, req: Request, job_id: str, store_: Storer) -> str:
-        picked_at = time.time()
+            return None
+        if req.model is not None and req.model != self.cfg.engine.model:
+            err = error_result(req.id, req.index, MODEL_NOT_FOUND, model_not_found(req.model, self.cfg), req)
+            self._end_req(job.job_id, req, raw, err)
+            return None
+        if job.cancelled:
+            self._end_req(job.job_id, req, raw, cancelled_result(req))
+            return None
         try:
-            ereq = engine_request(req, job_id)
+            ereq = engine_request(req, job.job_id)
         except ValueError as e:  # the contract admits what the engine refuses: a bug, reported per request
-            await store_(error_result(req.id, req.index, "invalid_request", str(e), req))
-            return "invalid"
+            self._end_req(
+                job.job_id, req, raw, error_result(req.id, req.index, "invalid_request", str(e), req)
+            )
+            return None
         key = key_of(self.result_cache.fingerprint, req) if self.cfg.result_cache else None
-        queued_s = max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None
-        if key is not None and req.result_cache:
-            answer = await retrying(self.result_cache.get, key)
-            if answer is not None:
-                timing = Timing(queued_s=queued_s, total_s=time.time() - picked_at)
-                result = answer.result(
-                    req.id, req.index, req.metadata, timing=timing, worker=self.cfg.worker_id
-                )
-                if result.model is None:  # stored before answers named their model: it is this queue's
-                    result.model = self.cfg.engine.model
-                await store_(result)
-                self.from_cache += 1
-                return answer.finish_reason
-        self.inflight[job_id] = req.batch_id
-        try:
-            res = await self.engine.submit(ereq)
-        except asyncio.CancelledError:
-            # Shutdown or abort: stop computing it, and on a SIGTERM hand-back give the try back.
-            self.engine.cancel(job_id)
-            await asyncio.shield(self._hand_back(req, job_id))
-            raise
-        finally:
-            self.inflight.pop(job_id, None)
-            reported = self.reported.pop(job_id, 0)
-        result = to_result(req, res, queued_s, self.cfg.worker_id, self.cfg.engine.model)
-        await store_(result, res.completion_tokens - reported)
-        if key is not None:
-            try:
-                await self.result_cache.put(key, result)
-            except REDIS_ERRORS as e:  # the result is stored; only a later rerun loses the shortcut
-                REDIS_ERRORS_SEEN.note("result_cache")
-                log.warning("result cache not updated (%s)", type(e).__name__)
-        return result.finish_reason
+        return Running(job.job_id, req, raw, ereq, time.time(), key)
 
-    async def _hand_back(self, req: Request, job_id: str) -> None:
+    def _submit(self, run: Running) -> None:
+        self.inflight[run.job_id] = run
+        fut = self.engine.submit(run.ereq)
+        fut.add_done_callback(functools.partial(self._engine_done, run))
+
+    def _answer_from_cache(self, run: Running, answer: CachedAnswer) -> None:
+        req = run.req
+        timing = Timing(queued_s=_queued_s(req, run.picked_at), total_s=time.time() - run.picked_at)
+        result = answer.result(req.id, req.index, req.metadata, timing=timing, worker=self.cfg.worker_id)
+        if result.model is None:  # stored before answers named their model: it is this queue's
+            result.model = self.cfg.engine.model
+        self.from_cache += 1
+        self._end_req(run.job_id, req, run.raw, result)
+
+    def _engine_done(self, run: Running, fut: asyncio.Future[EngineResult]) -> None:
+        if run.handed_back or fut.cancelled() or self.inflight.pop(run.job_id, None) is None:
+            return  # handed back on SIGTERM: another worker runs it
+        res = fut.result()
+        reported = self.reported.pop(run.job_id, 0)
+        req = run.req
+        result = to_result(req, res, _queued_s(req, run.picked_at), self.cfg.worker_id, self.cfg.engine.model)
+        cache_key = run.cache_key if result.finish_reason in CACHEABLE else None
+        answer = b""
+        if cache_key is not None:
+            answer = CachedAnswer(
+                text=result.text, finish_reason=result.finish_reason, prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+                cached_tokens=result.usage.prompt_tokens_details.cached_tokens, label_scores=result.label_scores,
+                logprobs=result.logprobs, model=result.model,
+            ).to_json()  # fmt: skip
+        self._end_req(run.job_id, req, run.raw, result, res.completion_tokens - reported, cache_key, answer)
+
+    # ---- endings ----
+
+    def _end_req(
+        self, job_id: str, req: Request, raw: bytes, result: Result, generated: int = 0,
+        cache_key: str | None = None, answer: bytes = b"",
+    ) -> None:  # fmt: skip
+        result = result.model_copy(update={"attempt": req.attempt})
+        self.buffer.append(Finished(job_id, req.batch_id, result, raw, generated, cache_key, answer))
+        self.ready.set()
+
+    def _end(self, job_id: str, batch_id: str, result: Result, attempt: int) -> None:
+        self.buffer.append(Finished(job_id, batch_id, result.model_copy(update={"attempt": attempt})))
+        self.ready.set()
+
+    async def flush(self) -> None:
+        """Write every ending in the buffer (retried through Redis outages: an ending is never lost)."""
+        while self.buffer:
+            batch, self.buffer = self.buffer[:FLUSH_MAX], self.buffer[FLUSH_MAX:]
+            self._writing = {f.job_id for f in batch}
+            try:
+                written = await retrying(
+                    finish_jobs, self.redis, self.queue, batch,
+                    ttl_s=int(self.cfg.result_ttl_s), cache_ttl_s=int(self.cfg.result_cache_ttl_s),
+                )  # fmt: skip
+            finally:
+                self._writing = set()
+            for f, ok in zip(batch, written, strict=True):
+                if ok:
+                    self.metrics.observe(f.result)
+                    if f.result.finish_reason == "error":
+                        self.failed += 1
+                    else:
+                        self.completed += 1
+            self.freed.set()
+
+    # ---- while requests run ----
+
+    async def hand_back(self) -> int:
+        """SIGTERM past its grace period: the engine drops what it still runs, and those jobs are due again
+        at once for another worker, without counting this try."""
+        runs = list(self.inflight.values())
+        for run in runs:
+            run.handed_back = True
+            self.engine.cancel(run.job_id)
+        self.inflight.clear()
         try:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                if self.handing_back:
-                    pipe.decr(retry_key_prefix + job_id)
-                    pipe.delete(in_progress_key_prefix + job_id)  # another worker may take it at once
-                pipe.srem(keys.batch_running(req.batch_id), str(req.index))
-                await pipe.execute()
+            await hand_back(self.redis, self.queue, [r.job_id for r in runs])
         except REDIS_ERRORS as e:
             REDIS_ERRORS_SEEN.note("hand_back")
-            log.warning("could not hand back %s (%s); its lease will expire", job_id, type(e).__name__)
-
-    async def _store(
-        self, batch_id: str, result: Result, request: bytes | None = None, generated: int = 0
-    ) -> None:
-        written = await retrying(self._write, batch_id, result, request, generated)
-        if written:
-            self.metrics.observe(result)
-            if result.finish_reason == "error":
-                self.failed += 1
-            else:
-                self.completed += 1
-
-    async def _write(self, batch_id: str, result: Result, request: bytes | None, generated: int) -> bool:
-        ttl = int(self.cfg.result_ttl_s)
-        return await store.write_result(
-            self.redis, batch_id, result, ttl_s=ttl, request=request, generated=generated
-        )
+            log.warning(
+                "could not hand back %d request(s) (%s); their leases will expire",
+                len(runs),
+                type(e).__name__,
+            )
+        return len(runs)
 
     async def report_generated(self) -> None:
         """Add the tokens running requests generated since the last report to their batches' rate counters,
         so `producer top` and `wait` see a batch's rate while its requests run, not only as they end."""
         counts = self.engine.generated_tokens()
         by_batch: dict[str, int] = {}
-        for job_id, batch_id in self.inflight.items():
+        for job_id, run in list(self.inflight.items()):
             n = counts.get(job_id, 0) - self.reported.get(job_id, 0)
             if n > 0:
+                batch_id = run.req.batch_id
                 by_batch[batch_id] = by_batch.get(batch_id, 0) + n
                 self.reported[job_id] = counts[job_id]
         if by_batch:
@@ -207,9 +275,18 @@ class JobHandler:
 
     async def poll_cancellations(self) -> None:
         """Running requests of a cancelled batch stop at their next engine step."""
-        batches = set(self.inflight.values())
-        for batch_id in batches:
+        for batch_id in {run.req.batch_id for run in self.inflight.values()}:
             if await store.is_cancelled(self.redis, batch_id):
-                for job_id, b in list(self.inflight.items()):
-                    if b == batch_id:
+                for job_id, run in list(self.inflight.items()):
+                    if run.req.batch_id == batch_id:
                         self.engine.cancel(job_id)
+
+
+def _queued_s(req: Request, picked_at: float) -> float | None:
+    return max(0.0, picked_at - req.enqueued_at) if req.enqueued_at else None
+
+
+def _invalid(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
+    return f"not a batchq job payload ({type(e).__name__})"

@@ -1,4 +1,4 @@
-"""One worker process: load the model once, bind to a queue, run the arq loop and its housekeeping."""
+"""One worker process: load the model once, bind to a queue, run the queue loop and its housekeeping."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 
-from arq.connections import ArqRedis
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from producer.wire import keys, serde
+from producer.wire import keys
 from producer.wire.redis_url import pool_from_url
 from worker import health
 from worker.config import WorkerConfig
@@ -30,7 +29,7 @@ class QueueBindingError(RuntimeError):
     pass
 
 
-def connect(cfg: WorkerConfig) -> ArqRedis:
+def connect(cfg: WorkerConfig) -> Redis:
     """The worker's client: redis://, rediss:// or redis+sentinel:// (it follows the master after a failover)."""
     pool = pool_from_url(
         cfg.redis_url,
@@ -40,12 +39,7 @@ def connect(cfg: WorkerConfig) -> ArqRedis:
         socket_connect_timeout=5,
         socket_keepalive=True,
     )
-    return ArqRedis(
-        pool,
-        job_serializer=serde.job_serializer,
-        job_deserializer=serde.job_deserializer,
-        default_queue_name=keys.queue_name(cfg.queue),
-    )
+    return Redis(connection_pool=pool)
 
 
 async def bind_queue(redis: Redis, cfg: WorkerConfig) -> None:
@@ -86,7 +80,12 @@ async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) ->
 
 async def serve(cfg: WorkerConfig) -> int:
     t0 = time.monotonic()
-    aengine = await AsyncEngine.load(cfg.engine)  # loads on the thread that will step it
+    if cfg.engine_stand_in:
+        from worker.stand_in import InstantEngine
+
+        aengine = await AsyncEngine.load(cfg.engine, loader=InstantEngine.load)  # type: ignore[arg-type]
+    else:
+        aengine = await AsyncEngine.load(cfg.engine)  # loads on the thread that will step it
     stats = aengine.core.stats()
     log.info(
         "model %s loaded in %.1fs; KV pool %d blocks of %d tokens; max_num_seqs=%d max_jobs=%d",
@@ -101,7 +100,7 @@ async def serve(cfg: WorkerConfig) -> int:
     await retrying(bind_queue, redis, cfg)  # a worker started before Redis waits for it
     handler = JobHandler(cfg, aengine, redis)
     await retrying(publish_serving, handler)
-    worker = QueueWorker(handler, redis_pool=redis)
+    worker = QueueWorker(handler, redis)
     health.start_watchdog(aengine, cfg.stall_s)
     stats_log = health.StatsLogger(aengine)
     metrics_port = None
@@ -126,7 +125,6 @@ async def serve(cfg: WorkerConfig) -> int:
         asyncio.create_task(_every(cfg.log_interval_s, log_stats, "stats log")),
     ]
     main = asyncio.create_task(worker.main())
-    worker.main_task = main
     stopping: list[asyncio.Task[None]] = []
 
     def on_signal(sig: signal.Signals) -> None:
@@ -137,8 +135,7 @@ async def serve(cfg: WorkerConfig) -> int:
         )
 
         async def stop() -> None:
-            await worker.drain(cfg.shutdown_grace_s)
-            main.cancel()
+            await worker.drain(cfg.shutdown_grace_s)  # main() then writes what ended and returns
 
         stopping.append(asyncio.create_task(stop()))
 
@@ -152,9 +149,6 @@ async def serve(cfg: WorkerConfig) -> int:
     finally:
         if stopping:
             await stopping[0]
-        for t in worker.tasks.values():
-            t.cancel()
-        await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
         for t in housekeeping:
             t.cancel()
         await asyncio.gather(*housekeeping, return_exceptions=True)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from arq.constants import in_progress_key_prefix, job_key_prefix
+from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from redis.asyncio import Redis
 
 from producer.wire import keys
@@ -39,9 +39,11 @@ def counter_for(finish_reason: str) -> str:
     return "completed"
 
 
-# KEYS: meta, results, running, chat, attempts, requests. ARGV: index, result json, counter, prompt_tokens,
-# completion_tokens, now, fallback ttl, cached prompt tokens, 1 if answered from the result cache, attempt,
-# request payload to keep for a retry ('' for none), finish reason, tokens to add to `tokens_generated`.
+# The result write, as a Lua function that scripts share (this module's _WRITE_RESULT for one result, the
+# worker's bulk finish in producer/wire/jobs.py for many). Each entry: {k, a}, k the batch's keys
+# (batch_keys), a: index, result json, counter, prompt_tokens, completion_tokens, cached prompt tokens, 1 if
+# answered from the result cache, attempt, request payload to keep for a retry ('' for none), finish reason,
+# tokens to add to `tokens_generated`. Returns 1 (stored) or 0 per entry.
 #
 # Only the request's current attempt (attempts hash, absent: 0) may write, once: a late result of an attempt
 # a retry superseded is refused (and leaves the running set alone: the current attempt may be running), and
@@ -51,54 +53,134 @@ def counter_for(finish_reason: str) -> str:
 # cancelled == total at every moment. `timed_out` and `length` count the completed results that ended on
 # their timeout_s or max_new_tokens. `tokens_generated` is a rate counter (tokens the workers generated,
 # reported while requests run; a result adds what was not reported yet): it never goes down.
-# The batch's own result_ttl_s (set at submit) wins over the caller's fallback.
-_WRITE_RESULT = LuaScript("""
-local idx, attempt = ARGV[1], tonumber(ARGV[10])
-if attempt ~= tonumber(redis.call('HGET', KEYS[5], idx) or '0') then return 0 end
-local old = redis.call('HGET', KEYS[2], idx)
-if old and (attempt == 0 or attempt <= (tonumber(cjson.decode(old).attempt) or 0)) then
-  redis.call('SREM', KEYS[3], idx)
-  return 0
+# Counter increments and running-set removals are summed per batch and applied once per call; a batch whose
+# last result this is gets its finished_at and its keys' expiry (its own result_ttl_s, set at submit, wins
+# over the caller's fallback).
+WRITE_MANY = """
+local function write_many(entries, now, fallback_ttl)
+  local groups, order, out = {}, {}, {}
+  for i, e in ipairs(entries) do
+    local k, a = e[1], e[2]
+    local g = groups[k[1]]
+    if not g then
+      g = {k = k, c = {}, srem = {}, retried = redis.call('EXISTS', k[5]) == 1}
+      groups[k[1]] = g
+      order[#order + 1] = k[1]
+    end
+    local idx, attempt = a[1], tonumber(a[8])
+    local current = 0
+    if g.retried then current = tonumber(redis.call('HGET', k[5], idx) or '0') end
+    local written = 0
+    if attempt == current then
+      if attempt == 0 then
+        written = redis.call('HSETNX', k[2], idx, a[2])
+      else
+        local old = redis.call('HGET', k[2], idx)
+        if not (old and attempt <= (tonumber(cjson.decode(old).attempt) or 0)) then
+          redis.call('HSET', k[2], idx, a[2])
+          g.c.retrying = (g.c.retrying or 0) - 1
+          written = 1
+        end
+      end
+      g.srem[#g.srem + 1] = idx
+    end
+    if written == 1 then
+      if a[9] ~= '' then redis.call('HSET', k[6], idx, a[9]) elseif attempt > 0 then redis.call('HDEL', k[6], idx) end
+      local c = g.c
+      c[a[3]] = (c[a[3]] or 0) + 1
+      if a[10] == 'timeout' then c.timed_out = (c.timed_out or 0) + 1
+      elseif a[10] == 'length' then c.length = (c.length or 0) + 1 end
+      c.prompt_tokens = (c.prompt_tokens or 0) + tonumber(a[4])
+      c.completion_tokens = (c.completion_tokens or 0) + tonumber(a[5])
+      c.cached_prompt_tokens = (c.cached_prompt_tokens or 0) + tonumber(a[6])
+      c.from_result_cache = (c.from_result_cache or 0) + tonumber(a[7])
+      c.tokens_generated = (c.tokens_generated or 0) + tonumber(a[11])
+    end
+    out[i] = written
+  end
+  for _, meta in ipairs(order) do
+    local g = groups[meta]
+    local k = g.k
+    for f, n in pairs(g.c) do
+      if n ~= 0 then redis.call('HINCRBY', meta, f, n) end
+    end
+    for j = 1, #g.srem, 4000 do redis.call('SREM', k[3], unpack(g.srem, j, math.min(j + 3999, #g.srem))) end
+    local m = redis.call('HMGET', meta, 'total', 'completed', 'failed', 'cancelled', 'finished_at', 'result_ttl_s')
+    local ttl = tonumber(m[6]) or tonumber(fallback_ttl)
+    local total = tonumber(m[1])
+    local done = (tonumber(m[2]) or 0) + (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0)
+    if total == nil or (done >= total and not m[5]) then
+      if total ~= nil then redis.call('HSET', meta, 'finished_at', now) end
+      for i = 1, #k do redis.call('EXPIRE', k[i], ttl) end
+    end
+  end
+  return out
 end
-if attempt > 0 then redis.call('HINCRBY', KEYS[1], 'retrying', -1) end
-redis.call('HSET', KEYS[2], idx, ARGV[2])
-if ARGV[11] ~= '' then redis.call('HSET', KEYS[6], idx, ARGV[11]) elseif attempt > 0 then
-  redis.call('HDEL', KEYS[6], idx)
-end
-redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
-if ARGV[12] == 'timeout' then redis.call('HINCRBY', KEYS[1], 'timed_out', 1)
-elseif ARGV[12] == 'length' then redis.call('HINCRBY', KEYS[1], 'length', 1) end
-redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5])
-if ARGV[8] ~= '0' then redis.call('HINCRBY', KEYS[1], 'cached_prompt_tokens', ARGV[8]) end
-if ARGV[9] ~= '0' then redis.call('HINCRBY', KEYS[1], 'from_result_cache', 1) end
-if ARGV[13] ~= '0' then redis.call('HINCRBY', KEYS[1], 'tokens_generated', ARGV[13]) end
-redis.call('SREM', KEYS[3], idx)
-local m = redis.call('HMGET', KEYS[1], 'total', 'completed', 'failed', 'cancelled', 'finished_at',
-                     'result_ttl_s')
-local ttl = tonumber(m[6]) or tonumber(ARGV[7])
-local total = tonumber(m[1])
-local done = (tonumber(m[2]) or 0) + (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0)
-if total == nil or (done >= total and not m[5]) then
-  if total ~= nil then redis.call('HSET', KEYS[1], 'finished_at', ARGV[6]) end
-  for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
-end
-return 1
-""")
+"""
+WRITE_FIELDS = 11  # the values write_many takes per result (`a` above)
 
-# KEYS: meta, results, running, attempts. ARGV: index, attempt. A worker starts running a request's attempt:
-# returns 0 when there is nothing to run (that attempt has its result, or a retry superseded it), else 1,
-# or 2 when its batch is cancelled; the index joins the running set (1 and 2) in the same call, so a
-# request is never counted as running and finished at once.
-_START = LuaScript("""
-local idx, attempt = ARGV[1], tonumber(ARGV[2])
-if attempt ~= tonumber(redis.call('HGET', KEYS[4], idx) or '0') then return 0 end
-local old = redis.call('HGET', KEYS[2], idx)
-if old and (attempt == 0 or attempt <= (tonumber(cjson.decode(old).attempt) or 0)) then return 0 end
-redis.call('SADD', KEYS[3], idx)
-if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return 2 end
-return 1
-""")
+# KEYS: store.batch_keys. ARGV: now, fallback ttl, then write_many's values for one result.
+_WRITE_RESULT = LuaScript(
+    WRITE_MANY
+    + """
+local a = {}
+for i = 3, #ARGV do a[i - 2] = ARGV[i] end
+return write_many({{KEYS, a}}, ARGV[1], ARGV[2])[1]
+"""
+)
+
+# A worker starts running requests' attempts, as a Lua function (this module's _START for one, the worker's
+# bulk claim for many). Entries: {k (batch_keys), index, attempt}; per entry 0 when there is nothing to run
+# (that attempt has its result, or a retry superseded it), else 1, or 2 when its batch is cancelled. The
+# indices join their running sets in the same call, so a request is never counted as running and finished
+# at once. Second value: per started entry, whether its index was in the running set already: a worker
+# took it before and died with it (a hand-back takes the index out), which is what counts as a failed try.
+START_MANY = """
+local function start_many(entries)
+  local groups, order, out = {}, {}, {}
+  for i, e in ipairs(entries) do
+    local k, idx, attempt = e[1], e[2], e[3]
+    local g = groups[k[1]]
+    if not g then
+      g = {k = k, sadd = {}, at = {}, retried = redis.call('EXISTS', k[5]) == 1,
+           cancelled = redis.call('HGET', k[1], 'cancel_requested') == '1'}
+      groups[k[1]] = g
+      order[#order + 1] = k[1]
+    end
+    local current = 0
+    if g.retried then current = tonumber(redis.call('HGET', k[5], idx) or '0') end
+    local code = 0
+    if attempt == current then
+      if attempt == 0 then
+        if redis.call('HEXISTS', k[2], idx) == 0 then code = 1 end
+      else
+        local old = redis.call('HGET', k[2], idx)
+        if not (old and attempt <= (tonumber(cjson.decode(old).attempt) or 0)) then code = 1 end
+      end
+    end
+    if code == 1 then
+      g.sadd[#g.sadd + 1] = idx
+      g.at[#g.at + 1] = i
+      if g.cancelled then code = 2 end
+    end
+    out[i] = code
+  end
+  local again = {}
+  for _, meta in ipairs(order) do
+    local g = groups[meta]
+    for j = 1, #g.sadd, 4000 do
+      local last = math.min(j + 3999, #g.sadd)
+      local was = redis.call('SMISMEMBER', g.k[3], unpack(g.sadd, j, last))
+      for n = 1, #was do again[g.at[j + n - 1]] = was[n] == 1 end
+      redis.call('SADD', g.k[3], unpack(g.sadd, j, last))
+    end
+  end
+  return out, again
+end
+"""
+
+# KEYS: store.batch_keys. ARGV: index, attempt.
+_START = LuaScript(START_MANY + "return start_many({{KEYS, ARGV[1], tonumber(ARGV[2])}})[1]")
 
 RETRYABLE = frozenset({"error", "cancelled", "timeout"})  # finish reasons `producer retry` can select
 
@@ -120,6 +202,8 @@ for i = 1, n do
     redis.call('ZREM', KEYS[1], jid)
     redis.call('DEL', '"""
     + job_key_prefix
+    + """' .. jid, '"""
+    + retry_key_prefix
     + """' .. jid)
     out[#out + 1] = idx
     out[#out + 1] = payload or ''
@@ -167,22 +251,26 @@ async def write_result(
     can select (RETRYABLE), so that `producer retry` can enqueue it again. `generated`: tokens the worker
     generated for it and has not yet added to the batch's `tokens_generated` rate counter.
     """
-    args = [
+    args = [repr(time.time()), ttl_s, *write_values(result, request, generated)]
+    return bool(await _WRITE_RESULT(redis, batch_keys(batch_id), args))
+
+
+def write_values(result: Result, request: bytes | None = None, generated: int = 0) -> list[bytes | str | int]:
+    """write_many's WRITE_FIELDS values for `result` (see write_result)."""
+    usage = result.usage
+    return [
         str(result.index),
         result.to_json(),
         counter_for(result.finish_reason),
-        result.usage.prompt_tokens,
-        result.usage.completion_tokens,
-        repr(time.time()),
-        ttl_s,
-        result.usage.prompt_tokens_details.cached_tokens,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.prompt_tokens_details.cached_tokens,
         int(result.cached),
         result.attempt,
         request if request is not None and result.finish_reason in RETRYABLE else b"",
         result.finish_reason,
         max(0, generated),
     ]
-    return bool(await _WRITE_RESULT(redis, batch_keys(batch_id), args))
 
 
 START_NOTHING, START_RUN, START_CANCELLED = 0, 1, 2
@@ -192,13 +280,7 @@ async def start_attempt(redis: Redis, batch_id: str, index: int, attempt: int = 
     """A worker takes attempt `attempt` of a request: START_NOTHING when that attempt has its result or a
     retry superseded it (drop the job), else the request is marked running and the answer is START_RUN,
     or START_CANCELLED when its batch was cancelled (store a cancelled result)."""
-    ks = [
-        keys.batch_meta(batch_id),
-        keys.batch_results(batch_id),
-        keys.batch_running(batch_id),
-        keys.batch_attempts(batch_id),
-    ]
-    return int(await _START(redis, ks, [str(index), attempt]))
+    return int(await _START(redis, batch_keys(batch_id), [str(index), attempt]))
 
 
 async def add_generated(redis: Redis, tokens_by_batch: dict[str, int]) -> None:

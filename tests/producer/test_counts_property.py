@@ -3,8 +3,8 @@ worker deaths, cancel and retry happens: queued + running + completed + failed +
 request counted once, by its current attempt; the token totals are those of the results counted; the
 rate counter never goes down.
 
-Hypothesis drives the same store and retry functions the worker (worker/jobs.py) and the producer call,
-against a real Redis; the "workers" take jobs from the real arq queue and hold real lease keys.
+Hypothesis drives the same functions the worker (its bulk claim, finish and hand-back: producer/wire/jobs.py)
+and the producer (submit, cancel, retry) call, against a real Redis: real jobs, leases and try counters.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import io
 from typing import Any
 
 import orjson
-from arq.constants import in_progress_key_prefix, job_key_prefix
+from arq.constants import in_progress_key_prefix
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -24,6 +24,7 @@ from producer.client.retry import FINISH_REASONS, finish_reasons, retry_batch
 from producer.client.submit import submit_stream
 from producer.wire import keys, store
 from producer.wire.contract import ErrorInfo, Result, Usage
+from producer.wire.jobs import Finished, claim_jobs, finish_jobs, hand_back
 
 BID = "prop"
 REASONS = ["eos", "stop", "length", "timeout", "repetition", "error", "cancelled"]
@@ -37,7 +38,8 @@ class BatchCounts(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.redis = Redis.from_url(self.url)
         self.run(self.redis.flushall())
-        self.held: dict[str, dict[str, Any]] = {}  # job id -> payload, jobs a live worker is running
+        self.held: dict[str, dict[str, Any]] = {}  # job id -> request, jobs a live worker is running
+        self.zombies: dict[str, dict[str, Any]] = {}  # jobs of workers presumed dead (leases lapsed)
         self.generated = 0
 
     def run(self, coro: Any) -> Any:
@@ -53,43 +55,51 @@ class BatchCounts(RuleBasedStateMachine):
         self.run(submit_stream(self.redis, io.BytesIO(lines), batch_id=BID))
         self.total = n
 
-    @rule(pick=st.integers(0, 50))
-    def worker_takes_a_job(self, pick: int) -> None:
-        """arq hands a queued job without a lease to a worker, which starts it (worker/jobs.py)."""
-        free = [j for j in self._queued() if j not in self.held]
-        if not free:
-            return
-        jid = free[pick % len(free)]
-        self.run(self.redis.set(in_progress_key_prefix + jid, b"1"))
-        req = orjson.loads(self.run(self.redis.get(job_key_prefix + jid)))["a"][0]
-        start = self.run(store.start_attempt(self.redis, BID, req["index"], req.get("attempt", 0)))
-        if start == store.START_NOTHING:
-            self._finish_job(jid)
-        elif start == store.START_CANCELLED:
-            self._write(req, "cancelled")
-            self._finish_job(jid)
-        else:
-            self.held[jid] = req
+    @rule(n=st.integers(1, 3))
+    def a_worker_claims_jobs(self, n: int) -> None:
+        """The worker's bulk claim (producer/wire/jobs.py); a job of a cancelled batch ends cancelled at
+        once, as worker/jobs.py ends it."""
+        jobs, _ = self.run(claim_jobs(self.redis, keys.DEFAULT_QUEUE, n, lease_s=60))
+        for job in jobs:
+            req = orjson.loads(job.payload)["a"][0]
+            if job.cancelled:
+                self._finish(job.job_id, req, "cancelled")
+            else:
+                self.held[job.job_id] = req
 
     @rule(pick=st.integers(0, 50), reason=st.sampled_from(REASONS), reported=st.integers(0, 3))
-    def worker_stores_a_result(self, pick: int, reason: str, reported: int) -> None:
+    def a_worker_finishes_a_job(self, pick: int, reason: str, reported: int) -> None:
         if not self.held:
             return
         jid = sorted(self.held)[pick % len(self.held)]
         req = self.held.pop(jid)
         if reported:  # tokens reported while it ran (worker/jobs.py report_generated)
             self.run(store.add_generated(self.redis, {BID: reported}))
-        self._write(req, reason, generated=max(0, 2 - reported))
-        self._finish_job(jid)
+        self._finish(jid, req, reason, generated=max(0, 2 - reported))
 
     @rule(pick=st.integers(0, 50))
-    def worker_dies(self, pick: int) -> None:
-        """SIGKILL: the lease lapses, the job stays queued for another worker, its running mark stays."""
+    def a_worker_dies(self, pick: int) -> None:
+        """SIGKILL: its lease lapses (the job is due again); its running mark stays. It may still write."""
         if not self.held:
             return
         jid = sorted(self.held)[pick % len(self.held)]
-        del self.held[jid]
+        self.zombies[jid] = self.held.pop(jid)
         self.run(self.redis.delete(in_progress_key_prefix + jid))
+        self.run(self.redis.zadd(keys.DEFAULT_QUEUE, {jid: 0}, xx=True))
+
+    @rule(pick=st.integers(0, 50), reason=st.sampled_from(REASONS))
+    def a_presumed_dead_worker_finishes(self, pick: int, reason: str) -> None:
+        if self.zombies:
+            jid = sorted(self.zombies)[pick % len(self.zombies)]
+            self._finish(jid, self.zombies.pop(jid), reason)
+
+    @rule(pick=st.integers(0, 50))
+    def a_worker_hands_a_job_back(self, pick: int) -> None:
+        """SIGTERM past the grace period."""
+        if self.held:
+            jid = sorted(self.held)[pick % len(self.held)]
+            del self.held[jid]
+            self.run(hand_back(self.redis, keys.DEFAULT_QUEUE, [jid]))
 
     @rule()
     def cancel(self) -> None:
@@ -105,25 +115,12 @@ class BatchCounts(RuleBasedStateMachine):
         if index < self.total:
             self._write({"id": f"r{index}", "index": index, "attempt": attempt}, "eos")
 
-    def _queued(self) -> list[str]:
-        return [j.decode() for j in self.run(self.redis.zrange(keys.DEFAULT_QUEUE, 0, -1))]
-
     def _write(self, req: dict[str, Any], reason: str, generated: int = 0) -> None:
-        error = ErrorInfo(type="engine", message="x") if reason == "error" else None
-        res = Result(
-            id=req["id"], index=req["index"], finish_reason=reason, error=error, attempt=req.get("attempt", 0),
-            usage=Usage.counted(3, 2, 1), cached=reason == "stop",
-        )  # fmt: skip
-        self.run(store.write_result(self.redis, BID, res, generated=generated))
+        self.run(store.write_result(self.redis, BID, _result(req, reason), generated=generated))
 
-    def _finish_job(self, jid: str) -> None:
-        async def finish() -> None:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(job_key_prefix + jid, in_progress_key_prefix + jid)
-                pipe.zrem(keys.DEFAULT_QUEUE, jid)
-                await pipe.execute()
-
-        self.run(finish())
+    def _finish(self, jid: str, req: dict[str, Any], reason: str, generated: int = 0) -> None:
+        done = Finished(jid, BID, _result(req, reason), generated=generated)
+        self.run(finish_jobs(self.redis, keys.DEFAULT_QUEUE, [done], ttl_s=3600, cache_ttl_s=60))
 
     @invariant()
     def counts_partition_the_batch(self) -> None:
@@ -150,6 +147,14 @@ class BatchCounts(RuleBasedStateMachine):
         assert s.tokens_generated >= self.generated  # a rate counter: never down
         self.generated = s.tokens_generated
         assert (s.state in ("completed", "cancelled")) == (s.done == s.total)
+
+
+def _result(req: dict[str, Any], reason: str) -> Result:
+    error = ErrorInfo(type="engine", message="x") if reason == "error" else None
+    return Result(
+        id=req["id"], index=req["index"], finish_reason=reason, error=error, attempt=req.get("attempt", 0),
+        usage=Usage.counted(3, 2, 1), cached=reason == "stop",
+    )  # fmt: skip
 
 
 async def _all(it: Any) -> list[Any]:

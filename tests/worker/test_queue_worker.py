@@ -1,126 +1,147 @@
-"""QueueWorker's own handling of a Redis outage, driven in-process against a real Redis that is killed."""
+"""The worker's queue loop in-process, on the engine stand-in (worker/stand_in.py: every request answered at
+once), against a real Redis that tests kill and restart: claims in bulk, leases, outages, exactly-once."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
-from arq.constants import in_progress_key_prefix
-from redis.asyncio.client import Pipeline
+import pytest_asyncio
+from arq.constants import in_progress_key_prefix, job_key_prefix
 
 from producer.client.batchq_client import BatchqClient
-from producer.wire import keys
-from worker.config import WorkerConfig
+from producer.wire import keys, store
+from producer.wire.contract import Result, Usage
+from producer.wire.jobs import Finished, claim_jobs, finish_jobs
+from worker.config import STAND_IN_MODEL, WorkerConfig
+from worker.embedded_redis import RedisServer
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.config import EngineConfig
 from worker.jobs import JobHandler
 from worker.queue_worker import QueueWorker
 from worker.service import connect
+from worker.stand_in import InstantEngine
+
+QUEUE = keys.queue_name("default")
 
 
-def tiny_engine(model_dir: Path, **settings: int) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **settings)
+def config(url: str, **settings: object) -> WorkerConfig:
+    return WorkerConfig(
+        engine={"model": STAND_IN_MODEL, "max_num_seqs": 4}, engine_stand_in=True, redis_url=url,  # type: ignore[arg-type]
+        poll_delay_s=0.01, **settings,  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
-async def test_job_whose_opening_read_meets_an_outage_is_left_to_its_lease(
-    server, tiny_model_dir, caplog: pytest.LogCaptureFixture
-) -> None:
-    """arq starts a job task after a poll; when Redis dies before the task's first read, the task must
-    end quietly (the job stays queued, its lease lapses) instead of dying with an exception that asyncio
-    reports as never retrieved. test_faults' Redis-restart test hits this window only by chance; here it
-    is forced."""
-    cfg = WorkerConfig(engine=tiny_engine(tiny_model_dir), redis_url=server.url)
-    aengine = await AsyncEngine.load(cfg.engine)
+@pytest_asyncio.fixture
+async def stand_in() -> AsyncIterator[AsyncEngine]:
+    engine = await AsyncEngine.load(config("redis://x").engine, loader=InstantEngine.load)  # type: ignore[arg-type]
+    yield engine
+    await engine.stop()
+
+
+async def submit(url: str, n: int, tag: str = "") -> str:
+    async with BatchqClient.from_url(url) as client:
+        lines = [f'{{"id": "r{i}", "prompt": "{tag} item {i}", "max_new_tokens": 1}}' for i in range(n)]
+        return (await client.submit_lines(lines)).batch_id
+
+
+async def results(url: str, batch_id: str) -> list[Result]:
+    async with BatchqClient.from_url(url) as client:
+        return [r async for r in client.results(batch_id)]
+
+
+async def test_a_worker_claims_in_bulk_and_writes_every_result_once(server: RedisServer, stand_in) -> None:
+    cfg = config(server.url, burst=True)
+    bid = await submit(server.url, 30)
     redis = connect(cfg)
     try:
-        handler = JobHandler(cfg, aengine, redis)
-        worker = QueueWorker(handler, redis_pool=redis)
+        worker = QueueWorker(JobHandler(cfg, stand_in, redis), redis)
+        await asyncio.wait_for(worker.main(), 30)  # burst: returns once the queue is empty
+        got = await results(server.url, bid)
+        assert sorted(r.index for r in got) == list(range(30))
+        assert all(r.finish_reason == "eos" and r.model == STAND_IN_MODEL for r in got)
+        st = await store.get_status(redis, bid)
+        assert (st.completed, st.running, st.queued, st.state) == (30, 0, 0, "completed")
+        assert await redis.zcard(QUEUE) == 0 and not await redis.keys("arq:*")  # every job key dequeued
+    finally:
+        await redis.aclose()
+
+
+async def test_leased_jobs_leave_the_due_range_so_another_worker_claims_the_rest(server: RedisServer) -> None:
+    """Jobs stay in the queue while they run. arq's poll read the head of the queue, which a busy worker
+    held, so an added worker sat idle; a claim moves what it leases out of the due range instead."""
+    bid = await submit(server.url, 10)
+    redis = connect(config(server.url))
+    try:
+        first, _ = await claim_jobs(redis, QUEUE, 5, lease_s=60)
+        second, _ = await claim_jobs(redis, QUEUE, 10, lease_s=60)
+        ids = [j.job_id for j in first + second]
+        assert sorted(ids) == sorted(keys.job_id(bid, i) for i in range(10)) and len(set(ids)) == 10
+        assert await redis.exists(*(in_progress_key_prefix + i for i in ids)) == 10
+        assert (await claim_jobs(redis, QUEUE, 10, lease_s=60))[0] == []
+        assert [j.job_try for j in first + second] == [1] * 10
+        assert (await store.get_status(redis, bid)).running == 10
+    finally:
+        await redis.aclose()
+
+
+async def test_a_lapsed_lease_is_claimed_again_counted_as_a_try_and_written_once(server: RedisServer) -> None:
+    """Worker A's lease lapses (it died, or stalled): B claims the job again, which counts a failed try.
+    Whichever finishes first is stored; the other's result is refused and the counts stay exact."""
+    bid = await submit(server.url, 1)
+    redis = connect(config(server.url))
+    try:
+        (a,), _ = await claim_jobs(redis, QUEUE, 1, lease_s=0.05)
+        await asyncio.sleep(0.1)
+        (b,), _ = await claim_jobs(redis, QUEUE, 1, lease_s=60)
+        assert (a.job_id, a.job_try, b.job_try) == (b.job_id, 1, 2)
+
+        def ending(text: str) -> Finished:
+            res = Result(id="r0", index=0, text=text, finish_reason="eos", usage=Usage.counted(3, 1))
+            return Finished(a.job_id, bid, res)
+
+        assert await finish_jobs(redis, QUEUE, [ending("from b")], ttl_s=60, cache_ttl_s=60) == [True]
+        assert await finish_jobs(redis, QUEUE, [ending("from a")], ttl_s=60, cache_ttl_s=60) == [False]
+        (only,) = await results(server.url, bid)
+        st = await store.get_status(redis, bid)
+        assert only.text == "from b" and (st.completed, st.running, st.queued) == (1, 0, 0)
+        assert not await redis.exists(job_key_prefix + a.job_id)
+    finally:
+        await redis.aclose()
+
+
+async def test_an_outage_while_claiming_and_writing_loses_nothing(
+    server: RedisServer, stand_in, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis dies with results buffered and claims due: the loop backs off instead of ending, the buffered
+    results wait, and once Redis is back every request ends with exactly one result."""
+    cfg = config(server.url, lease_s=30.0)
+    bid = await submit(server.url, 12, "outage")
+    redis = connect(cfg)
+    try:
+        handler = JobHandler(cfg, stand_in, redis)
+        worker = QueueWorker(handler, redis)
+        jobs, _ = await claim_jobs(redis, QUEUE, 4, cfg.lease_s)
+        await handler.take(jobs)
+        while len(handler.buffer) < 4:  # the stand-in answers at its next step
+            await asyncio.sleep(0.01)
         server.kill()
         with caplog.at_level(logging.WARNING, logger="batchq.worker"):
-            await worker.run_job(keys.job_id("b-outage", 0), 0)  # must not raise
-        assert "not started: redis unavailable (ConnectionError)" in caplog.text
-    finally:
-        await aengine.stop()
-        await redis.aclose()
-
-
-@pytest.mark.parametrize("when", ["before WATCH", "after WATCH"])
-async def test_outage_while_leasing_a_job_neither_ends_the_worker_nor_leaks_its_slot(
-    server, tiny_model_dir, caplog: pytest.LogCaptureFixture, when: str
-) -> None:
-    """Redis dies after a poll found a job and before its lease is taken. redis-py reports a connection
-    lost under WATCH as a WatchError, which arq's start_jobs let escape (ending the worker's main loop),
-    and arq kept the job slot it had counted. The poll must back off like any outage, give the slot back,
-    and run the job once Redis is back."""
-    cfg = WorkerConfig(engine=tiny_engine(tiny_model_dir, max_num_seqs=1), redis_url=server.url)
-    aengine = await AsyncEngine.load(cfg.engine)
-    redis = connect(cfg)
-    try:
-        async with BatchqClient.from_url(server.url) as client:
-            line = '{"id": "a", "prompt": "hello", "max_new_tokens": 3, "temperature": 0}'
-            report = await client.submit_lines([line], queue=cfg.queue)
-        handler = JobHandler(cfg, aengine, redis)
-        worker = QueueWorker(handler, redis_pool=redis)
-        pipeline = redis.pipeline
-
-        def kill_first_transaction(transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
-            pipe = pipeline(transaction, shard_hint)
-            if transaction:  # the lease's WATCH/MULTI: Redis goes down just before or after WATCH
-                redis.pipeline = pipeline  # type: ignore[method-assign]
-                if when == "before WATCH":
-                    server.kill()
-                else:
-                    watch = pipe.watch
-
-                    async def watch_then_kill(*names: str) -> bool:
-                        ok = await watch(*names)
-                        server.kill()
-                        return ok
-
-                    pipe.watch = watch_then_kill  # type: ignore[method-assign]
-            return pipe
-
-        redis.pipeline = kill_first_transaction  # type: ignore[method-assign]
-        with caplog.at_level(logging.WARNING, logger="batchq.worker"):
-            await worker._poll_iteration()  # must not raise
+            assert await worker.claim_once()  # must not raise
+            flushing = asyncio.create_task(handler.flush())  # retries until Redis is back
+            await asyncio.sleep(0.3)
+            assert not flushing.done()
         assert "redis unavailable" in caplog.text
-        assert worker.job_counter == 0 and not worker.tasks
         server.start()
-        await worker._poll_iteration()
-        assert list(worker.tasks) == [keys.job_id(report.batch_id, 0)]
-        await asyncio.gather(*worker.tasks.values())
-        assert worker.job_counter == 0
-        async with BatchqClient.from_url(server.url) as client:
-            results = [r async for r in client.results(report.batch_id)]
-        assert [(r.id, r.finish_reason, r.usage.completion_tokens) for r in results] == [("a", "length", 3)]
+        await asyncio.wait_for(flushing, 30)
+        cfg_burst = cfg.model_copy(update={"burst": True})
+        handler.cfg = cfg_burst
+        worker.cfg = cfg_burst
+        await asyncio.wait_for(worker.main(), 30)
+        got = await results(server.url, bid)
+        assert sorted(r.index for r in got) == list(range(12))
+        st = await store.get_status(redis, bid)
+        assert (st.completed, st.running, st.queued) == (12, 0, 0)
     finally:
-        await aengine.stop()
-        await redis.aclose()
-
-
-async def test_a_worker_reads_past_the_jobs_other_workers_hold(server, tiny_model_dir) -> None:
-    """Jobs stay queued while they run, so the head of the queue is what the first worker leased. A second
-    worker that read only one page (max_jobs ids) saw nothing but leased jobs and sat idle while the rest
-    of the batch waited: it must read on to the free ones."""
-    cfg = WorkerConfig(
-        engine=tiny_engine(tiny_model_dir, max_num_seqs=2), redis_url=server.url, prefetch=0, lease_s=60.0
-    )
-    aengine = await AsyncEngine.load(cfg.engine)
-    redis = connect(cfg)
-    try:
-        async with BatchqClient.from_url(server.url) as client:
-            lines = [f'{{"prompt": "item {i}", "max_new_tokens": 2, "temperature": 0}}' for i in range(10)]
-            await client.submit_lines(lines, queue=cfg.queue)
-        queued = [jid.decode() for jid in await redis.zrange(keys.queue_name(cfg.queue), 0, -1)]
-        for jid in queued[:5]:  # another worker runs the first five
-            await redis.psetex(in_progress_key_prefix + jid, 60_000, b"1")
-        worker = QueueWorker(JobHandler(cfg, aengine, redis), redis_pool=redis)
-        assert worker.queue_read_limit == cfg.max_jobs == 2
-        await worker._poll_iteration()
-        assert sorted(worker.tasks) == sorted(queued[5:7])
-        await asyncio.gather(*worker.tasks.values())
-    finally:
-        await aengine.stop()
         await redis.aclose()
