@@ -35,6 +35,14 @@ def test_auto_takes_bfloat16_on_cpu_only_where_its_matmuls_are_clearly_faster(
     assert pick_dtype("bfloat16", CPU, "auto") == torch.bfloat16
 
 
+def test_auto_without_the_c_kernels_weighs_torchs_float32_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # cpu_kernels = "torch": float32 runs on torch's matmul, so linear.c's rate (here the faster) is not asked.
+    rates = {torch.float32: 200e9, torch.bfloat16: 300e9}
+    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates[dtype])
+    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: pytest.fail("linear.c was probed"))
+    assert pick_dtype("auto", CPU, "torch") == torch.bfloat16
+
+
 def test_gemm_probe_measures_this_machine() -> None:
     # The real probe, small: both dtypes run and give a plausible rate (above 1 GFLOP/s, below 100 TFLOP/s).
     for dtype in (torch.float32, torch.bfloat16):

@@ -226,7 +226,7 @@ def test_a_shared_prefix_keeps_cascade_attention(tmp_path: Path) -> None:
 def with_bf16_gemm_rows(engine: Engine, rows: int) -> None:
     """What select_backend chooses on a CPU with fast bf16 GEMMs, at `rows` rows."""
     runner = engine.model_runner
-    runner.backend = dataclasses.replace(runner.backend, bf16_gemm_rows=rows, linear=PackedLinear(rows))
+    runner.backend = dataclasses.replace(runner.backend, linear=PackedLinear(rows))
     runner.model.use_backend(runner.backend)
 
 

@@ -130,13 +130,17 @@ class Backend:
     linear: LinearMethod  # for every linear layer whose weight it takes (TORCH_LINEAR for the others)
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor] | None = None  # float32 rows [T, D] in C; None: torch
     rotary_: Callable[[Tensor, Tensor, Tensor], None] | None = None  # float32 [T, H, D] in place in C
-    bf16_gemm_rows: int = 0  # 0: never (see BF16_GEMM_ROWS)
     decode_stack: bool = False  # decode steps may run in decode_stack.c (`stack_applies` says which)
 
     @property
     def name(self) -> str:
         """The attention backend's name: what the logs, the fingerprint and CUDA graphs go by."""
         return self.attention.name
+
+    @property
+    def bf16_gemm_rows(self) -> int:
+        """Steps of this many rows or more take oneDNN's bf16 GEMM (0: never): the linear method's."""
+        return self.linear.bf16_gemm_rows
 
     @property
     def c_decode(self) -> bool:
@@ -219,4 +223,4 @@ def select_backend(
         and attention.plain_native_decode is not None
         and native_stack.library() is not None
     )
-    return Backend(attention, PackedLinear(rows), native_linear.rmsnorm, native_linear.rotary_, rows, stack)
+    return Backend(attention, PackedLinear(rows), native_linear.rmsnorm, native_linear.rotary_, stack)

@@ -23,6 +23,7 @@ from worker.kernels import native_linear
 class LinearMethod(Protocol):
     name: str
     layout: str  # what `store` returns: methods of one layout share stored weights
+    bf16_gemm_rows: int  # bfloat16 weights: steps of this many rows or more take oneDNN's GEMM (0: never)
 
     def takes(self, weight: Tensor) -> bool:
         """Whether this method runs a weight of this dtype on this device."""
@@ -50,6 +51,7 @@ class LinearMethod(Protocol):
 class TorchLinear:
     name = "torch"
     layout = "[out, in]"
+    bf16_gemm_rows = 0
 
     def takes(self, weight: Tensor) -> bool:
         return True

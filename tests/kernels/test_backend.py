@@ -1,0 +1,95 @@
+"""select_backend: what one Backend decides for the engine's settings, device and dtypes, once, and what
+preparing a model for it (use_backend) does to its layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import build_tiny_checkpoint
+from worker.engine.config import EngineConfig
+from worker.kernels import native_linear, native_stack
+from worker.kernels.backend import BF16_GEMM_ROWS, TORCH_LINEAR, select_backend
+from worker.models.layers import RMSNorm
+from worker.models.llama import Attention
+from worker.models.loader import load_model
+
+CPU = torch.device("cpu")
+needs_c = pytest.mark.skipif(native_stack.library() is None, reason="no C compiler here")
+
+
+@needs_c
+def test_float32_on_the_cpu_runs_every_kernel_in_c() -> None:
+    backend = select_backend(EngineConfig(), CPU, torch.float32)
+    assert backend.name == "torch" and backend.c_decode
+    assert backend.linear.name == "c" and backend.linear.layout == "packed"
+    assert backend.rmsnorm is native_linear.rmsnorm and backend.rotary_ is native_linear.rotary_
+    assert backend.decode_stack and backend.bf16_gemm_rows == 0
+    # a weight linear.c cannot take stays on torch
+    assert backend.linear_method(torch.empty(4, 4, dtype=torch.float16)) is TORCH_LINEAR
+
+
+@needs_c
+def test_the_decode_stack_setting_keeps_the_other_c_kernels() -> None:
+    backend = select_backend(EngineConfig(decode_stack=False), CPU, torch.float32)
+    assert not backend.decode_stack and backend.linear.name == "c" and backend.c_decode
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    assert not backend.stack_applies(torch.empty(3, 4, 16, 64), tables, lens)
+
+
+@needs_c
+def test_bfloat16_compute_keeps_c_attention_only() -> None:
+    backend = select_backend(EngineConfig(), CPU, torch.bfloat16)
+    assert backend.c_decode and backend.linear is TORCH_LINEAR
+    assert backend.rmsnorm is None and backend.rotary_ is None and not backend.decode_stack
+
+
+@needs_c
+def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() -> None:
+    asked: list[bool] = []
+
+    def fast() -> bool:
+        asked.append(True)
+        return True
+
+    assert select_backend(EngineConfig(), CPU, torch.float32, torch.float32, fast).bf16_gemm_rows == 0
+    assert not asked  # the probe runs only for bfloat16 weights
+    backend = select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, fast)
+    assert backend.bf16_gemm_rows == BF16_GEMM_ROWS and asked
+    assert (
+        select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, lambda: False).bf16_gemm_rows == 0
+    )
+    # a step of that many rows runs layer by layer (oneDNN's GEMM), a smaller one may take the stack
+    tables = torch.zeros(BF16_GEMM_ROWS, 1, dtype=torch.int32)
+    lens = torch.ones(BF16_GEMM_ROWS, dtype=torch.int32)
+    assert not backend.stack_applies(torch.empty(3, 4, 16, 64), tables, lens)
+
+
+def test_torch_kernels_build_nothing_and_run_torch_everywhere() -> None:
+    backend = select_backend(EngineConfig(cpu_kernels="torch"), CPU, torch.float32)
+    assert not backend.c_decode and backend.linear is TORCH_LINEAR and not backend.decode_stack
+    assert backend.rmsnorm is None and backend.rotary_ is None
+
+
+@needs_c
+def test_use_backend_moves_each_layer_onto_the_backends_kernels(tmp_path: Path) -> None:
+    loaded = load_model(str(build_tiny_checkpoint(tmp_path, "llama")), torch.float32, CPU)
+    model = loaded.model
+    want = [lin.unpacked().clone() for lin in model.linears()]
+    assert all(lin.method is TORCH_LINEAR for lin in model.linears())  # as loaded: [out, in], F.linear
+
+    backend = select_backend(EngineConfig(), CPU, torch.float32)
+    model.use_backend(backend)
+
+    for lin, w in zip(model.linears(), want, strict=True):
+        assert lin.method is backend.linear and lin.weight.dim() == 3  # packed panels
+        assert torch.equal(lin.unpacked(), w)
+    assert all(m.c_rows is backend.rmsnorm for m in model.modules() if isinstance(m, RMSNorm))
+    assert all(m.c_rotary is backend.rotary_ for m in model.modules() if isinstance(m, Attention))
+
+    model.use_backend(select_backend(EngineConfig(cpu_kernels="torch"), CPU, torch.float32))
+    for lin, w in zip(model.linears(), want, strict=True):
+        assert lin.method is TORCH_LINEAR and torch.equal(lin.weight, w)
+    assert all(m.c_rows is None for m in model.modules() if isinstance(m, RMSNorm))
