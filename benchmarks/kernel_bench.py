@@ -5,6 +5,7 @@ kernel (worker/kernels/paged_decode.c) vs the torch path of worker/kernels/torch
     .venv/bin/python benchmarks/kernel_bench.py [--heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16]
     .venv/bin/python benchmarks/kernel_bench.py --cpu [--heads 9 --kv-heads 3 --head-dim 64 --dtype float32]
     .venv/bin/python benchmarks/kernel_bench.py --linear [--hidden 576 --inter 1536 --vocab 49152 ...]
+    .venv/bin/python benchmarks/kernel_bench.py --decode-step [--model smollm2-135m --batches 1,8,32]
 
 --linear: the model's real linear shapes (default SmolLM2-135M's: fused QKV, o, fused gate/up, down, LM
 head), each layer's weights a separate copy (--layers of them, cycled) so they are read from DRAM as in
@@ -21,6 +22,10 @@ triton.testing.do_bench and prints one table: milliseconds, the speed-up, and th
 bandwidth (bytes of K and V in the contexts / time), to compare with the GPU's HBM bandwidth.
 Without a GPU it runs the CPU comparison.
 
+--decode-step: whole decode steps of a real model through the engine's runner (float32, C kernels), with
+the decode stack (decode_stack.c) and layer by layer (decode_stack = false): the kernels and the Python
+around them, per step.
+
 CPU: a decode step's attention over `--layers` layers' caches (so reads come from DRAM, as in the
 model), sequences of random length 100-850 in shuffled blocks; best of 4 passes, per layer.
 """
@@ -34,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -243,9 +249,68 @@ def cpu_linear(args: argparse.Namespace) -> int:
     return 0
 
 
+def decode_step_ms(engine: Any, batch: int, passes: int) -> float:
+    """One decode step of `batch` sequences (prompts of 100-300 tokens) through the engine's runner: ms, the
+    best of `passes` passes of 10 steps (each step rewrites the same slots)."""
+    from worker.engine.params import GenerationParams
+    from worker.engine.request import EngineError, EngineRequest
+
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        ids = torch.randint(100, 40000, (int(torch.randint(100, 300, (1,), generator=gen)),), generator=gen)
+        params = GenerationParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+        engine.add_request(EngineRequest(f"step{batch}-{i}", params, prompt_token_ids=ids.tolist()))
+    while engine.stats().waiting or not all(s.prefilled for s in engine.scheduler.running):
+        engine.step()
+    step = engine.scheduler.schedule()
+    assert step is not None and step.phase == "decode" and len(step.seqs) == batch, "the batch did not fit"
+    runner = engine.model_runner
+    runner.compute_logits(step)
+    best = math.inf
+    for _ in range(passes):
+        t = time.perf_counter()
+        for _ in range(10):
+            runner.compute_logits(step)
+        best = min(best, (time.perf_counter() - t) / 10)
+    engine.abort_all(EngineError("cancelled", "measured"))
+    return best * 1e3
+
+
+def cpu_decode_step(args: argparse.Namespace) -> int:
+    """Whole decode steps of a real model (float32, the C kernels), through the decode stack and layer by
+    layer: what the per-step Python around the kernels costs."""
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import machine
+
+    m = machine()
+    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    print(f"command: {' '.join(sys.argv)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    times: dict[bool, list[float]] = {}
+    for stack in (True, False):
+        cfg = EngineConfig(model=args.model, dtype="float32", kv_cache_gb=1.5, decode_stack=stack)
+        engine = Engine.load(cfg)
+        times[stack] = [decode_step_ms(engine, b, args.passes) for b in batches]
+    print(f"\n{args.model}, float32, one decode step (ms, best of {args.passes} x 10 steps):")
+    print(f"{'batch':>5} | {'stack':>7} {'layers':>7} | {'stack speed-up':>14}")
+    for b, s, layered in zip(batches, times[True], times[False], strict=True):
+        print(f"{b:>5} | {s:>7.2f} {layered:>7.2f} | {layered / s:>13.2f}x")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--linear", action="store_true", help="the CPU linear kernel (linear.c)")
+    parser.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="whole CPU decode steps of --model: the stack vs layer by layer",
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="--decode-step: the model")
+    parser.add_argument("--batches", default="1,8,32", help="--decode-step: sequences per step")
     parser.add_argument("--hidden", type=int, default=576, help="--linear: the model's shapes")
     parser.add_argument("--inter", type=int, default=1536)
     parser.add_argument("--vocab", type=int, default=49152)
@@ -260,6 +325,8 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
+    if args.decode_step:
+        return cpu_decode_step(args)
     if args.linear:
         args.heads, args.kv_heads, args.head_dim = args.heads or 9, args.kv_heads or 3, args.head_dim or 64
         return cpu_linear(args)
