@@ -83,8 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # arq logs each job's arguments (our prompts) at INFO: keep it to warnings.
-    logging.getLogger("arq").setLevel(logging.WARNING)
     try:
         cfg = load_config(ns.config, _settings(ns))
     except ConfigError as e:
