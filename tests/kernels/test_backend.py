@@ -27,6 +27,7 @@ def test_float32_on_the_cpu_runs_every_kernel_in_c() -> None:
     assert backend.linear.name == "c" and backend.linear.layout == "packed"
     assert backend.rmsnorm is native_linear.rmsnorm and backend.rotary_ is native_linear.rotary_
     assert backend.decode_stack and backend.bf16_gemm_rows == 0
+    assert backend.summary == "torch attention with C decode, linear.c, decode stack"
     # a weight linear.c cannot take stays on torch
     assert backend.linear_method(torch.empty(4, 4, dtype=torch.float16)) is TORCH_LINEAR
 
@@ -71,6 +72,7 @@ def test_torch_kernels_build_nothing_and_run_torch_everywhere() -> None:
     backend = select_backend(EngineConfig(cpu_kernels="torch"), CPU, torch.float32)
     assert not backend.c_decode and backend.linear is TORCH_LINEAR and not backend.decode_stack
     assert backend.rmsnorm is None and backend.rotary_ is None
+    assert backend.summary == "torch attention"
 
 
 @needs_c

@@ -160,12 +160,12 @@ class Engine:
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else 0,
         )
         log.info(
-            "loaded %s in %.1fs: %s %s, %s attention, %d KV blocks of %d tokens (%s)",
+            "loaded %s in %.1fs: %s %s, %s, %d KV blocks of %d tokens (%s)",
             cfg.model,
             time.monotonic() - t0,
             device,
             dtype,
-            backend.name,
+            backend.summary,
             num_blocks,
             cfg.block_size,
             kv_dtype,

@@ -147,6 +147,17 @@ class Backend:
         """Whether decode attention runs paged_decode.c where it applies."""
         return self.attention.plain_native_decode is not None
 
+    @property
+    def summary(self) -> str:
+        """What runs where, for the load log: e.g. "torch attention with C decode, linear.c, decode stack"."""
+        parts = [f"{self.name} attention" + (" with C decode" if self.c_decode else "")]
+        if self.linear.name == "c":
+            rows = self.bf16_gemm_rows
+            parts.append("linear.c" + (f" (bf16 GEMM from {rows} rows)" if rows else ""))
+        if self.decode_stack:
+            parts.append("decode stack")
+        return ", ".join(parts)
+
     def linear_method(self, weight: Tensor) -> LinearMethod:
         """The method a linear layer with this weight (its dtype and device) runs."""
         return self.linear if self.linear.takes(weight) else TORCH_LINEAR
