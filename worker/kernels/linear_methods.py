@@ -41,9 +41,7 @@ class LinearMethod(Protocol):
         """Rows `ids` of the [out, in] weight: [T] -> [T, in] (a tied embedding's lookup)."""
         ...
 
-    def __call__(
-        self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int
-    ) -> Tensor:
+    def apply(self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int) -> Tensor:
         """y = x W^T (* scale per output) (+ bias): x [T, in] -> [T, n]."""
         ...
 
@@ -65,9 +63,7 @@ class TorchLinear:
     def rows(self, stored: Tensor, ids: Tensor) -> Tensor:
         return F.embedding(ids, stored)
 
-    def __call__(
-        self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int
-    ) -> Tensor:
+    def apply(self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int) -> Tensor:
         return F.linear(x, dequantized(stored, scale, x.dtype), bias)
 
 
@@ -100,11 +96,9 @@ class PackedLinear:
     def rows(self, stored: Tensor, ids: Tensor) -> Tensor:
         return native_linear.packed_rows(stored, ids)
 
-    def __call__(
-        self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int
-    ) -> Tensor:
+    def apply(self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int) -> Tensor:
         if x.dtype != torch.float32:  # linear.c takes float32 activations only
-            return TORCH_LINEAR(x, self.unpack(stored, n), scale, bias, n)
+            return TORCH_LINEAR.apply(x, self.unpack(stored, n), scale, bias, n)
         if self.bf16_gemm_rows and stored.dtype == torch.bfloat16 and x.shape[0] >= self.bf16_gemm_rows:
             # Prompt-sized steps on a CPU with fast bf16 GEMMs (oneDNN): bf16 activations, float32 out. The
             # [out, in] copy of the weight is a small part of such a GEMM.

@@ -49,7 +49,7 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
-        return self.method(x, self.weight, self.scale, self.bias, self.out_features)
+        return self.method.apply(x, self.weight, self.scale, self.bias, self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight [out, in] in `dtype` (itself where it is stored so, unpacked)."""
