@@ -26,22 +26,22 @@ def chat(text: str, system: str | None = None) -> list[dict[str, str]]:
 
 
 CASES: list[tuple[str, object, int]] = [
-    ("chat", chat("What is the capital of France?"), 24),
-    ("chat", chat("Write a haiku about autumn leaves."), 40),
-    ("chat", chat("用中文介绍一下你自己"), 32),
-    ("chat", chat("请把这句话翻译成英文：" + ZH), 36),
-    ("chat", chat("Summarise this story in one sentence:\n" + STORY * 15), 30),  # ~1,000 tokens
-    ("chat", chat("List three prime numbers.", system="You answer tersely."), 16),
-    ("chat", chat("Explain recursion to a child."), 48),
+    ("chat", chat("What is the capital of France?"), 12),
+    ("chat", chat("Write a haiku about autumn leaves."), 20),
+    ("chat", chat("用中文介绍一下你自己"), 16),
+    ("chat", chat("请把这句话翻译成英文：" + ZH), 18),
+    ("chat", chat("Summarise this story in one sentence:\n" + STORY * 15), 15),  # ~1,000 tokens
+    ("chat", chat("List three prime numbers.", system="You answer tersely."), 8),
+    ("chat", chat("Explain recursion to a child."), 24),
     ("chat", chat("2 + 2 = ?"), 8),
-    ("raw", "The quick brown fox", 20),
-    ("raw", "def fibonacci(n):\n    ", 40),
-    ("raw", ZH, 28),
-    ("raw", STORY * 16, 24),  # ~1,000 tokens
-    ("raw", "Once upon a time", 12),
-    ("raw", "1, 2, 3, 4, 5,", 30),
-    ("raw", "Q: Why is the sky blue?\nA:", 44),
-    ("raw", "数据科学是", 18),
+    ("raw", "The quick brown fox", 10),
+    ("raw", "def fibonacci(n):\n    ", 20),
+    ("raw", ZH, 14),
+    ("raw", STORY * 16, 12),  # ~1,000 tokens
+    ("raw", "Once upon a time", 8),
+    ("raw", "1, 2, 3, 4, 5,", 15),
+    ("raw", "Q: Why is the sky blue?\nA:", 22),
+    ("raw", "数据科学是", 9),
 ]
 
 
