@@ -105,7 +105,11 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(
         default=None, ge=2, description="cap below the model's context length (default: the model's own)"
     )
-    num_threads: int | None = Field(default=None, ge=1, description="torch CPU threads (default: torch's)")
+    num_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU threads (default: the cores of the affinity mask, cut to the cgroup quota)",
+    )
     cuda_graphs: bool = Field(default=True, description="capture decode steps as CUDA graphs (CUDA + Triton)")
 
     @model_validator(mode="after")

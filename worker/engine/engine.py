@@ -17,7 +17,7 @@ import torch
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
+from worker.engine.cpu_tuning import CpuShare, bound_onednn_caches, cpu_budget, keep_freed_memory
 from worker.engine.device import (
     BF16_MIN_SPEEDUP,
     cpu_bf16_gemm_speedup,
@@ -104,6 +104,10 @@ class Engine:
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
         self.counters = EngineCounters()
+        # An explicit num_threads is the operator's; otherwise the thread count follows the cores other
+        # processes leave free (cpu_tuning.CpuShare).
+        adaptive = model_runner.device.type == "cpu" and cfg.num_threads is None
+        self.cpu_share = CpuShare(torch.get_num_threads()) if adaptive else None
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> Engine:
@@ -113,6 +117,8 @@ class Engine:
         dtype = pick_dtype(cfg.dtype, device, cfg.cpu_kernels)
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
+        elif device.type == "cpu" and torch.get_num_threads() > (budget := cpu_budget()):
+            torch.set_num_threads(budget)  # a thread per core of the node would outrun the cgroup's quota
         t0 = time.monotonic()
         weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device)
         loaded = load_model(cfg.model, dtype, device)
@@ -160,10 +166,11 @@ class Engine:
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else 0,
         )
         log.info(
-            "loaded %s in %.1fs: %s %s, %s, %d KV blocks of %d tokens (%s)",
+            "loaded %s in %.1fs: %s%s %s, %s, %d KV blocks of %d tokens (%s)",
             cfg.model,
             time.monotonic() - t0,
             device,
+            f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else "",
             dtype,
             backend.summary,
             num_blocks,
@@ -201,6 +208,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return results
+        if self.cpu_share is not None and (threads := self.cpu_share.poll()) is not None:
+            log.info("other processes' use of the worker's %d cores leaves room for %d CPU threads",
+                     len(self.cpu_share.cpus), threads)  # fmt: skip
+            torch.set_num_threads(threads)  # on the stepping thread, whose OpenMP setting counts
         t0 = time.monotonic()
         out = self.model_runner.run(batch)
         now = time.monotonic()

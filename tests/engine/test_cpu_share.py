@@ -1,0 +1,135 @@
+"""CPU workers on shared machines: threads sized to the cgroup's CPU quota, and to the cores other processes
+leave free (worker/engine/cpu_tuning.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from worker.engine.config import EngineConfig
+from worker.engine.cpu_tuning import CpuShare, cgroup_cpu_quota
+from worker.engine.engine import Engine
+from worker.engine.params import GenerationParams
+from worker.engine.request import EngineRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+CPUS = len(os.sched_getaffinity(0))
+
+
+@contextmanager
+def busy_core() -> Iterator[subprocess.Popen[bytes]]:
+    """Another process that keeps one core busy, as a co-tenant does."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def proposals(share: CpuShare, seconds: float) -> list[int]:
+    """What `share` proposes while the caller's process stays busy, as an engine stepping would."""
+    got, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t = time.process_time() + 0.01
+        while time.process_time() < t:
+            pass
+        if (n := share.poll()) is not None:
+            got.append(n)
+    return got
+
+
+def test_a_co_tenant_on_one_core_costs_the_engine_one_thread_and_its_leaving_gives_it_back() -> None:
+    assert CPUS >= 2, "this test needs two cores to share"
+    share = CpuShare(CPUS, interval=0.5)
+    assert proposals(share, 1.5) == [], "alone, the budget is the thread count"
+    with busy_core():
+        assert proposals(share, 3.0)[:1] == [CPUS - 1]
+    assert proposals(share, 3.0)[:1] == [CPUS]
+
+
+def test_the_engine_drops_a_thread_beside_a_co_tenant_and_keeps_an_explicit_setting(
+    tiny_model_dir: Path,
+) -> None:
+    threads = torch.get_num_threads()
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_gb=0.05, repetition_window=0)
+    assert Engine.load(cfg.model_copy(update={"num_threads": threads})).cpu_share is None
+    engine = Engine.load(cfg)
+    assert engine.cpu_share is not None and engine.cpu_share.budget == threads
+    engine.cpu_share.interval = 0.5
+    params = GenerationParams(max_new_tokens=100, temperature=0, ignore_eos=True)
+    try:
+        with busy_core():
+            deadline = time.monotonic() + 4.0
+            while torch.get_num_threads() == threads and time.monotonic() < deadline:
+                if not engine.has_work():
+                    engine.add_request(EngineRequest(uuid.uuid4().hex, params, prompt_token_ids=[5, 6, 7]))
+                engine.step()
+            assert torch.get_num_threads() == threads - 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_quota_is_the_tightest_of_the_cgroup_and_its_ancestors_in_either_cgroup_version(
+    tmp_path: Path,
+) -> None:
+    v2, proc = tmp_path / "v2", tmp_path / "cgroup"
+    write(v2 / "cgroup.controllers", "cpu memory\n")
+    write(v2 / "kubepods" / "cpu.max", "400000 100000\n")  # the pod: 4 cores
+    write(v2 / "kubepods" / "worker" / "cpu.max", "max 100000\n")  # the container: no limit of its own
+    write(proc, "0::/kubepods/worker\n")
+    assert cgroup_cpu_quota(str(proc), str(v2)) == 4.0
+    write(v2 / "kubepods" / "worker" / "cpu.max", "150000 100000\n")
+    assert cgroup_cpu_quota(str(proc), str(v2)) == 1.5
+    write(proc, "0::/\n")  # inside a cgroup namespace: the mount is the process's own cgroup
+    assert cgroup_cpu_quota(str(proc), str(v2)) is None
+
+    v1 = tmp_path / "v1"
+    write(v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "250000\n")
+    write(v1 / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us", "100000\n")
+    write(v1 / "cpu,cpuacct" / "cpu.cfs_quota_us", "-1\n")
+    write(v1 / "cpu,cpuacct" / "cpu.cfs_period_us", "100000\n")
+    write(proc, "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/docker/abc\n")
+    assert cgroup_cpu_quota(str(proc), str(v1)) == 2.5
+    assert cgroup_cpu_quota(str(tmp_path / "absent"), str(v1)) is None
+
+
+def test_a_worker_in_a_cgroup_with_a_cpu_quota_sizes_its_threads_to_it(tiny_model_dir: Path) -> None:
+    # A real cgroup with a quota of 1.5 cores, as Kubernetes' CPU limit makes one: the process still sees
+    # every core, and must not start a thread per core.
+    v1 = Path("/sys/fs/cgroup/cpu")
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.subtree_control").read_text():
+        group, limit = v2 / f"batchq-test-{uuid.uuid4().hex[:8]}", ("cpu.max", "150000 100000")
+    else:
+        group, limit = v1 / f"batchq-test-{uuid.uuid4().hex[:8]}", ("cpu.cfs_quota_us", "150000")
+    assert os.access(group.parent, os.W_OK), f"needs a writable cgroup hierarchy at {group.parent} (root)"
+    group.mkdir()
+    try:
+        (group / limit[0]).write_text(limit[1])
+        code = (
+            f"import os; open('{group}/cgroup.procs', 'w').write(str(os.getpid()));"
+            "import torch; from worker.engine.config import EngineConfig; from worker.engine.engine import Engine;"
+            f"e = Engine.load(EngineConfig(model={str(tiny_model_dir)!r}, dtype='float32', kv_cache_gb=0.05));"
+            "print(torch.get_num_threads(), e.cpu_share.budget)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["1", "1"]
+    finally:
+        group.rmdir()
