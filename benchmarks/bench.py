@@ -215,12 +215,13 @@ def table(info: dict[str, Any], rows: list[dict[str, Any]], hf_tps: float | None
 
 def print_findings(info: dict[str, Any]) -> None:
     """The lines under the table: how the engine stands against its bounds and its narrower variants."""
-    fb = info["full_batch"]
     print()
-    print(
-        f"full batch ({fb['batch_size']} seqs) decode: {fb['tokens_per_s']:.1f} tok/s = "
-        f"{100 * fb['flops_fraction']:.1f}% of GEMM ceiling {info['gemm_ceiling_gflops']:.0f} GFLOP/s ({info['dtype']})"
-    )
+    if (fb := info.get("full_batch")) is not None:
+        print(
+            f"full batch ({fb['batch_size']} seqs) decode: {fb['tokens_per_s']:.1f} tok/s = "
+            f"{100 * fb['flops_fraction']:.1f}% of GEMM ceiling {info['gemm_ceiling_gflops']:.0f} GFLOP/s "
+            f"({info['dtype']})"
+        )
     pl = info["physical_limit"]
     print(
         f"physical limit: {pl['gemm'] / 1e12:.2f} TFLOP GEMM ({pl['prompt_tokens_computed']} prompt tokens computed, "
@@ -336,11 +337,12 @@ def main() -> int:
     ceiling = gemm_ceiling(ns.dtype, native=True)
     params = engine.get("params") or SMOLLM2_PARAMS
     info["gemm_ceiling_gflops"] = ceiling / 1e9
-    info["full_batch"] = {
-        "batch_size": engine["full_batch_size"],
-        "tokens_per_s": engine["full_batch_tokens_per_s"],
-        "flops_fraction": engine["full_batch_tokens_per_s"] * 2 * params / ceiling,
-    }
+    if "full_batch_size" in engine:  # --full-batch 0 leaves the check out
+        info["full_batch"] = {
+            "batch_size": engine["full_batch_size"],
+            "tokens_per_s": engine["full_batch_tokens_per_s"],
+            "flops_fraction": engine["full_batch_tokens_per_s"] * 2 * params / ceiling,
+        }
     wf = engine["workload_flops"]
     limit_s = (wf["gemm"] + wf["attention"]) / ceiling
     info["physical_limit"] = {**wf, "seconds": limit_s, "engine_multiple": engine["wall_s"] / limit_s}

@@ -4,18 +4,21 @@ kernel (worker/kernels/paged_decode.c) vs the torch path of worker/kernels/torch
 
     .venv/bin/python benchmarks/kernel_bench.py [--heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16]
     .venv/bin/python benchmarks/kernel_bench.py --cpu [--heads 9 --kv-heads 3 --head-dim 64 --dtype float32]
-    .venv/bin/python benchmarks/kernel_bench.py --linear [--hidden 576 --inter 1536 --vocab 49152 ...]
+    .venv/bin/python benchmarks/kernel_bench.py --linear [--isa native,avx2] [--hidden 576 --inter 1536 ...]
     .venv/bin/python benchmarks/kernel_bench.py --decode-step [--model smollm2-135m --batches 1,8,32]
 
 --linear: the model's real linear shapes (default SmolLM2-135M's: fused QKV, o, fused gate/up, down, LM
 head), each layer's weights a separate copy (--layers of them, cycled) so they are read from DRAM as in
 a decode step. First the machine's bounds, measured in the same run: memory bandwidth (the best of a
-512 MB float32 sum on all threads) and the float32 GEMM peak (the better of torch's 2048^3 matmul
-and linear.c on a 1024 x 2048 x 2048 product). Then per shape, at
+512 MB float32 sum on all threads) and the float32 FMA peak of the instruction set the kernels were built
+for (independent vector FMAs on all threads, linear.c's batchq_fma_probe), with the share of it that a
+prompt-sized GEMM reaches (linear.c on 1024 x 2048 x 2048; torch's 2048^3 matmul). Then per shape, at
 rows M: torch (F.linear on nn.Linear's [out, in] weight, and x @ W[in, out]), linear.c in float32,
 bfloat16 and int8, and the bound: the longer of streaming the weight once and its FLOPs at the peak.
 Last, one decode step's linears summed over the model at each M, with linear.c's share of the bound.
 Times are the best of --passes passes (the least disturbed by other work on the machine).
+`--isa native,avx2` runs it once per instruction set the kernels are built for (BATCHQ_CPU_ISA): on an
+AVX-512 machine, the AVX2 path that AVX2-only CPUs run, beside the native one.
 
 GPU: for each (batch, context) it checks the kernel against the reference, then times both with
 triton.testing.do_bench and prints one table: milliseconds, the speed-up, and the kernel's KV-read
@@ -35,6 +38,8 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from worker.kernels.native_build import cpu_isa
 
 # batch x context: big batches fill the GPU with (sequence, kv head) programs; small ones need split-K.
 SHAPES = [(1, 2048), (1, 16384), (4, 8192), (16, 4096), (64, 2048), (128, 1024), (256, 512)]
@@ -73,7 +80,7 @@ def cpu_decode(args: argparse.Namespace) -> int:
     from bench import machine
 
     m = machine()
-    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
     print(f"command: {' '.join(sys.argv)}")
     print(
         f"decode: heads {args.heads}, kv heads {args.kv_heads}, head dim {args.head_dim}, "
@@ -151,19 +158,21 @@ def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ..
             native_linear.linear(x, int8, int8_scale, None, w.shape[0])
 
 
-def machine_bounds(passes: int = 20) -> tuple[float, float, float]:
-    """(memory bandwidth in bytes/s, float32 GEMM peak in FLOP/s: MKL's, linear.c's), measured here."""
+def machine_bounds(passes: int = 20) -> tuple[float, float, float, float]:
+    """(memory bandwidth in bytes/s; float32 FLOP/s of: the FMA peak of the ISA linear.c was built for,
+    MKL's 2048^3 matmul, linear.c's 1024 x 2048 x 2048 GEMM), measured here."""
     from worker.kernels import native_linear
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import gemm_ceiling, memory_bandwidth
 
     bandwidth = memory_bandwidth(passes)
+    fma = native_linear.fma_peak(torch.get_num_threads())
     x, w = torch.randn(1024, 2048), torch.randn(2048, 2048)
     packed = native_linear.pack(w)
     ms = _best_ms(lambda: native_linear.linear(x, packed, None, None, 2048), 5)
     ours = 2 * 1024 * 2048 * 2048 / (ms / 1e3)
-    return bandwidth, gemm_ceiling("float32"), ours
+    return bandwidth, fma, gemm_ceiling("float32"), ours
 
 
 def cpu_linear(args: argparse.Namespace) -> int:
@@ -178,13 +187,14 @@ def cpu_linear(args: argparse.Namespace) -> int:
         print("kernel_bench: the C linear kernel is not available here (see the warning above)")
         return 1
     m = machine()
-    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
     print(f"command: {' '.join(sys.argv)}")
-    bandwidth, mkl, ours = machine_bounds()
-    peak = max(mkl, ours)
+    bandwidth, peak, mkl, ours = machine_bounds()
     print(
-        f"bounds: memory {bandwidth / 1e9:.1f} GB/s (512 MB sum); float32 GEMM peak {peak / 1e9:.0f} GFLOP/s "
-        f"(the better of torch's 2048^3 matmul, {mkl / 1e9:.0f}, and linear.c's 1024x2048x2048, {ours / 1e9:.0f})\n"
+        f"bounds: memory {bandwidth / 1e9:.1f} GB/s (512 MB sum); float32 FMA peak {peak / 1e9:.0f} GFLOP/s "
+        f"({cpu_isa()} vectors, {m['threads']} threads)\n"
+        f"prompt-sized GEMM: linear.c 1024x2048x2048 {ours / 1e9:.0f} GFLOP/s = {100 * ours / peak:.0f}% of the "
+        f"FMA peak; torch's 2048^3 matmul {mkl / 1e9:.0f} GFLOP/s = {100 * mkl / peak:.0f}%\n"
     )
     qkv = (args.heads + 2 * args.kv_heads) * args.head_dim
     shapes = [  # (name, K = in, N = out, copies per step)
@@ -286,7 +296,7 @@ def cpu_decode_step(args: argparse.Namespace) -> int:
     from bench import machine
 
     m = machine()
-    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
     print(f"command: {' '.join(sys.argv)}")
     batches = [int(b) for b in args.batches.split(",")]
     times: dict[bool, list[float]] = {}
@@ -324,7 +334,22 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, help="default: 128 (GPU), 64 (--linear)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--isa",
+        help="--linear / --decode-step: kernels built for these instruction sets, one run each "
+        "(e.g. native,avx2: BATCHQ_CPU_ISA; default: $BATCHQ_CPU_ISA or native)",
+    )
     args = parser.parse_args()
+    if args.isa:  # each ISA in a fresh process: a process loads one build of the kernels
+        argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--isa" and sys.argv[i] != "--isa"]
+        argv = [a for a in argv if not a.startswith("--isa=")]
+        for isa in args.isa.split(","):
+            env = {**os.environ, "BATCHQ_CPU_ISA": isa}
+            rc = subprocess.run([sys.executable, __file__, *argv], env=env, check=False).returncode
+            if rc:
+                return rc
+            print()
+        return 0
     if args.decode_step:
         return cpu_decode_step(args)
     if args.linear:

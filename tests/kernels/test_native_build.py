@@ -99,3 +99,26 @@ def test_shares_torchs_openmp_runtime() -> None:
     maps = Path("/proc/self/maps").read_text().splitlines()
     runtimes = {Path(line.split()[-1]) for line in maps if "/libgomp.so" in line}
     assert {p.parent for p in runtimes} == {Path(torch.__file__).parent / "lib"}, runtimes
+
+
+def test_batchq_cpu_isa_builds_the_avx2_kernels_anywhere_and_refuses_an_unknown_set(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.kernels import native_linear
+
+    avx512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+    sink = torch.zeros(1)
+    # The FMA probe returns the floats one round covers: 12 vectors of the width the library was built for.
+    assert (lib := native_linear.library()) is not None
+    assert lib.batchq_fma_probe(10, 1, sink.data_ptr()) == 12 * (16 if avx512 else 8)
+    monkeypatch.setenv("BATCHQ_CPU_ISA", "avx2")
+    native_build.clear_caches()
+    assert (lib := native_linear.library()) is not None
+    assert lib.batchq_fma_probe(10, 1, sink.data_ptr()) == 12 * 8  # AVX2's 8-float vectors
+    assert len(list(fresh_library.glob("linear-*.so"))) == 2  # a build of its own, beside the native one
+    assert native_linear.fma_peak(1, seconds=0.02) > 1e9
+
+    monkeypatch.setenv("BATCHQ_CPU_ISA", "avx3")
+    native_build.clear_caches()
+    with pytest.raises(ValueError, match="BATCHQ_CPU_ISA='avx3': expected one of native, avx2"):
+        native_linear.library()

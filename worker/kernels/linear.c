@@ -250,3 +250,25 @@ void batchq_rotary(float *x, int T, int H, long row_stride, long head_stride, co
             batchq_rotary_head(x + (size_t)t * row_stride + (size_t)h * head_stride, cos + (size_t)t * D,
                                sin + (size_t)t * D, D);
 }
+
+/* The FMA peak of the instruction set this library was built for, for benchmarks: `iters` rounds of
+   FMA_CHAINS independent vector FMAs on every thread (independent chains hide the FMA latency, as a
+   GEMM tile's accumulators do). Returns the floats one round multiplies-and-adds (VL * FMA_CHAINS); the
+   caller times the call and counts 2 * that * iters * threads FLOPs. sink receives a sum, so nothing is optimised away. */
+#define FMA_CHAINS 12
+int batchq_fma_probe(long iters, int threads, float *sink) {
+    const int nthreads = threads > 0 ? threads : 1;
+    float total = 0.0f;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    {
+        vf acc[FMA_CHAINS];
+        const vf a = (vf){0} + 0.999999f, b = (vf){0} + 1e-7f;
+        for (int c = 0; c < FMA_CHAINS; c++) acc[c] = (vf){0} + (float)c;
+        for (long i = 0; i < iters; i++)
+            for (int c = 0; c < FMA_CHAINS; c++) acc[c] = acc[c] * a + b;
+        for (int c = 0; c < FMA_CHAINS; c++)
+            for (int j = 0; j < VL; j++) total += acc[c][j];
+    }
+    *sink = total;
+    return VL * FMA_CHAINS;
+}

@@ -44,6 +44,21 @@ FLAGS = [
     "-lm",
 ]
 X86_FLAGS = ["-mprefer-vector-width=512"]  # where AVX-512 exists, use all of it (ignored elsewhere)
+# BATCHQ_CPU_ISA=avx2 builds the AVX2 variant of every kernel on a machine with AVX-512 (tuned for this
+# CPU still), so that the path AVX2-only CPUs run can be tested and measured anywhere. Unset: native.
+CPU_ISAS = {"native": [], "avx2": ["-march=x86-64-v3", "-mno-avx512f", "-mtune=native"]}
+
+
+def cpu_isa() -> str:
+    """The instruction set the kernels are built for: $BATCHQ_CPU_ISA, or native."""
+    isa = os.environ.get("BATCHQ_CPU_ISA", "native") or "native"
+    if isa not in CPU_ISAS:
+        raise ValueError(f"BATCHQ_CPU_ISA={isa!r}: expected one of {', '.join(CPU_ISAS)}")
+    if isa != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(
+            f"BATCHQ_CPU_ISA={isa!r} is an x86 instruction set; this machine is {platform.machine()}"
+        )
+    return isa
 
 
 class Signature(NamedTuple):
@@ -73,7 +88,8 @@ def _cpu_features() -> str:
 def build(cc: str, sources: tuple[Path, ...], extra_flags: tuple[str, ...] = ()) -> Path:
     """The library built from `sources` (linked into one library) for this machine, from the cache when
     it is there (extra_flags: e.g. a narrower -march, in tests)."""
-    flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else []) + list(extra_flags)
+    flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else []) + CPU_ISAS[cpu_isa()]
+    flags += list(extra_flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     headers = sorted(sources[0].parent.glob("*.h"))  # what the sources #include
     texts = [f.read_text() for f in (*sources, *headers)]

@@ -8,6 +8,7 @@ every row of x from registers, where MKL's sgemm runs far below memory bandwidth
 
 from __future__ import annotations
 
+import time
 from ctypes import c_float, c_int, c_long, c_void_p
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ SIGNATURES = {
     "batchq_linear": Signature(c_int, [c_void_p] * 5 + [c_int] * 5),
     "batchq_rmsnorm": Signature(None, [c_void_p] * 3 + [c_int] * 2 + [c_float]),
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
+    "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
 }
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
 PANEL = 32  # linear.c's PANEL: output columns per panel of a packed weight
@@ -30,6 +32,27 @@ PANEL = 32  # linear.c's PANEL: output columns per panel of a packed weight
 def library() -> SimpleNamespace | None:
     """The loaded linear kernel (linear.c), or None (with one warning) where it cannot be built."""
     return load(SOURCES, "the linear layers", SIGNATURES)
+
+
+def fma_peak(threads: int, seconds: float = 0.2) -> float:
+    """FLOP/s of back-to-back vector FMAs on `threads` threads in the instruction set linear.c was built
+    for (BATCHQ_CPU_ISA): the arithmetic ceiling its GEMM tiles are measured against. Best of 3."""
+
+    lib = library()
+    assert lib is not None
+    sink = torch.zeros(1)
+    iters, best = 1 << 16, 0.0
+    while True:  # size one call to about `seconds`
+        t = time.perf_counter()
+        per_round = lib.batchq_fma_probe(iters, threads, sink.data_ptr())
+        if time.perf_counter() - t > seconds / 4:
+            break
+        iters *= 4
+    for _ in range(3):
+        t = time.perf_counter()
+        per_round = lib.batchq_fma_probe(iters, threads, sink.data_ptr())
+        best = max(best, 2 * per_round * iters * threads / (time.perf_counter() - t))
+    return best
 
 
 def pack(weight: Tensor) -> Tensor:
