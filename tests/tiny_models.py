@@ -1,6 +1,8 @@
 """Tiny random Llama-family checkpoints and a byte-level tokenizer, for tests and benchmarks only.
 
-Checkpoints are real HF directories (save_pretrained), so they go through the production loader.
+Checkpoints are real HF directories (save_pretrained), so they go through the production loader. Their norm
+weights and biases are random too: Hugging Face initialises them to ones and zeros, which would hide a norm
+or bias that is loaded into the wrong place, or not at all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 BYTE_OFFSET = 3  # ids 0..2 are <unk>, <s>, </s>; byte b is id b + 3
 VOCAB_SIZE = 256 + BYTE_OFFSET
 EOS_ID = 2
+NORM_NOISE = 0.1  # the spread added to every norm weight and bias
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
@@ -51,8 +54,17 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
-    """A small config of `arch` (llama | qwen2 | qwen3 | mistral) with peaky random logits."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3) with peaky random
+    logits."""
+    from transformers import (
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
@@ -70,7 +82,15 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         initializer_range=0.2,  # peaky distributions: random greedy paths without near-ties
     )
     common.update(overrides)
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    classes = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+        "granite": GraniteConfig,
+        "olmo2": Olmo2Config,
+        "phi3": Phi3Config,
+    }
     return classes[arch](**common)
 
 
@@ -82,6 +102,10 @@ def build_tiny_checkpoint(
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * NORM_NOISE)
     model.save_pretrained(path)
     byte_tokenizer(chat_template).save_pretrained(path)
     return path
