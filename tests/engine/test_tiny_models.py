@@ -1,4 +1,5 @@
-"""Greedy and logit parity with HF for tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints.
+"""Greedy and logit parity with HF for tiny random Llama / Qwen2 / Qwen3 / Mistral / Granite / OLMo 2 /
+Phi-3 checkpoints, and for the new families label scores and token logprobs too.
 
 Each checkpoint goes through the production loader (save_pretrained dir -> Engine.load).
 """
@@ -27,13 +28,43 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+GRANITE = {
+    "embedding_multiplier": 2.0,
+    "residual_multiplier": 0.7,
+    "attention_multiplier": 0.4,
+    "logits_scaling": 1.3,
+}
+
+
+def longrope(rotary_dims: int, threshold: int) -> dict[str, object]:
+    """Phi-3's LongRoPE: a short and a long factor per rotary frequency."""
+    n = rotary_dims // 2
+    return {
+        "original_max_position_embeddings": threshold,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(n)],
+            "long_factor": [1.0 + 0.6 * i for i in range(n)],
+        },
+    }
+
+
 ARCHS = {
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE, "attention_bias": True}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
     "mistral": ("mistral", {"sliding_window": 4096}),
+    "granite": ("granite", GRANITE),
+    "granite-tied": ("granite", {**GRANITE, "tie_word_embeddings": True}),
+    "olmo2": ("olmo2", {"attention_bias": True}),
+    "phi3": ("phi3", {}),
+    # the threshold sits past every test sequence: short factors throughout, as Hugging Face rotates them
+    "phi3-longrope": ("phi3", longrope(16, 128)),
+    "phi4-mini-like": ("phi3", {**longrope(12, 128), "partial_rotary_factor": 0.75}),
 }
+NEW_FAMILIES = ["granite", "granite-tied", "olmo2", "phi3", "phi3-longrope", "phi4-mini-like"]
 PROMPTS = [[5, 6, 7], list(range(10, 60)), [200, 100] * 40, [42], list(range(3, 120, 2))]
 MAX_NEW = [20, 7, 33, 12, 25]
 
@@ -93,3 +124,81 @@ def test_prefill_and_decode_logits_match_hf(tiny: tuple[Path, str]) -> None:
             ref = hf(torch.tensor([[*p, nxt[i]]])).logits[0]  # [len + 1, vocab]
             torch.testing.assert_close(ours[i], ref[-2], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(ours_decode[i], ref[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def new_family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    arch, overrides = ARCHS[request.param]
+    return build_tiny_checkpoint(
+        tmp_path_factory.mktemp(request.param), arch, seed=3, **overrides
+    ), request.param
+
+
+@pytest.mark.parametrize("cpu_kernels", ["auto", "torch"])
+def test_label_scores_and_token_logprobs_match_hf(new_family: tuple[Path, str], cpu_kernels: str) -> None:
+    from tests.engine.test_labeling import LABELS, PROMPTS, check_token_logprobs, hf_label_logprob
+
+    path, _ = new_family
+    cfg = EngineConfig(
+        dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8, cpu_kernels=cpu_kernels
+    )
+    engine = Engine.load(cfg)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = engine.eos_token_ids[0]
+    lp = GenerationParams(max_new_tokens=10, temperature=0.0, logprobs=True, top_logprobs=3)
+    choose = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
+    reqs = [EngineRequest(f"{kind}{i}", params, prompt_token_ids=p)
+            for i, p in enumerate(PROMPTS) for kind, params in (("lp", lp), ("c", choose))]  # fmt: skip
+    results = engine.generate(reqs)
+    for i, prompt in enumerate(PROMPTS):
+        check_token_logprobs(engine, hf, prompt, results[2 * i], 3)
+        scores = results[2 * i + 1].label_scores
+        assert scores is not None
+        for s, label in zip(scores, engine.prompts.label_ids(LABELS), strict=True):
+            assert abs(s.logprob - hf_label_logprob(hf, prompt, label, eos)) < 1e-4, s
+
+
+# What each family's decode steps run on, with the C kernels: the decode stack where decode_stack.c computes
+# the family's structure (Granite's multipliers are folded into weights and scales it already takes), layer
+# by layer where it does not.
+STACK = {"granite": True, "granite-tied": True, "olmo2": False, "phi3": True, "phi3-longrope": True,
+         "phi4-mini-like": False}  # fmt: skip
+
+
+def test_each_family_decodes_on_the_path_the_backend_names(new_family: tuple[Path, str]) -> None:
+    path, name = new_family
+    engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8))
+    backend, model = engine.model_runner.backend, engine.model_runner.model
+    if backend.linear.name != "c":
+        pytest.skip("no C compiler here")
+    assert backend.decode_stack == STACK[name]
+    engine.generate([EngineRequest("r", greedy(4), prompt_token_ids=[5, 6, 7])])
+    assert (model._stack is not None and model._stack[1] is not None) == STACK[name]
+    if not STACK[name]:
+        assert backend.stack_refused is not None and "decode layer by layer" in backend.summary
+        assert model.decode_stack_unsupported == backend.stack_refused
+
+
+def test_longrope_positions_past_the_threshold_take_the_long_factors(tmp_path: Path) -> None:
+    """A sequence that grows past original_max_position_embeddings keeps its cached K, each later position
+    rotated by the long factors (loader._long_rope): Hugging Face's model stepped token by token over its own
+    cache computes the same."""
+    path = build_tiny_checkpoint(tmp_path, "phi3", seed=3, **longrope(16, 24))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt, new = list(range(10, 30)), 12  # 20 tokens, then 12 more: the threshold passed at the 5th
+    for cpu_kernels in ("auto", "torch"):
+        cfg = EngineConfig(
+            dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8, cpu_kernels=cpu_kernels
+        )
+        engine = Engine.load(cfg)
+        params = GenerationParams(max_new_tokens=new, temperature=0.0, logprobs=True, ignore_eos=True)
+        res = engine.generate([EngineRequest("r", params, prompt_token_ids=prompt)])[0]
+        assert res.logprobs is not None and len(res.token_ids) == new
+        with torch.no_grad():
+            out = hf(torch.tensor([prompt]), use_cache=True)
+            for i, tok in enumerate(res.token_ids):
+                row = torch.log_softmax(out.logits[0, -1], dim=-1)
+                assert abs(res.logprobs[i].logprob - float(row[tok])) < 1e-4, (cpu_kernels, i)
+                assert tok == int(row.argmax())
+                position = torch.tensor([[len(prompt) + i]])
+                out = hf(torch.tensor([[tok]]), past_key_values=out.past_key_values, position_ids=position)

@@ -154,7 +154,10 @@ def test_local_folders_and_files_that_are_no_checkpoint_are_refused_before_loadi
     gpt2 = copy_of(tiny, tmp_path / "gpt2")
     cfg = json.loads((gpt2 / "config.json").read_text())
     (gpt2 / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt2' .*supported: llama, mistral"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"unsupported architecture 'gpt2' .*supported: granite, llama, mistral, olmo2, phi3, qwen2, qwen3",
+    ):
         check_model_reference(str(gpt2))
     (tmp_path / "model.gguf").write_bytes(b"not a gguf")
     with pytest.raises(ModelLoadError, match=r"model.gguf': not a GGUF file"):

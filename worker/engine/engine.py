@@ -130,7 +130,7 @@ class Engine:
             dtype,
             weight_dtype,
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
-        )
+        ).for_model(loaded.model)
         if weight_dtype != dtype:
             if backend.linear.name != "c":
                 why = "cpu_kernels = 'torch'" if cfg.cpu_kernels == "torch" else "the warning above says why"

