@@ -62,7 +62,10 @@ ARCHS = {
     "phi3": ("phi3", {}),
     # the threshold sits past every test sequence: short factors throughout, as Hugging Face rotates them
     "phi3-longrope": ("phi3", longrope(16, 128)),
-    "phi4-mini-like": ("phi3", {**longrope(12, 128), "partial_rotary_factor": 0.75}),
+    "phi4-mini-like": (
+        "phi3",
+        {**longrope(12, 128), "partial_rotary_factor": 0.75, "tie_word_embeddings": True},
+    ),
 }
 NEW_FAMILIES = ["granite", "granite-tied", "olmo2", "phi3", "phi3-longrope", "phi4-mini-like"]
 PROMPTS = [[5, 6, 7], list(range(10, 60)), [200, 100] * 40, [42], list(range(3, 120, 2))]
