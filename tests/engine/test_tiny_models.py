@@ -6,6 +6,7 @@ Each checkpoint goes through the production loader (save_pretrained dir -> Engin
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -182,7 +183,9 @@ def test_each_family_decodes_on_the_path_the_backend_names(new_family: tuple[Pat
         assert model.decode_stack_unsupported == backend.stack_refused
 
 
-def test_longrope_positions_past_the_threshold_take_the_long_factors(tmp_path: Path) -> None:
+def test_longrope_positions_past_the_threshold_take_the_long_factors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A sequence that grows past original_max_position_embeddings keeps its cached K, each later position
     rotated by the long factors (loader._long_rope): Hugging Face's model stepped token by token over its own
     cache computes the same."""
@@ -193,7 +196,9 @@ def test_longrope_positions_past_the_threshold_take_the_long_factors(tmp_path: P
         cfg = EngineConfig(
             dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8, cpu_kernels=cpu_kernels
         )
-        engine = Engine.load(cfg)
+        with caplog.at_level(logging.WARNING, logger="worker.models.loader"):
+            engine = Engine.load(cfg)
+        assert "LongRoPE: exact for sequences of up to 24 tokens" in caplog.text
         params = GenerationParams(max_new_tokens=new, temperature=0.0, logprobs=True, ignore_eos=True)
         res = engine.generate([EngineRequest("r", params, prompt_token_ids=prompt)])[0]
         assert res.logprobs is not None and len(res.token_ids) == new

@@ -338,17 +338,21 @@ def _long_rope(hf_config: Any, device: torch.device) -> tuple[torch.Tensor, int]
     a longer one with the long factors at every position: its generate recomputes the whole cache with the
     long factors at the step that crosses the threshold. A paged cache is not rewritten, so our table
     rotates positions below the threshold with the short factors and the rest with the long ones: exact
-    for every sequence that stays within the threshold; a longer one keeps the short rotation on its first
-    positions. vLLM rotates every position with the long factors wherever max_model_len passes the
-    threshold (no sequence mixes the two, and none that fits is exact). Ours keeps a position's K
-    independent of its sequence's length, so the prefix cache and batch independence hold as for every
-    other model."""
+    for every sequence that stays within the threshold. A longer one keeps the short rotation on its first
+    positions, so attention from past the threshold to before it compares keys and queries rotated by
+    different factors (the load warns where the context allows such sequences). vLLM instead rotates every
+    position with the long factors wherever max_model_len passes the threshold: no sequence mixes the two,
+    and none that fits within it is exact. Ours keeps a position's K independent of its sequence's length,
+    so the prefix cache and batch independence hold as for every other model; Hugging Face's results past
+    the threshold would need a rope choice per sequence and a recompute at the crossing."""
     rope = getattr(hf_config, "rope_parameters", None)
     if not isinstance(rope, dict) or rope.get("rope_type") != "longrope":
         return None
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    threshold = int(rope["original_max_position_embeddings"])
+    threshold = int(
+        rope.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+    )
     long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, device, seq_len=threshold + 1)
     return long_inv_freq, threshold
 
@@ -396,6 +400,13 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
     rotary_hf = type(hf.model.rotary_emb)(config=hf.config)
     inv_freq = rotary_hf.inv_freq.to(device)
     long_rope = _long_rope(hf.config, device)
+    if long_rope is not None and max_len > long_rope[1]:
+        log.warning(
+            "LongRoPE: exact for sequences of up to %d tokens; a longer one keeps the short factors' rotation "
+            "on its first %d positions where Hugging Face rotates all with the long factors (max_model_len = "
+            "%d serves only exact ones)",
+            long_rope[1], long_rope[1], long_rope[1],
+        )  # fmt: skip
     with torch.device(device):
         ours = LlamaFamilyModel(spec, RotaryTable(inv_freq, 1.0, 1)).to(dtype)
         # Attached after the dtype cast: the cos/sin table stays float32 (exact), cast per step.
