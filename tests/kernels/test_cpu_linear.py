@@ -4,6 +4,7 @@ layer's methods (linear_methods.py)."""
 
 from __future__ import annotations
 
+import itertools
 import platform
 from pathlib import Path
 from types import SimpleNamespace
@@ -162,14 +163,15 @@ def _load_for(flags: tuple[str, ...]) -> SimpleNamespace:
 def test_narrower_instruction_sets_give_the_same_answers(
     flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The AVX2 path (8-float vectors, its own widenings) and the generic one, built on this machine with
-    # a narrower -march: AVX-512 machines then test what AVX2-only CPUs run.
+    # The AVX2 path (8-float vectors, its own widenings, whole-panel tiles for up to 3 rows) and the
+    # generic one, built on this machine with a narrower -march: AVX-512 machines then test what AVX2-only
+    # CPUs run. 37 outputs: a whole panel and a partial one.
     monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
     lib = _load_for(flags)
     gen = torch.Generator().manual_seed(11)
-    m, k, n = 9, 96, 37
-    x = torch.randn(m, k, generator=gen)
-    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+    k, n = 96, 37
+    for m, dtype in itertools.product((1, 2, 3, 4, 9), (torch.float32, torch.bfloat16, torch.int8)):
+        x = torch.randn(m, k, generator=gen)
         lin = Linear(k, n, bias=True)
         lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
         if dtype != torch.float32:

@@ -47,6 +47,21 @@
 #error "MR > 12: TILE_FNS has tiles of 1 to 12 rows"
 #endif
 #define TCOLS (NV * VL) /* a tile's columns: the whole panel with AVX-512, half of it with 8-float vectors */
+#define PANEL_VECS (PANEL / VL)
+/* With 8-float vectors a tile of MR rows covers half a panel, so a panel is streamed in two passes, each
+   reading one of the two cache lines of every panel row, with few independent FMA chains per pass when M
+   is small. Where one tile holds every row (M <= WIDE_ROWS), a tile over the whole panel streams it once
+   with PANEL_VECS chains per row: WIDE_MR rows x PANEL_VECS vectors = 12 accumulators of the 16
+   registers. With more rows the whole-panel tiles would each reread the panel, and the MR x NV tiles,
+   which need fewer broadcasts per FMA, do better. */
+#if TCOLS < PANEL
+#ifndef WIDE_MR
+#define WIDE_MR 3
+#endif
+#ifndef WIDE_ROWS
+#define WIDE_ROWS WIDE_MR
+#endif
+#endif
 
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2), aligned(2)));
@@ -94,33 +109,36 @@ static inline vf load_w(const char *p, const int elem) {
    bias: the tile's first column's, or NULL. pf: what to prefetch, row k at pf + k * the row stride. */
 static inline __attribute__((always_inline)) void tile(
     const float *x, const char *w, const char *pf, float *y, const int K, const int N, const int mr,
-    const int cols, const int elem, const float *scale, const float *bias, const int accumulate
+    const int nv, const int cols, const int elem, const float *scale, const float *bias, const int accumulate
 ) {
     const size_t es = ELEM_BYTES[elem], stride = PANEL * es;
-    vf acc[MR][NV], total[MR][NV];
+    vf acc[MR][PANEL_VECS], total[MR][PANEL_VECS];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NV; j++) total[i][j] = (vf){0};
+        for (int j = 0; j < nv; j++) total[i][j] = (vf){0};
     for (int k0 = 0; k0 < K; k0 += KBLOCK) {
         const int k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
         for (int i = 0; i < mr; i++)
-            for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
+            for (int j = 0; j < nv; j++) acc[i][j] = (vf){0};
         for (int k = k0; k < k1; k++) {
             const char *p = w + (size_t)k * stride;
             __builtin_prefetch(pf + (size_t)k * stride, 0, 0);
             if (stride > 64) __builtin_prefetch(pf + (size_t)k * stride + 64, 0, 0); /* float32: 2 lines a row */
-            vf wv[NV];
-            for (int j = 0; j < NV; j++) wv[j] = load_w(p + (size_t)j * VL * es, elem);
+            vf wv[PANEL_VECS];
+            for (int j = 0; j < nv; j++) wv[j] = load_w(p + (size_t)j * VL * es, elem);
             for (int i = 0; i < mr; i++) {
-                const vf xb = (vf){0} + x[(size_t)i * K + k];
-                for (int j = 0; j < NV; j++) acc[i][j] += xb * wv[j];
+                /* A scalar times a vector: the compiler broadcasts x[m, k] straight from memory into the
+                   FMA's operand. (A vector built as `(vf){0} + x` costs a scalar add and a register
+                   broadcast per row and k: -0.0 + 0.0 is not -0.0, so the add cannot be dropped.) */
+                const float xs = x[(size_t)i * K + k];
+                for (int j = 0; j < nv; j++) acc[i][j] += xs * wv[j];
             }
         }
         for (int i = 0; i < mr; i++)
-            for (int j = 0; j < NV; j++) total[i][j] += acc[i][j];
+            for (int j = 0; j < nv; j++) total[i][j] += acc[i][j];
     }
     for (int i = 0; i < mr; i++) {
         float *out = y + (size_t)i * N;
-        for (int j = 0; j < NV; j++) {
+        for (int j = 0; j < nv; j++) {
             const int c0 = j * VL;
             vf v = total[i][j];
             if (cols >= c0 + VL) {
@@ -146,7 +164,7 @@ static inline __attribute__((always_inline)) void tile(
         const float *x, const char *w, const char *pf, float *y, int K, int N, int cols, const float *s,  \
         const float *b, int acc                                                                          \
     ) {                                                                                                  \
-        tile(x, w, pf, y, K, N, (mr) < MR ? (mr) : MR, cols, elem, s, b, acc);                           \
+        tile(x, w, pf, y, K, N, (mr) < MR ? (mr) : MR, NV, cols, elem, s, b, acc);                       \
     }
 #define TILES(elem)                                                                                    \
     TILE_FN(1, elem) TILE_FN(2, elem) TILE_FN(3, elem) TILE_FN(4, elem) TILE_FN(5, elem) TILE_FN(6, elem) \
@@ -162,6 +180,24 @@ typedef void (*tile_fn)(
 #define ROW(e) {tile_1_##e, tile_2_##e, tile_3_##e, tile_4_##e, tile_5_##e, tile_6_##e, tile_7_##e, tile_8_##e, \
                 tile_9_##e, tile_10_##e, tile_11_##e, tile_12_##e}
 static const tile_fn TILE_FNS[3][12] = {ROW(0), ROW(1), ROW(2)};
+#ifdef WIDE_ROWS
+#define WIDE_FN(mr, elem)                                                                                \
+    static __attribute__((noinline)) void wide_##mr##_##elem(                                           \
+        const float *x, const char *w, const char *pf, float *y, int K, int N, int cols, const float *s,  \
+        const float *b, int acc                                                                          \
+    ) {                                                                                                  \
+        tile(x, w, pf, y, K, N, mr, PANEL_VECS, cols, elem, s, b, acc);                                  \
+    }
+#define WIDES(elem) WIDE_FN(1, elem) WIDE_FN(2, elem) WIDE_FN(3, elem)
+WIDES(0)
+WIDES(1)
+WIDES(2)
+#if WIDE_MR > 3
+#error "WIDE_MR > 3: WIDE_FNS has tiles of 1 to 3 rows"
+#endif
+#define WROW(e) {wide_1_##e, wide_2_##e, wide_3_##e}
+static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
+#endif
 
 /* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): a contiguous range of panels,
    each streamed once. Called inside a parallel region: by batchq_linear below, and by decode_stack.c for
@@ -173,20 +209,25 @@ void batchq_linear_part(
     const size_t panel_bytes = (size_t)K * PANEL * ELEM_BYTES[elem];
     const int panels = (N + PANEL - 1) / PANEL;
     const int p0 = (int)((long)panels * t / nt), p1 = (int)((long)panels * (t + 1) / nt);
-    const int tiles = (M + MR - 1) / MR; /* of balanced sizes: 16 rows are 2 x 8, not 12 + 4 */
+    int mr_max = MR, tcols = TCOLS;
+    const tile_fn *fns = TILE_FNS[elem];
+#ifdef WIDE_ROWS
+    if (M <= WIDE_ROWS) mr_max = WIDE_MR, tcols = PANEL, fns = WIDE_FNS[elem];
+#endif
+    const int tiles = (M + mr_max - 1) / mr_max; /* of balanced sizes: 16 rows are 2 x 8, not 12 + 4 */
     for (int p = p0; p < p1; p++) {
         const char *wp = (const char *)w + (size_t)p * panel_bytes;
-        for (int h = 0; h < PANEL / TCOLS; h++) {
-            const int n0 = p * PANEL + h * TCOLS, cols = N - n0 < TCOLS ? N - n0 : TCOLS;
+        for (int h = 0; h < PANEL / tcols; h++) {
+            const int n0 = p * PANEL + h * tcols, cols = N - n0 < tcols ? N - n0 : tcols;
             if (cols <= 0) break;
-            const char *wt = wp + (size_t)h * TCOLS * ELEM_BYTES[elem];
+            const char *wt = wp + (size_t)h * tcols * ELEM_BYTES[elem];
             for (int i = 0; i < tiles; i++) {
                 const int m0 = M * i / tiles, mr = M * (i + 1) / tiles - m0;
                 /* The first tile streams the panel from memory, prefetching ahead in it; the second reads it
                    from L2 and prefetches the next panel meanwhile, so memory never waits for the tiles that
                    reuse a panel; later tiles touch their own rows. */
                 const char *pf = i == 0 ? wt + PREFETCH_BYTES : i == 1 && p + 1 < p1 ? wt + panel_bytes : wt;
-                TILE_FNS[elem][mr - 1](x + (size_t)m0 * K, wt, pf, y + (size_t)m0 * N + n0, K, N, cols,
+                fns[mr - 1](x + (size_t)m0 * K, wt, pf, y + (size_t)m0 * N + n0, K, N, cols,
                                        wscale ? wscale + n0 : NULL, bias ? bias + n0 : NULL, accumulate);
             }
         }
