@@ -29,6 +29,51 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SMOLLM2_PARAMS = 134_515_008  # counted from the checkpoint; tied embeddings counted once
 
 
+# The CPU features the kernels' speed turns on, recorded with every run.
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def isa_kernels() -> list[dict[str, Any]]:
+    """The CPU linear kernel per instruction set it can be built for here (native; AVX2 too where AVX-512
+    exists): decode rows' time against the weight-streaming / FMA bound, and a prompt-sized GEMM's share of
+    that ISA's FMA peak (benchmarks/kernel_bench.py --linear, one process per ISA)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isas = ["native"] + (["avx2"] if " avx512f " in f" {flags} " else [])
+    out = []
+    for isa in isas:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_bench.py"), "--linear", "--rows", "1,8,16",
+                   "--passes", "3", "--json", f.name]  # fmt: skip
+            proc = subprocess.run(
+                cmd, env={**os.environ, "BATCHQ_CPU_ISA": isa}, capture_output=True, check=False
+            )
+            if proc.returncode != 0:
+                print(f"kernel_bench for {isa} failed: {proc.stderr.decode()[-500:]}")
+                continue
+            out.append(orjson.loads(Path(f.name).read_bytes()))
+    return out
+
+
+def side_measurements(skip: list[str]) -> dict[str, Any]:
+    """The figures beside the contenders' table: producer submit's rate, the linear kernel per ISA."""
+    out: dict[str, Any] = {}
+    if "enqueue" not in skip:
+        out["enqueue"] = enqueue_rate()
+    if "isa" not in skip:
+        out["isa_kernels"] = isa_kernels()
+    return out
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -48,6 +93,7 @@ def machine() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "avx512_bf16": "avx512_bf16" in flags,
         "amx": "amx_bf16" in flags,
+        "flags": [f for f in CPU_FLAGS if f" {f} " in f" {flags} "],
         "python": platform.python_version(),
     }
 
@@ -171,7 +217,7 @@ def fmt(x: float | None, spec: str) -> str:
 def table(info: dict[str, Any], rows: list[dict[str, Any]], hf_tps: float | None) -> str:
     lines = [
         f"machine: {info['machine']['cpu']}, {info['machine']['cores']} cores, torch {info['machine']['torch']}, "
-        f"dtype {info['dtype']}",
+        f"dtype {info['dtype']}; CPU flags: {' '.join(info['machine']['flags']) or '-'}",
         f"workload: {info['requests']} requests (seed {info['seed']}), model smollm2-135m, greedy, EOS honoured",
         "",
         "| contender | output tok/s | req/s | TTFT p50 s | TTFT p95 s | peak RSS MB | vs HF |",
@@ -266,6 +312,15 @@ def print_findings(info: dict[str, Any]) -> None:
     if "enqueue" in info:
         e = info["enqueue"]
         print(f"producer submit: {e['lines']} lines in {e['wall_s']:.2f}s = {e['lines_per_s']:.0f} lines/s")
+    for k in info.get("isa_kernels", []):
+        rows = " / ".join(
+            f"{r['ms']:.1f} ms ({100 * r['bound_ms'] / r['ms']:.0f}%)" for r in k["decode_rows"].values()
+        )
+        print(
+            f"linear.c built for {k['isa']}: decode-step linears at {' / '.join(k['decode_rows'])} rows {rows} "
+            f"of the bound; a prompt-sized GEMM at {100 * k['prompt_gemm_share_of_fma_peak']:.0f}% of the "
+            f"{k['fma_peak_gflops']:.0f} GFLOP/s FMA peak (kernel_bench.py --linear)"
+        )
 
 
 def main() -> int:
@@ -287,7 +342,7 @@ def main() -> int:
         "--skip",
         action="append",
         default=[],
-        choices=["hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp"],
+        choices=["hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp", "isa"],
     )
     p.add_argument("--out", default=None)
     ns = p.parse_args()
@@ -375,8 +430,7 @@ def main() -> int:
         itemsize = 4 if ns.dtype == "float32" else 2
         budget = params * itemsize / 2**20 + engine["kv_pool_mb"] + 1024  # the pool is sized from memory
         info["worker_rss"] = {"peak_mb": queue["peak_rss_mb"], "budget_mb": budget}
-    if "enqueue" not in ns.skip:
-        info["enqueue"] = enqueue_rate()
+    info.update(side_measurements(ns.skip))
     for r in rows:
         r.pop("texts", None)
         r.pop("token_ids", None)

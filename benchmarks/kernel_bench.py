@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import subprocess
@@ -256,6 +257,15 @@ def cpu_linear(args: argparse.Namespace) -> int:
             f"{best_torch / t['C float32']:>7.1f}x {100 * t['bound'] / t['C float32']:>6.0f}% | "
             f"{t['C bfloat16']:>7.1f} {t['C int8']:>7.1f} | {t['bound']:>9.1f}"
         )
+    if args.json:  # what `make bench` reports per instruction set
+        summary = {
+            "isa": cpu_isa(),
+            "bandwidth_gb_s": bandwidth / 1e9,
+            "fma_peak_gflops": peak / 1e9,
+            "prompt_gemm_share_of_fma_peak": ours / peak,
+            "decode_rows": {str(r): {"ms": step[r]["C float32"], "bound_ms": step[r]["bound"]} for r in rows},
+        }
+        Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
 
 
@@ -334,6 +344,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, help="default: 128 (GPU), 64 (--linear)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--json", help="--linear: also write the bounds and the step summary to this file")
     parser.add_argument(
         "--isa",
         help="--linear / --decode-step: kernels built for these instruction sets, one run each "
