@@ -1,4 +1,6 @@
-"""Building blocks shared by the decoder: RMSNorm, rotary embedding table, per-step attention metadata."""
+"""Building blocks shared by the decoders: RMSNorm, rotary embedding table, per-step attention metadata, and
+attention over the paged cache through the backend (`paged_attention`, which the transformers fallback
+runs too)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from worker.kernels.backend import TORCH_LINEAR, LinearMethod, dequantized
+from worker.kernels.backend import TORCH_LINEAR, Backend, LinearMethod, dequantized
+
+KVCache = tuple[Tensor, Tensor]  # one layer's k, v in the attention backend's layout (backend.kv_cache_shape)
 
 
 class Linear(nn.Module):
@@ -162,3 +166,46 @@ class AttentionMetadata:
     # "mixed": the first decode.context_lens.shape[0] tokens decode (described by `decode`); the rest are
     # prompt chunks, described by the fields above (slot_mapping covers every token).
     decode: AttentionMetadata | None = None
+
+
+def paged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv: KVCache,
+    meta: AttentionMetadata,
+    backend: Backend,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> Tensor:
+    """Write this step's K/V into one layer's paged cache, then attend over each sequence's cached context.
+
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (rotated) -> [T, heads, head_dim]. The cache
+    holds K / k_scale and V / v_scale (an FP8 cache's calibrated scales; 1 otherwise): q.k/s_k scores with
+    the softmax scale times s_k, and the output is multiplied by s_v, so the kernels never see a scale.
+    """
+    if k_scale != 1.0 or v_scale != 1.0:
+        k, v, scale = k / k_scale, v / v_scale, scale * k_scale
+    k_cache, v_cache = kv
+    attn = backend.attention
+    attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.phase == "decode":
+        o = attn.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    elif meta.phase == "prefill":
+        assert meta.cu_seqlens_q is not None
+        o = attn.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale, k=k, v=v
+        )
+    else:  # mixed: decode rows first, then prompt chunks, each through its own kernel
+        assert meta.cu_seqlens_q is not None and meta.decode is not None
+        nd = meta.decode.context_lens.shape[0]
+        od = attn.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, scale
+        )
+        op = attn.paged_prefill_attention(
+            q[nd:], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
+            k=k[nd:], v=v[nd:],
+        )  # fmt: skip
+        o = torch.cat([od, op])
+    return o if v_scale == 1.0 else o * v_scale

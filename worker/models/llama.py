@@ -16,12 +16,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker.kernels.backend import Backend, DecodeStack, StackLayer, StackLinear
-from worker.models.layers import AttentionMetadata, Linear, RMSNorm, RotaryTable, apply_rotary
+from worker.models.layers import (
+    AttentionMetadata,
+    KVCache,
+    Linear,
+    RMSNorm,
+    RotaryTable,
+    apply_rotary,
+    paged_attention,
+)
 from worker.models.spec import DecoderSpec
 
-__all__ = ["DecoderSpec", "LlamaFamilyModel"]  # DecoderSpec: where callers have always found it
-
-KVCache = tuple[Tensor, Tensor]  # k, v in the attention backend's layout (backend.kv_cache_shape)
+# DecoderSpec, KVCache: where callers have always found them
+__all__ = ["DecoderSpec", "KVCache", "LlamaFamilyModel"]
 
 
 class Attention(nn.Module):
@@ -69,33 +76,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin, self.c_rotary), apply_rotary(k, cos, sin, self.c_rotary)
         if kv_absmax is not None:
             kv_absmax.append((float(k.abs().max()), float(v.abs().max())))
-        scale = self.scale
-        if self.k_scale != 1.0 or self.v_scale != 1.0:
-            k, v, scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale
-        k_cache, v_cache = kv
-        attn = backend.attention
-        attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.phase == "decode":
-            o = attn.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-        elif meta.phase == "prefill":
-            assert meta.cu_seqlens_q is not None
-            o = attn.paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
-                k=k, v=v,
-            )  # fmt: skip
-        else:  # mixed: decode rows first, then prompt chunks, each through its own kernel
-            assert meta.cu_seqlens_q is not None and meta.decode is not None
-            nd = meta.decode.context_lens.shape[0]
-            od = attn.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, scale
-            )
-            op = attn.paged_prefill_attention(
-                q[nd:], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
-                k=k[nd:], v=v[nd:],
-            )  # fmt: skip
-            o = torch.cat([od, op])
-        if self.v_scale != 1.0:
-            o = o * self.v_scale
+        o = paged_attention(q, k, v, kv, meta, backend, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -155,6 +136,16 @@ class LlamaFamilyModel(nn.Module):
         if self.rotary.dim != self.spec.head_dim:
             return "a partial rotary factor"
         return None
+
+    @property
+    def uses_c_linear(self) -> bool:
+        """Whether the linear layers run linear.c (the backend's choice, use_backend)."""
+        return self.lm_head.method.name == "c"
+
+    @property
+    def max_positions(self) -> int:
+        """The positions the rotary table covers: the longest sequence the model runs."""
+        return int(self.rotary.cos.shape[0])
 
     def attentions(self) -> list[Attention]:
         """Every layer's attention module, in order."""
