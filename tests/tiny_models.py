@@ -54,9 +54,11 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
-    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3) with peaky random
-    logits."""
+    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3, and cohere |
+    starcoder2 | gemma2, which run through the transformers fallback) with peaky random logits."""
     from transformers import (
+        CohereConfig,
+        Gemma2Config,
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
@@ -64,6 +66,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        Starcoder2Config,
     )
 
     common: dict[str, Any] = dict(
@@ -90,6 +93,9 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         "granite": GraniteConfig,
         "olmo2": Olmo2Config,
         "phi3": Phi3Config,
+        "cohere": CohereConfig,
+        "starcoder2": Starcoder2Config,
+        "gemma2": Gemma2Config,
     }
     return classes[arch](**common)
 

@@ -153,10 +153,13 @@ def test_local_folders_and_files_that_are_no_checkpoint_are_refused_before_loadi
         check_model_reference(str(bad_json))
     gpt2 = copy_of(tiny, tmp_path / "gpt2")
     cfg = json.loads((gpt2 / "config.json").read_text())
-    (gpt2 / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    (gpt2 / "config.json").write_text(
+        json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(
         ModelLoadError,
-        match=r"unsupported architecture 'gpt2' .*supported: granite, llama, mistral, olmo2, phi3, qwen2, qwen3",
+        match=r"unsupported architecture 'gpt2' .*not a decoder-only \*ForCausalLM; supported: granite, llama, "
+        r"mistral, olmo2, phi3, qwen2, qwen3, and other \*ForCausalLM models through transformers",
     ):
         check_model_reference(str(gpt2))
     (tmp_path / "model.gguf").write_bytes(b"not a gguf")

@@ -18,6 +18,7 @@ SchedulePolicy = Literal["fcfs", "longest_first"]
 Admission = Literal["optimistic", "reserve"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"]
 WeightDtype = Literal["auto", "float32", "bfloat16", "int8"]
+ModelImpl = Literal["auto", "native", "transformers"]
 
 
 class EngineConfig(BaseModel):
@@ -29,6 +30,14 @@ class EngineConfig(BaseModel):
         default="smollm2-135m",
         min_length=1,
         description="local HF checkpoint dir | .gguf file | hub id | alias 'smollm2-135m'",
+    )
+    model_impl: ModelImpl = Field(
+        default="auto",
+        description="which code runs the model. auto: batchq's own decoder for its native families (llama, "
+        "mistral, qwen2, qwen3, granite, olmo2, phi3), any other decoder-only *ForCausalLM through transformers "
+        "(Hugging Face's own layers with batchq's paged attention: exact and continuously batched, slower, no "
+        "C linear kernels, weight_dtype auto only); native: refuse a model without a native path; "
+        "transformers: the fallback even for a native family",
     )
     device: Device = "auto"
     dtype: Dtype = Field(

@@ -92,12 +92,15 @@ class Engine:
             device=model_runner.device.type,
             attention=model_runner.backend.name,
             native_decode=model_runner.backend.c_decode,
-            native_linear=loaded.model.lm_head.method.name == "c",
+            native_linear=loaded.model.uses_c_linear,
             native_stack=model_runner.backend.decode_stack,
             bf16_gemm_rows=model_runner.backend.bf16_gemm_rows,
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
             max_model_len=max_model_len,
+            # Hugging Face's layers round differently from ours; only the fallback adds the key, so native
+            # engines keep the fingerprints (and cached results) they had
+            **({"implementation": loaded.implementation} if loaded.implementation != "native" else {}),
         )
         self._lock = threading.Lock()
         self._inbox: list[tuple[EngineRequest, float]] = []
@@ -121,7 +124,7 @@ class Engine:
             torch.set_num_threads(budget)  # a thread per core of the node would outrun the cgroup's quota
         t0 = time.monotonic()
         weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device)
-        loaded = load_model(cfg.model, dtype, device)
+        loaded = load_model(cfg.model, dtype, device, cfg.model_impl)
         if device.type == "cpu":
             keep_freed_memory()  # after loading: the checkpoint's copy of the weights goes back to the OS
         backend = select_backend(
@@ -132,6 +135,8 @@ class Engine:
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
         ).for_model(loaded.model)
         if weight_dtype != dtype:
+            if loaded.implementation == "transformers":
+                loaded.model.quantize_weights(weight_dtype)  # raises: it has no narrower weights
             if backend.linear.name != "c":
                 why = "cpu_kernels = 'torch'" if cfg.cpu_kernels == "torch" else "the warning above says why"
                 raise ValueError(

@@ -9,20 +9,20 @@ import torch
 
 from worker.engine.config import EngineConfig
 from worker.kernels.backend import torch_backend
-from worker.models.layers import AttentionMetadata
-from worker.models.llama import KVCache, LlamaFamilyModel
+from worker.models.layers import AttentionMetadata, KVCache
+from worker.models.transformers_model import AnyModel
 
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(model: LlamaFamilyModel, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(model: AnyModel, dtype: torch.dtype) -> int:
     """2 (K and V) x layers x kv heads x head dim x dtype bytes."""
     s = model.spec
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype.itemsize
 
 
 def _scratch_prefill(
-    model: LlamaFamilyModel, t: int, block_size: int, device: torch.device
+    model: AnyModel, t: int, block_size: int, device: torch.device
 ) -> tuple[list[KVCache], AttentionMetadata]:
     """A dummy one-sequence prefill of `t` tokens over scratch caches of its own (zeroed, so they are
     resident before anything is measured): the caches and the step's metadata (positions = slot_mapping)."""
@@ -45,9 +45,9 @@ def _scratch_prefill(
 
 
 @torch.inference_mode()
-def _peak_activation_bytes(cfg: EngineConfig, model: LlamaFamilyModel, device: torch.device) -> int:
+def _peak_activation_bytes(cfg: EngineConfig, model: AnyModel, device: torch.device) -> int:
     """Run a dummy prefill of one full token budget (with a scratch cache) and measure its peak."""
-    t = min(cfg.max_num_batched_tokens, model.rotary.cos.shape[0])
+    t = min(cfg.max_num_batched_tokens, model.max_positions)
     caches, meta = _scratch_prefill(model, t, cfg.block_size, device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -68,11 +68,11 @@ def _rss_bytes() -> int:
 
 
 @torch.inference_mode()
-def _cpu_step_bytes(cfg: EngineConfig, model: LlamaFamilyModel) -> int:
+def _cpu_step_bytes(cfg: EngineConfig, model: AnyModel) -> int:
     """The working memory of the largest step on the CPU, measured: the resident memory a dummy prefill
     of PROBE_TOKENS adds (freed step memory stays in the heap, see cpu_tuning.keep_freed_memory, so it
     shows in RSS), scaled to the token budget."""
-    t = min(cfg.max_num_batched_tokens, PROBE_TOKENS, model.rotary.cos.shape[0])
+    t = min(cfg.max_num_batched_tokens, PROBE_TOKENS, model.max_positions)
     caches, meta = _scratch_prefill(model, t, cfg.block_size, torch.device("cpu"))
     before = _rss_bytes()  # the scratch cache is resident already: not part of the step
     hidden = model(torch.zeros(t, dtype=torch.long), meta.slot_mapping, meta, caches, torch_backend())
@@ -100,7 +100,7 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def size_kv_pool(cfg: EngineConfig, model: LlamaFamilyModel, dtype: torch.dtype, device: torch.device) -> int:
+def size_kv_pool(cfg: EngineConfig, model: AnyModel, dtype: torch.dtype, device: torch.device) -> int:
     """Number of KV blocks in the pool, logged with the reason for it.
 
     CUDA: total device memory x kv_watermark, less what is in use (the weights) and the measured peak
@@ -139,7 +139,7 @@ def size_kv_pool(cfg: EngineConfig, model: LlamaFamilyModel, dtype: torch.dtype,
         else:
             num_blocks, why = watermark_blocks, why_watermark
     else:
-        max_model_len = cfg.context_len(model.rotary.cos.shape[0])
+        max_model_len = cfg.context_len(model.max_positions)
         need = concurrency_blocks(cfg.max_num_seqs, max_model_len, cfg.block_size)
         concurrency = (
             f"(max_num_seqs {cfg.max_num_seqs} + {SPARE_SEQUENCES}) x max_model_len {max_model_len:,} tokens"
@@ -177,14 +177,12 @@ CALIBRATION_TEXT = (
 
 
 @torch.inference_mode()
-def calibrate_kv_scales(
-    model: LlamaFamilyModel, ids: list[int], device: torch.device
-) -> list[tuple[float, float]]:
+def calibrate_kv_scales(model: AnyModel, ids: list[int], device: torch.device) -> list[tuple[float, float]]:
     """Per-layer scales of an FP8 KV cache: each layer's largest |K| and |V| over a prefill of `ids`
     (CALIBRATION_TEXT tokenised), times FP8_HEADROOM, mapped to FP8_MAX. A per-tensor scale keeps small
     values (V is often ~0.01) out of FP8's subnormals and large ones (K after RoPE) below 448.
     Sets each layer's k_scale / v_scale (model.set_kv_scales) and returns them."""
-    t = min(len(ids), model.rotary.cos.shape[0])
+    t = min(len(ids), model.max_positions)
     caches, meta = _scratch_prefill(model, t, 16, device)
     model.set_kv_scales([(1.0, 1.0)] * model.spec.num_layers)  # observe K and V as they are
     ids_t = torch.tensor(ids[:t], device=device)

@@ -22,8 +22,9 @@ from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.kernels.backend import Backend
-from worker.models.layers import AttentionMetadata
-from worker.models.llama import KVCache, LlamaFamilyModel
+from worker.models.layers import AttentionMetadata, KVCache
+from worker.models.llama import LlamaFamilyModel
+from worker.models.transformers_model import AnyModel
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graphs import CudaGraphRunner
@@ -66,7 +67,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaFamilyModel,
+        model: AnyModel,
         backend: Backend,
         num_blocks: int,
         block_size: int,
@@ -87,7 +88,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.eos_token_id = eos_token_id  # `choices` scoring: the EOS that ends every label
         s = model.spec
-        use_graphs = cuda_graphs and device.type == "cuda" and backend.name == "triton"
+        # The transformers fallback's steps are not captured: Hugging Face's layers were never checked
+        # under graph capture.
+        native = isinstance(model, LlamaFamilyModel)
+        use_graphs = native and cuda_graphs and device.type == "cuda" and backend.name == "triton"
         # Graphs pad batches with rows that write and read one extra block, never handed to a sequence.
         shape = backend.attention.kv_cache_shape(
             num_blocks + int(use_graphs), block_size, s.num_kv_heads, s.head_dim
@@ -102,7 +106,7 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ]
         self.graphs: CudaGraphRunner | None = None
-        if use_graphs:
+        if use_graphs and isinstance(model, LlamaFamilyModel):
             from worker.engine.cuda_graphs import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(

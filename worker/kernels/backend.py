@@ -13,7 +13,8 @@ What a Backend decides:
   steps of BF16_GEMM_ROWS rows or more (prompt chunks), linear.c for smaller ones (decode);
 - per decode step, whether decode_stack.c runs it whole (`stack_applies`, `build_decode_stack`); a model
   whose structure decode_stack.c does not compute (OLMo 2's norms, a partial rotary factor) says so, and
-  `for_model` keeps its decode steps layer by layer.
+  `for_model` keeps its decode steps layer by layer. A model that runs layers of its own (the transformers
+  fallback) says so too, and `for_model` leaves it the attention kernels only.
 
 Every attention backend takes reference.py's three functions' arguments, plus the cache layout it wants
 (`kv_cache_shape`). Prefill also receives this step's new k/v; a backend may attend to them directly
@@ -167,7 +168,11 @@ class Backend:
     def for_model(self, model: StackModel) -> Backend:
         """This backend for `model`: without the decode stack where the model says decode_stack.c cannot
         compute it (its decode steps then run layer by layer, on the same linear, norm and attention
-        kernels)."""
+        kernels); with torch's linear, norm and rotary ops too where the model says it runs layers of its own
+        (the transformers fallback's Hugging Face layers), attention alone on this backend's kernels."""
+        native = getattr(model, "native_layers_unsupported", None)
+        if native is not None:
+            return Backend(self.attention, TORCH_LINEAR, stack_refused=native)
         why = model.decode_stack_unsupported
         if not self.decode_stack or why is None:
             return self
@@ -218,6 +223,8 @@ class StackModel(Protocol):
 
     @property
     def decode_stack_unsupported(self) -> str | None: ...
+
+    # optional: native_layers_unsupported (str | None), why no C layer kernel but attention runs the model
 
 
 class KernelSettings(Protocol):

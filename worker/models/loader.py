@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from worker.models.llama import LlamaFamilyModel
+    from worker.models.transformers_model import TransformersModel
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,13 @@ SUPPORTED: dict[str, Family] = {
 @dataclass
 class LoadedModel:
     name: str
-    model: LlamaFamilyModel
+    model: LlamaFamilyModel | TransformersModel
     tokenizer: Any
     hf_config: Any
     eos_token_ids: list[int]
     max_model_len: int
     checkpoint_dir: str  # a local HF directory (the GGUF cache for .gguf inputs) or the hub id
+    implementation: Literal["native", "transformers"] = "native"  # which path runs it (`implementation`)
 
 
 class ModelLoadError(OSError, ValueError):
@@ -150,17 +152,50 @@ def _check_config(model: str, config: Path) -> None:
     if not isinstance(raw, dict):
         raise ModelLoadError(f"model {model!r}: {config} is not a JSON object")
     if "model_type" in raw:  # without it transformers may still tell the type from the name: the load decides
-        _check_architecture(model, raw["model_type"], raw.get("architectures"), raw.get("hidden_act", "silu"))
-
-
-def _check_architecture(model: str, model_type: Any, architectures: Any, hidden_act: Any) -> None:
-    if model_type not in SUPPORTED:
-        raise ModelLoadError(
-            f"model {model!r}: unsupported architecture {model_type!r} ({architectures}); "
-            f"supported: {', '.join(sorted(SUPPORTED))}"
+        _check_architecture(
+            model,
+            raw["model_type"],
+            raw.get("architectures"),
+            raw.get("hidden_act", "silu"),
+            raw.get("is_encoder_decoder", False),
         )
-    if hidden_act != "silu":
-        raise ModelLoadError(f"model {model!r}: unsupported activation {hidden_act!r}: only silu")
+
+
+def _check_architecture(
+    model: str, model_type: Any, architectures: Any, hidden_act: Any, encoder_decoder: Any = False
+) -> None:
+    """A native family (SUPPORTED, silu), or a decoder-only `*ForCausalLM` for the transformers fallback.
+    Without an architectures list the load decides (which AutoModelForCausalLM class the config maps to)."""
+    if model_type in SUPPORTED and hidden_act == "silu":
+        return
+    native = ", ".join(sorted(SUPPORTED))
+    if encoder_decoder:
+        raise ModelLoadError(
+            f"model {model!r}: unsupported architecture {model_type!r} ({architectures}): an encoder-decoder; "
+            f"batchq runs decoder-only models (native: {native}; others through transformers)"
+        )
+    if isinstance(architectures, list) and not any(str(a).endswith("ForCausalLM") for a in architectures):
+        raise ModelLoadError(
+            f"model {model!r}: unsupported architecture {model_type!r} ({architectures}): not a decoder-only "
+            f"*ForCausalLM; supported: {native}, and other *ForCausalLM models through transformers"
+        )
+
+
+def implementation(model_type: Any, hidden_act: Any, model_impl: str) -> Literal["native", "transformers"]:
+    """Which path runs a model: its native family where it has one (model_impl auto | native), else the
+    transformers fallback. model_impl 'native' for a model without a native path raises ModelLoadError."""
+    native = model_type in SUPPORTED and hidden_act == "silu"
+    if model_impl == "transformers" or (model_impl == "auto" and not native):
+        return "transformers"
+    if not native:
+        why = (
+            "activation " + repr(hidden_act) if model_type in SUPPORTED else "model_type " + repr(model_type)
+        )
+        raise ModelLoadError(
+            f"model_impl 'native': no native path for {why} (native: {', '.join(sorted(SUPPORTED))}, silu); "
+            "use model_impl 'auto' or 'transformers'"
+        )
+    return "native"
 
 
 def _hub_config(model: str) -> str:
@@ -357,23 +392,27 @@ def _long_rope(hf_config: Any, device: torch.device) -> tuple[torch.Tensor, int]
     return long_inv_freq, threshold
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Load `model` (see check_model_reference for what it may name). A reference or checkpoint that
-    cannot be loaded raises ModelLoadError."""
-    import torch
+def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl: str = "auto") -> LoadedModel:
+    """Load `model` (see check_model_reference for what it may name) on the path `implementation` picks
+    (model_impl: auto | native | transformers). A reference or checkpoint that cannot be loaded, or a model
+    neither path runs exactly, raises ModelLoadError."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    from worker.models.layers import RotaryTable
-    from worker.models.llama import LlamaFamilyModel
-    from worker.models.spec import DecoderSpec
 
     ckpt = resolve_checkpoint(model)
     with _reading(model, "its config.json"):
         hf_config = AutoConfig.from_pretrained(ckpt)
     model_type = getattr(hf_config, "model_type", None)
+    hidden_act = getattr(hf_config, "hidden_act", "silu")
     _check_architecture(
-        model, model_type, getattr(hf_config, "architectures", None), getattr(hf_config, "hidden_act", "silu")
+        model,
+        model_type,
+        getattr(hf_config, "architectures", None),
+        hidden_act,
+        getattr(hf_config, "is_encoder_decoder", False),
     )
+    path = implementation(model_type, hidden_act, model_impl)
+    if path == "transformers":
+        _check_causal_lm(model, hf_config)
     with _reading(model, "its tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
     # Load straight in the serving dtype: peak memory is then about two copies of the weights in that
@@ -384,7 +423,63 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
         gen_config = GenerationConfig.from_pretrained(ckpt)
     except OSError:
         gen_config = hf.generation_config
-    family = SUPPORTED[str(model_type)]
+    max_len = context_length(hf_config)
+    ours: LlamaFamilyModel | TransformersModel
+    if path == "native":
+        ours = _native(hf, str(model_type), max_len, dtype, device)
+    else:
+        from worker.models.transformers_model import fallback_model
+
+        moved: Any = hf.to(device)  # type: ignore[arg-type]  # transformers' stub for .to() takes a model
+        try:
+            ours = fallback_model(moved.eval(), max_len)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"model {model!r}: the transformers fallback cannot run it exactly: {e}"
+            ) from None
+        log.info("transformers fallback: %s", model_type)
+    return LoadedModel(
+        name=model,
+        model=ours,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        eos_token_ids=collect_eos_ids(hf_config, gen_config),
+        max_model_len=max_len,
+        checkpoint_dir=ckpt,
+        implementation=path,
+    )
+
+
+def _check_causal_lm(model: str, hf_config: Any) -> None:
+    """The fallback's precondition: AutoModelForCausalLM builds a `*ForCausalLM` for this config (not a
+    multimodal `*ForConditionalGeneration`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_type = getattr(hf_config, "model_type", None)
+    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelLoadError(
+            f"model {model!r}: unsupported architecture {model_type!r}: transformers has no causal LM for it"
+        )
+    cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    if not cls.__name__.endswith("ForCausalLM"):
+        raise ModelLoadError(
+            f"model {model!r}: unsupported architecture {model_type!r}: transformers builds {cls.__name__}, not "
+            "a decoder-only *ForCausalLM (multimodal models are not served)"
+        )
+
+
+def _native(
+    hf: Any, model_type: str, max_len: int, dtype: torch.dtype, device: torch.device
+) -> LlamaFamilyModel:
+    """Our decoder with `hf`'s weights (`hf` is left to be freed)."""
+    import torch
+
+    from worker.models.layers import RotaryTable
+    from worker.models.llama import LlamaFamilyModel
+    from worker.models.spec import DecoderSpec
+
+    hf_config = hf.config
+    family = SUPPORTED[model_type]
     attn_bias = bool(getattr(hf_config, "attention_bias", False))
     spec = DecoderSpec.from_hf_config(
         hf_config,
@@ -394,7 +489,6 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
         qk_norm_over_projection=family.qk_norm == "projection",
         post_norms=family.post_norms,
     )
-    max_len = context_length(hf_config)
     # A fresh HF rotary module computes inv_freq in float32 for whatever rope type the config names,
     # whatever dtype the weights were loaded in.
     rotary_hf = type(hf.model.rotary_emb)(config=hf.config)
@@ -412,14 +506,4 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
         # Attached after the dtype cast: the cos/sin table stays float32 (exact), cast per step.
         ours.rotary = RotaryTable(inv_freq, float(rotary_hf.attention_scaling), max_len, long_rope)
     ours.load_hf_state(hf.state_dict())
-    del hf
-    ours = ours.eval()
-    return LoadedModel(
-        name=model,
-        model=ours,
-        tokenizer=tokenizer,
-        hf_config=hf_config,
-        eos_token_ids=collect_eos_ids(hf_config, gen_config),
-        max_model_len=max_len,
-        checkpoint_dir=ckpt,
-    )
+    return ours.eval()
