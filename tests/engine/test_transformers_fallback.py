@@ -31,6 +31,10 @@ from worker.models.transformers_model import TransformersModel
 FAMILIES = {
     "cohere": ("cohere", {"logit_scale": 0.5, "use_qk_norm": True}),
     "starcoder2": ("starcoder2", {}),
+    # Gemma 2 without attention-logit softcapping: a softmax scale of query_pre_attn_scalar ** -0.5, not
+    # head_dim's, norms after each sublayer too, a final logit softcap, and layers alternately windowed (the
+    # window longer than any sequence here)
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 64, "attn_logit_softcapping": None}),
 }
 SHARED = list(range(10, 58))  # six blocks of 8: what the second batch's prompts find in the prefix cache
 PROMPTS = [[5, 6, 7], [*SHARED, 3, 4], list(range(10, 60)), [200, 100] * 20, [42], [*SHARED, 77]]
@@ -176,3 +180,13 @@ def test_settings_the_fallback_cannot_honour_are_refused(family: tuple[Path, str
         ValueError, match=r"weight_dtype .*transformers fallback runs Hugging Face's own linear"
     ):
         load(path, weight_dtype="int8")
+
+
+def test_a_bfloat16_model_passes_the_load_check_and_serves(family: tuple[Path, str]) -> None:
+    path, _ = family
+    engine = Engine.load(EngineConfig(dtype="bfloat16", model=str(path), kv_cache_gb=0.01, block_size=8))
+    assert engine.model_runner.model.dtype == torch.bfloat16
+    results = engine.generate(
+        [EngineRequest(f"r{i}", greedy(), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]
+    )
+    assert all(len(r.token_ids) == NEW for r in results)

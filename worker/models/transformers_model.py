@@ -254,9 +254,14 @@ def check_exact(model: TransformersModel, reference: list[Tensor], block_size: i
         ours = model.compute_logits(model(ids, positions, meta, caches, backend))  # [T, vocab]
     except UnsupportedAttention as e:
         return str(e)
-    except RuntimeError as e:
-        return " ".join(str(e).split())
-    tol = 1e-3 if model.dtype == torch.float32 else 5e-2
+    except (
+        Exception
+    ) as e:  # whatever Hugging Face's forward raised under our attention: a reason, in one line
+        text = " ".join(str(e).split())
+        return f"its forward pass fails under batchq's attention: {type(e).__name__}: {text[:300]}"
+    # float32: rounding alone; 16-bit: the two attention paths round differently, while what this check is for
+    # (a layer outside our cache, a head's missing factor) moves logits by far more than either
+    tol = 1e-3 if model.dtype == torch.float32 else 1e-1
     start = 0
     for p, ref in zip(CHECK_PROMPTS, reference, strict=True):
         got = ours[start : start + len(p)]
