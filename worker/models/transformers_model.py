@@ -113,7 +113,6 @@ class TransformersModel(nn.Module):
             head_dim=int(head_dim),
         )
         self.max_positions = max_len
-        self.model_type = str(cfg.model_type)
         # What the causal-LM head does to lm_head's output beyond the matmul (compute_logits); check_exact
         # compares the result with the model's own logits, so a head that does something else is refused.
         self.logit_scale = float(getattr(cfg, "logit_scale", None) or 1.0)  # Cohere
