@@ -8,6 +8,8 @@ context or an unmasked padded row shows up as NaN or a wrong softmax.
 from __future__ import annotations
 
 import math
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +64,38 @@ def test_decode_matches_reference(case: Case, native: bool, workspace_bytes: int
         q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
     )
     assert_close(got, want, case.dtype)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_the_c_decode_kernel_matches_the_reference_on_every_instruction_set_and_odd_shapes(
+    isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # BATCHQ_CPU_ISA=avx2 builds what AVX2-only CPUs run, on any x86 machine. Beyond the grid: 7 query heads
+    # per kv head (more accumulators than AVX2's registers hold in one pass over V) and a head dim of 96
+    # (no specialised shape: the generic body).
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHQ_CPU_ISA", isa)
+    native_build.clear_caches()
+    try:
+        extra = [Case(64, 7, 2, 16, torch.float32, seed=21), Case(96, 2, 2, 16, torch.bfloat16, seed=22)]
+        for case in [*GRID, *extra]:
+            gen = torch.Generator().manual_seed(case.seed)
+            lens = [*decode_lengths(case, gen), 5, 1999]
+            cache = build_cache(case, lens, gen, CPU)
+            q = random_queries(case, len(lens), gen, CPU)
+            scale = 1 / math.sqrt(case.head_dim)
+            assert native_attention.supports(q, cache.k_cache), case
+            got = TorchAttention(native=True).paged_decode_attention(
+                q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cache.context_lens,
+                scale,
+            )  # fmt: skip
+            want = reference.paged_decode_attention(
+                q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
+            )
+            assert_close(got, want, case.dtype)
+    finally:
+        native_build.clear_caches()
 
 
 @pytest.mark.parametrize("new_kv", [True, False], ids=["new-kv", "from-cache"])

@@ -24,40 +24,56 @@
 #define MAX_D 256
 #define MAX_G 16
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+/* Vectors of the instruction set's width (AVX-512: 16 floats and 32 registers; otherwise 8 and 16), so
+   the per-task working set below is sized to the register file it runs on: 16-float vectors on AVX2
+   compile to pairs of registers, and G query rows held across the token loop spilled to the stack. */
+#ifdef __AVX512F__
+#define VL 16
+#define ACC_REGS 32 /* accumulators of the V loop (32 registers; the scores broadcast from memory) */
+#define KC_REGS 16  /* a K row held in registers, at most */
+#else
+#define VL 8
+#define ACC_REGS 12 /* of 16 */
+#define KC_REGS 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint16_t u16v __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint8_t u8v __attribute__((vector_size(VL), aligned(1)));
+typedef uint32_t u32v __attribute__((vector_size(VL * 4)));
 
-static inline v16 load_f32(const float *p) { return *(const v16 *)p; }
+static inline vf load_f32(const float *p) { return *(const vf *)p; }
 
-static inline v16 load_bf16(const uint16_t *p) {
-    u32x16 wide = __builtin_convertvector(*(const u16x16 *)p, u32x16) << 16;
-    return (v16)wide;
+static inline vf load_bf16(const uint16_t *p) {
+    u32v wide = __builtin_convertvector(*(const u16v *)p, u32v) << 16;
+    return (vf)wide;
 }
 
 /* FP8 E4M3 (torch.float8_e4m3fn: bias 7, no infinities) -> float32. Its exponent and mantissa bits, moved
    to float32's positions, read as a float32 with bias 127: times 2^120 that is the value, subnormals
    included (they land on float32 subnormals, exact). The cache never holds NaN (writes are clamped). */
-static inline v16 load_fp8(const uint8_t *p) {
-    u32x16 w = __builtin_convertvector(*(const u8x16 *)p, u32x16);
-    u32x16 bits = ((w & 0x7F) << 20) | ((w & 0x80) << 24);
-    return (v16)bits * 0x1p120f;
+static inline vf load_fp8(const uint8_t *p) {
+    u32v w = __builtin_convertvector(*(const u8v *)p, u32v);
+    u32v bits = ((w & 0x7F) << 20) | ((w & 0x80) << 24);
+    return (vf)bits * 0x1p120f;
 }
 
 enum { F32 = 0, BF16 = 1, FP8 = 2 }; /* the cache's element type */
 
-static inline v16 load_row(const char *p, const int elem) {
+static inline vf load_row(const char *p, const int elem) {
     return elem == BF16 ? load_bf16((const uint16_t *)p) : elem == FP8 ? load_fp8((const uint8_t *)p)
                                                                        : load_f32((const float *)p);
 }
 
-/* The sum of 16 lanes by halving: 4 shuffle-adds (a loop of 16 scalar adds is a 16-add dependency chain per
-   score, a large share of the attention time). */
-static inline float hsum(v16 x) {
-    typedef float v8 __attribute__((vector_size(32)));
+/* The sum of the lanes by halving: shuffle-adds (a loop of scalar adds is a dependency chain per score, a
+   large share of the attention time). */
+static inline float hsum(vf x) {
     typedef float v4 __attribute__((vector_size(16)));
+#if VL == 16
+    typedef float v8 __attribute__((vector_size(32)));
     v8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vf h = x;
+#endif
     v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
     q += __builtin_shufflevector(q, q, 2, 3, 0, 1);
     return q[0] + q[1];
@@ -72,28 +88,41 @@ typedef struct {
 } Job;
 
 /* One (sequence, kv head). Always inlined into task(), which calls it with literal (G, D, elem) for
-   the common shapes, so their loops unroll and the accumulators stay in registers. */
+   the common shapes, so their loops unroll and the accumulators stay in registers.
+   Scores: each K row is read once from memory (into registers, where it fits) and dotted with the G query
+   rows, which are read from L1 at every token (the empty asm keeps the compiler from hoisting them into
+   more registers than exist).
+   Output: the V rows are read in chunks of columns small enough that G x chunk accumulators fit in
+   ACC_REGS registers; with more chunks than one, later chunks reread the rows from L1/L2. */
 static inline __attribute__((always_inline)) void task_body(const Job *job, int b, int kh, float *scores,
                                                             const int g_count, const int d, const int elem) {
-    const int nv = d / 16, bs = job->block_size, n = job->context_lens[b], stride = job->max_len;
+    const int nv = d / VL, bs = job->block_size, n = job->context_lens[b], stride = job->max_len;
     const size_t el = elem == BF16 ? 2 : elem == FP8 ? 1 : 4;
     const float *q = job->q + ((size_t)b * job->heads + (size_t)kh * g_count) * d;
     const size_t head_off = (size_t)kh * job->num_blocks * bs * d;
     const char *kbase = (const char *)job->k + head_off * el, *vbase = (const char *)job->v + head_off * el;
     const int32_t *table = job->block_tables + (size_t)b * job->width;
     const char *row = kbase;
-    v16 qv[MAX_G * MAX_D / 16], acc[MAX_G * MAX_D / 16];
-    for (int i = 0; i < g_count * nv; i++) qv[i] = load_f32(q + 16 * i);
     for (int t = 0; t < n; t++) {
         if (t % bs == 0) row = kbase + (size_t)table[t / bs] * bs * d * el;
         const char *kr = row + (size_t)(t % bs) * d * el;
-        v16 kc[MAX_D / 16];
-        for (int c = 0; c < nv; c++)
-            kc[c] = load_row(kr + 16 * c * el, elem);
-        for (int g = 0; g < g_count; g++) {
-            v16 a = qv[g * nv] * kc[0];
-            for (int c = 1; c < nv; c++) a += qv[g * nv + c] * kc[c];
-            scores[g * stride + t] = hsum(a);
+        const float *qr = q;
+        __asm__("" : "+r"(qr));
+        if (nv <= KC_REGS) { /* the K row in registers, widened once */
+            vf kc[KC_REGS];
+            for (int c = 0; c < nv; c++) kc[c] = load_row(kr + c * VL * el, elem);
+            for (int g = 0; g < g_count; g++) {
+                vf a = load_f32(qr + (size_t)g * d) * kc[0];
+                for (int c = 1; c < nv; c++) a += load_f32(qr + (size_t)g * d + c * VL) * kc[c];
+                scores[g * stride + t] = hsum(a);
+            }
+        } else { /* a row wider than the registers: reread (from L1) per query row */
+            for (int g = 0; g < g_count; g++) {
+                vf a = load_f32(qr + (size_t)g * d) * load_row(kr, elem);
+                for (int c = 1; c < nv; c++)
+                    a += load_f32(qr + (size_t)g * d + c * VL) * load_row(kr + c * VL * el, elem);
+                scores[g * stride + t] = hsum(a);
+            }
         }
     }
     for (int g = 0; g < g_count; g++) {
@@ -109,17 +138,25 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
         for (int t = 0; t < n; t++) s[t] *= inv;
         if (job->lse != NULL) job->lse[(size_t)b * job->heads + (size_t)kh * g_count + g] = mx + logf(sum);
     }
-    for (int i = 0; i < g_count * nv; i++) acc[i] = (v16){0};
-    for (int t = 0; t < n; t++) {
-        if (t % bs == 0) row = vbase + (size_t)table[t / bs] * bs * d * el;
-        const char *vr = row + (size_t)(t % bs) * d * el;
-        for (int c = 0; c < nv; c++) {
-            const v16 x = load_row(vr + 16 * c * el, elem);
-            for (int g = 0; g < g_count; g++) acc[g * nv + c] += scores[g * stride + t] * x;
-        }
-    }
     float *o = job->out + ((size_t)b * job->heads + (size_t)kh * g_count) * d;
-    for (int i = 0; i < g_count * nv; i++) *(v16 *)(o + 16 * i) = acc[i];
+    int chunk = ACC_REGS / g_count < 1 ? 1 : ACC_REGS / g_count < nv ? ACC_REGS / g_count : nv;
+    while (nv % chunk != 0) chunk--; /* equal chunks: a constant trip count in the specialised shapes */
+    for (int c0 = 0; c0 < nv; c0 += chunk) {
+        const int cn = chunk;
+        vf acc[MAX_G][MAX_D / VL];
+        for (int g = 0; g < g_count; g++)
+            for (int c = 0; c < cn; c++) acc[g][c] = (vf){0};
+        for (int t = 0; t < n; t++) {
+            if (t % bs == 0) row = vbase + (size_t)table[t / bs] * bs * d * el;
+            const char *vr = row + (size_t)(t % bs) * d * el + (size_t)c0 * VL * el;
+            for (int c = 0; c < cn; c++) {
+                const vf x = load_row(vr + c * VL * el, elem);
+                for (int g = 0; g < g_count; g++) acc[g][c] += scores[g * stride + t] * x;
+            }
+        }
+        for (int g = 0; g < g_count; g++)
+            for (int c = 0; c < cn; c++) *(vf *)(o + (size_t)g * d + (c0 + c) * VL) = acc[g][c];
+    }
 }
 
 /* One function per common (G, D) and element type, each compiled on its own: inlined together into one
