@@ -62,6 +62,24 @@ def check_token_logprobs(engine: Engine, hf, prompt: list[int], res: EngineResul
         assert [c.logprob for c in entry.top] == sorted((c.logprob for c in entry.top), reverse=True)
 
 
+def check_labels_and_logprobs_match_hf(engine: Engine, hf) -> None:  # type: ignore[no-untyped-def]
+    """Greedy tokens' logprobs (top 3) and every label's score on PROMPTS, one batch, against HF's
+    teacher-forced numbers: what each model family must get right (tests/engine/test_tiny_models.py,
+    test_transformers_fallback.py)."""
+    eos = engine.eos_token_ids[0]
+    lp = GenerationParams(max_new_tokens=10, temperature=0.0, logprobs=True, top_logprobs=3)
+    choose = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
+    reqs = [EngineRequest(f"{kind}{i}", params, prompt_token_ids=p)
+            for i, p in enumerate(PROMPTS) for kind, params in (("lp", lp), ("c", choose))]  # fmt: skip
+    results = engine.generate(reqs)
+    for i, prompt in enumerate(PROMPTS):
+        check_token_logprobs(engine, hf, prompt, results[2 * i], 3)
+        scores = results[2 * i + 1].label_scores
+        assert scores is not None
+        for s, label in zip(scores, engine.prompts.label_ids(LABELS), strict=True):
+            assert abs(s.logprob - hf_label_logprob(hf, prompt, label, eos)) < 1e-4, s
+
+
 def labels_of(engine: Engine) -> list[list[int]]:
     return engine.prompts.label_ids(LABELS)
 

@@ -82,23 +82,13 @@ def test_greedy_matches_hf_generate_in_mixed_batches_over_the_prefix_cache(
 
 @pytest.mark.parametrize("cpu_kernels", ["auto", "torch"])
 def test_label_scores_and_token_logprobs_match_hf(family: tuple[Path, str], cpu_kernels: str) -> None:
-    from tests.engine.test_labeling import LABELS, PROMPTS, check_token_logprobs, hf_label_logprob
+    from tests.engine.test_labeling import check_labels_and_logprobs_match_hf
 
     path, _ = family
     engine = load(path, cpu_kernels=cpu_kernels)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eos = engine.eos_token_ids[0]
-    lp = GenerationParams(max_new_tokens=10, temperature=0.0, logprobs=True, top_logprobs=3)
-    choose = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
-    reqs = [EngineRequest(f"{kind}{i}", params, prompt_token_ids=p)
-            for i, p in enumerate(PROMPTS) for kind, params in (("lp", lp), ("c", choose))]  # fmt: skip
-    results = engine.generate(reqs)
-    for i, prompt in enumerate(PROMPTS):
-        check_token_logprobs(engine, hf, prompt, results[2 * i], 3)
-        scores = results[2 * i + 1].label_scores
-        assert scores is not None
-        for s, label in zip(scores, engine.prompts.label_ids(LABELS), strict=True):
-            assert abs(s.logprob - hf_label_logprob(hf, prompt, label, eos)) < 1e-4, s
+    check_labels_and_logprobs_match_hf(
+        engine, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    )
 
 
 def test_llama_gives_the_same_tokens_and_logits_through_the_fallback_as_natively(tmp_path: Path) -> None:
