@@ -104,10 +104,15 @@ def _v1_quota(quota_file: Path, period_file: Path) -> list[float]:
     return [quota / period] if quota > 0 and period > 0 else []
 
 
+def affinity() -> list[int]:
+    """The CPUs this process may run on (empty where the OS does not say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 def cpu_budget() -> int:
     """The cores this process may use at once: its affinity mask, cut to its cgroup's CPU quota (rounded
     down: a thread per fractional core would only be throttled)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(affinity()) or os.cpu_count() or 1
     quota = cgroup_cpu_quota()
     return max(1, min(cores, int(quota))) if quota is not None else cores
 
@@ -126,7 +131,7 @@ class CpuShare:
 
     def __init__(self, budget: int, interval: float = 1.0, stat: str = "/proc/stat") -> None:
         self.budget, self.interval, self.stat = budget, interval, stat
-        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.cpus = affinity()
         self.threads = budget
         self._last = self._sample()
         self._pending: int | None = None

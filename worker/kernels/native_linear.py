@@ -37,7 +37,6 @@ def library() -> SimpleNamespace | None:
 def fma_peak(threads: int, seconds: float = 0.2) -> float:
     """FLOP/s of back-to-back vector FMAs on `threads` threads in the instruction set linear.c was built
     for (BATCHQ_CPU_ISA): the arithmetic ceiling its GEMM tiles are measured against. Best of 3."""
-
     lib = library()
     assert lib is not None
     sink = torch.zeros(1)

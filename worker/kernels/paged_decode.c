@@ -142,20 +142,19 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
     int chunk = ACC_REGS / g_count < 1 ? 1 : ACC_REGS / g_count < nv ? ACC_REGS / g_count : nv;
     while (nv % chunk != 0) chunk--; /* equal chunks: a constant trip count in the specialised shapes */
     for (int c0 = 0; c0 < nv; c0 += chunk) {
-        const int cn = chunk;
         vf acc[MAX_G][MAX_D / VL];
         for (int g = 0; g < g_count; g++)
-            for (int c = 0; c < cn; c++) acc[g][c] = (vf){0};
+            for (int c = 0; c < chunk; c++) acc[g][c] = (vf){0};
         for (int t = 0; t < n; t++) {
             if (t % bs == 0) row = vbase + (size_t)table[t / bs] * bs * d * el;
             const char *vr = row + (size_t)(t % bs) * d * el + (size_t)c0 * VL * el;
-            for (int c = 0; c < cn; c++) {
+            for (int c = 0; c < chunk; c++) {
                 const vf x = load_row(vr + c * VL * el, elem);
                 for (int g = 0; g < g_count; g++) acc[g][c] += scores[g * stride + t] * x;
             }
         }
         for (int g = 0; g < g_count; g++)
-            for (int c = 0; c < cn; c++) *(vf *)(o + (size_t)g * d + (c0 + c) * VL) = acc[g][c];
+            for (int c = 0; c < chunk; c++) *(vf *)(o + (size_t)g * d + (c0 + c) * VL) = acc[g][c];
     }
 }
 
