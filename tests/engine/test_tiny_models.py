@@ -51,8 +51,25 @@ def longrope(rotary_dims: int, threshold: int) -> dict[str, object]:
     }
 
 
+# The other rope types transformers defines, each read from the config as Hugging Face computes it (its
+# rotary module's inv_freq and attention scaling): dynamic NTK rescales only past max_position_embeddings,
+# which is the context, so within it a sequence rotates as with the default.
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0}
+DYNAMIC_ROPE = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+
 ARCHS = {
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE, "attention_bias": True}),
+    "llama-linear-rope": ("llama", {"rope_parameters": LINEAR_ROPE}),
+    "llama-dynamic-rope": ("llama", {"rope_parameters": DYNAMIC_ROPE}),
+    "qwen2-yarn-rope": ("qwen2", {"rope_parameters": YARN_ROPE}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
