@@ -55,10 +55,11 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
     """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3, and cohere |
-    starcoder2 | gemma2, which run through the transformers fallback) with peaky random logits."""
+    starcoder2 | gemma | gemma2, which run through the transformers fallback) with peaky random logits."""
     from transformers import (
         CohereConfig,
         Gemma2Config,
+        GemmaConfig,
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
@@ -95,6 +96,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         "phi3": Phi3Config,
         "cohere": CohereConfig,
         "starcoder2": Starcoder2Config,
+        "gemma": GemmaConfig,
         "gemma2": Gemma2Config,
     }
     return classes[arch](**common)
