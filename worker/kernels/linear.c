@@ -22,6 +22,7 @@
    and the number of tiles per panel differ), so a packed weight is valid wherever it is loaded. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -66,24 +67,37 @@
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2), aligned(2)));
 typedef int8_t vi8 __attribute__((vector_size(VL), aligned(1)));
+typedef uint8_t vu8 __attribute__((vector_size(VL), aligned(1)));
 typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
 typedef int32_t vi32 __attribute__((vector_size(VL * 4)));
 
-enum { F32 = 0, BF16 = 1, I8 = 2 }; /* the weight's element type */
+#include "linear.h"
 
-static const int ELEM_BYTES[] = {4, 2, 1};
-/* A panel is prefetched this far ahead of its loads (every line): the hardware prefetchers alone keep too
-   few lines in flight once a tile has several x rows of work per weight. ~4 KB covers DRAM latency at one
-   core's share of the bandwidth. Every line of a panel row is prefetched, and the next panel while the
-   second tile rereads this one, so memory never waits for the tiles that reuse a panel. */
+/* Bytes of one panel row (PANEL weights) by element type. Q4 packs two weights a byte: byte j of a row holds
+   column j in its low nibble and column j + PANEL / 2 in its high one, so one widened load gives both halves
+   of the panel row. */
+static inline size_t row_bytes(const int elem) {
+    return elem == F32 ? PANEL * 4 : elem == BF16 ? PANEL * 2 : elem == Q4 ? PANEL / 2 : PANEL;
+}
+/* A panel is prefetched this far ahead of its loads: the hardware prefetchers alone keep too few lines in
+   flight once a tile has several x rows of work per weight. It covers DRAM latency at one core's share of
+   the bandwidth. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
 /* Each output sums KBLOCK products in registers at a time, then adds that partial sum to its total: one
    sequential float32 sum over all of K (an MLP's intermediate size of terms) errs several times more than
-   MKL's blocked sums. */
+   MKL's blocked sums. A KBLOCK of a float32 panel (8 KB) also fits L1 beside the x rows it meets. */
 #ifndef KBLOCK
 #define KBLOCK 64
+#endif
+/* Decode-sized steps (M <= KB_ROWS) of the weights linear.c dequantises (and with KB_DIRECT of every weight)
+   go through the panel a KBLOCK at a time (linear_part_kb). */
+#ifndef KB_ROWS
+#define KB_ROWS 64
+#endif
+#ifndef KB_DIRECT
+#define KB_DIRECT 0
 #endif
 
 /* VL weights widened to float32. The widenings are intrinsics on x86: GCC 12 turns the generic
@@ -104,6 +118,83 @@ static inline vf load_w(const char *p, const int elem) {
     return *(const vf *)p;
 }
 
+/* VL unsigned bytes as 32-bit lanes. */
+static inline vu32 widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vu32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vu32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const vu8 *)p, vu32);
+#endif
+}
+
+static inline vf u32_to_f32(vu32 v) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps((__m512i)v);
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps((__m256i)v);
+#else
+    return __builtin_convertvector((vi32)v, vf);
+#endif
+}
+
+/* FP8 E4M3 (float8_e4m3fn) -> float32: its exponent and mantissa bits moved to float32's positions read as
+   a float32 with bias 127; times 2^120 that is the value, subnormals included (exact). */
+static inline vf load_fp8(const uint8_t *p) {
+    const vu32 w = widen_u8(p);
+    return (vf)(((w & 0x7F) << 20) | ((w & 0x80) << 24)) * 0x1p120f;
+}
+
+/* VL group scales or offsets, float32 or float16 (F16C's conversion, present on every AVX2 CPU). */
+static inline vf load_group(const void *p, const int group_elem) {
+    if (group_elem == F32) return *(const vf *)p;
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf out;
+    for (int l = 0; l < VL; l++) out[l] = (float)((const _Float16 *)p)[l];
+    return out;
+#endif
+}
+
+/* Rows k0 .. k0 + kn - 1 of panel `panel` of a weight linear.c does not read as it multiplies (FP8, Q4, Q8),
+   as float32 [kn, PANEL] in dq: w = q * scale (FP8, per output) or w = s * q - o (Q4, Q8: s, o per output and
+   group of lw->group rows), each weight rounded once, as the reference dequantises it. */
+static void dequantize(const LinearWeight *lw, const int K, const int panel, const int k0, const int kn,
+                       float *dq) {
+    const size_t rb = row_bytes(lw->elem);
+    const uint8_t *w = (const uint8_t *)lw->w + ((size_t)panel * K + k0) * rb;
+    if (lw->elem == FP8) {
+        for (int k = 0; k < kn; k++)
+            for (int j = 0; j < PANEL_VECS; j++)
+                *(vf *)(dq + (size_t)k * PANEL + j * VL) = load_fp8(w + (size_t)k * rb + j * VL);
+        return;
+    }
+    const int groups = K / lw->group, ge = lw->group_elem == F32 ? 4 : 2;
+    const char *gbase = (const char *)lw->groups + (size_t)panel * groups * 2 * PANEL * ge;
+    for (int k = 0; k < kn; k++) {
+        const char *g = gbase + (size_t)((k0 + k) / lw->group) * 2 * PANEL * ge;
+        const uint8_t *row = w + (size_t)k * rb;
+        float *out = dq + (size_t)k * PANEL;
+        for (int j = 0; j < PANEL_VECS; j++) {
+            vf q;
+            if (lw->elem == Q4) {
+                const int half = j * VL >= PANEL / 2;  /* columns PANEL / 2 on sit in the high nibbles */
+                const vu32 b = widen_u8(row + j * VL - half * (PANEL / 2));
+                q = u32_to_f32(half ? b >> 4 : b & 0xF);
+            } else {
+                q = load_w((const char *)row + j * VL, I8);
+            }
+            const vf s = load_group(g + (size_t)j * VL * ge, lw->group_elem);
+            const vf o = load_group(g + (size_t)(PANEL + j * VL) * ge, lw->group_elem);
+            *(vf *)(out + j * VL) = s * q - o;
+        }
+    }
+}
+
 /* One tile: mr x rows (stride K) against the cols <= TCOLS columns of a panel starting at w (panel row
    stride PANEL elements); writes (accumulate: adds to) y rows (stride N) from its first column. scale,
    bias: the tile's first column's, or NULL. pf: what to prefetch, row k at pf + k * the row stride. */
@@ -111,7 +202,7 @@ static inline __attribute__((always_inline)) void tile(
     const float *x, const char *w, const char *pf, float *y, const int K, const int N, const int mr,
     const int nv, const int cols, const int elem, const float *scale, const float *bias, const int accumulate
 ) {
-    const size_t es = ELEM_BYTES[elem], stride = PANEL * es;
+    const size_t stride = row_bytes(elem), es = stride / PANEL;
     vf acc[MR][PANEL_VECS], total[MR][PANEL_VECS];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++) total[i][j] = (vf){0};
@@ -176,7 +267,7 @@ TILES(2)
 typedef void (*tile_fn)(
     const float *, const char *, const char *, float *, int, int, int, const float *, const float *, int
 );
-/* By element type and rows (1 .. 12, the largest MR; batchq_linear_part never asks for more than MR). */
+/* By element type (those tile() reads itself: F32, BF16, I8) and rows (1 .. 12, the largest MR). */
 #define ROW(e) {tile_1_##e, tile_2_##e, tile_3_##e, tile_4_##e, tile_5_##e, tile_6_##e, tile_7_##e, tile_8_##e, \
                 tile_9_##e, tile_10_##e, tile_11_##e, tile_12_##e}
 static const tile_fn TILE_FNS[3][12] = {ROW(0), ROW(1), ROW(2)};
@@ -199,16 +290,139 @@ WIDES(2)
 static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
 #endif
 
-/* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): a contiguous range of panels,
-   each streamed once. Called inside a parallel region: by batchq_linear below, and by decode_stack.c for
-   every linear layer of a decode step. */
-void batchq_linear_part(
-    const float *x, const void *w, const float *wscale, const float *bias, float *y, int M, int K, int N,
-    int elem, int t, int nt, int accumulate
+/* One K block of a tile: mr x rows (stride K) against kn rows of a panel's nv vectors starting at w (row
+   stride PANEL elements), the block's partial sums added to tot (mr rows of PANEL floats). npf <= 2 kn lines
+   from pf are prefetched on the way. */
+static inline __attribute__((always_inline)) void kb_tile(
+    const float *x, const char *w, const char *pf, const int npf, float *tot, const int K, const int kn,
+    const int mr, const int nv, const int elem
 ) {
-    const size_t panel_bytes = (size_t)K * PANEL * ELEM_BYTES[elem];
-    const int panels = (N + PANEL - 1) / PANEL;
-    const int p0 = (int)((long)panels * t / nt), p1 = (int)((long)panels * (t + 1) / nt);
+    const size_t stride = row_bytes(elem), es = stride / PANEL;
+    vf acc[MR][PANEL_VECS];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++) acc[i][j] = (vf){0};
+    for (int k = 0; k < kn; k++) {
+        const char *p = w + (size_t)k * stride;
+        if (k < npf) __builtin_prefetch(pf + (size_t)k * 64, 0, 0);
+        if (k + kn < npf) __builtin_prefetch(pf + (size_t)(k + kn) * 64, 0, 0); /* a float32 block in one call */
+        vf wv[PANEL_VECS];
+        for (int j = 0; j < nv; j++) wv[j] = load_w(p + (size_t)j * VL * es, elem);
+        for (int i = 0; i < mr; i++) {
+            const float xs = x[(size_t)i * K + k];
+            for (int j = 0; j < nv; j++) acc[i][j] += xs * wv[j];
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++) *(vf *)(tot + (size_t)i * PANEL + j * VL) += acc[i][j];
+}
+
+#define KB_FN(mr, elem)                                                                                   \
+    static __attribute__((noinline)) void kb_##mr##_##elem(const float *x, const char *w, const char *pf,  \
+                                                           int npf, float *tot, int K, int kn) {          \
+        kb_tile(x, w, pf, npf, tot, K, kn, (mr) < MR ? (mr) : MR, NV, elem);                              \
+    }
+#define KBS(elem)                                                                                       \
+    KB_FN(1, elem) KB_FN(2, elem) KB_FN(3, elem) KB_FN(4, elem) KB_FN(5, elem) KB_FN(6, elem) KB_FN(7, elem) \
+        KB_FN(8, elem) KB_FN(9, elem) KB_FN(10, elem) KB_FN(11, elem) KB_FN(12, elem)
+KBS(0)
+KBS(1)
+KBS(2)
+typedef void (*kb_fn)(const float *, const char *, const char *, int, float *, int, int);
+#define KROW(e) {kb_1_##e, kb_2_##e, kb_3_##e, kb_4_##e, kb_5_##e, kb_6_##e, kb_7_##e, kb_8_##e, kb_9_##e, \
+                 kb_10_##e, kb_11_##e, kb_12_##e}
+static const kb_fn KB_FNS[3][12] = {KROW(0), KROW(1), KROW(2)};
+#ifdef WIDE_ROWS
+#define KBW_FN(mr, elem)                                                                                  \
+    static __attribute__((noinline)) void kbw_##mr##_##elem(const float *x, const char *w, const char *pf, \
+                                                            int npf, float *tot, int K, int kn) {         \
+        kb_tile(x, w, pf, npf, tot, K, kn, mr, PANEL_VECS, elem);                                         \
+    }
+#define KBWS(elem) KBW_FN(1, elem) KBW_FN(2, elem) KBW_FN(3, elem)
+KBWS(0)
+KBWS(1)
+KBWS(2)
+#define KWROW(e) {kbw_1_##e, kbw_2_##e, kbw_3_##e}
+static const kb_fn KBW_FNS[3][3] = {KWROW(0), KWROW(1), KWROW(2)};
+#endif
+
+/* The output of one panel's totals (M rows of PANEL floats): times the column scale, plus the bias, into y
+   (or added to it). */
+static void store_panel(const float *tot, const LinearWeight *lw, float *y, const int M, const int N,
+                        const int n0, const int accumulate) {
+    const int cols = N - n0 < PANEL ? N - n0 : PANEL;
+    const float *scale = lw->scale ? lw->scale + n0 : NULL, *bias = lw->bias ? lw->bias + n0 : NULL;
+    for (int m = 0; m < M; m++) {
+        float *out = y + (size_t)m * N + n0;
+        const float *t = tot + (size_t)m * PANEL;
+        if (cols == PANEL) {
+            for (int j = 0; j < PANEL_VECS; j++) {
+                vf v = *(const vf *)(t + j * VL);
+                if (scale) v *= *(const vf *)(scale + j * VL);
+                if (bias) v += *(const vf *)(bias + j * VL);
+                if (accumulate) v += *(const vf *)(out + j * VL); /* a residual, added as torch's `h + y` */
+                *(vf *)(out + j * VL) = v;
+            }
+        } else {
+            for (int c = 0; c < cols; c++) {
+                float s = t[c];
+                if (scale) s *= scale[c];
+                if (bias) s += bias[c];
+                out[c] = accumulate ? out[c] + s : s;
+            }
+        }
+    }
+}
+
+/* Decode-sized steps: a panel a KBLOCK of rows at a time. The block (8 KB in float32) comes from memory once
+   and stays in L1 while every tile of x rows, and with 8-float vectors each half of the panel, uses it; each
+   tile adds its partial sums over the block to the panel's totals, the sums tile() would form, in its order.
+   The tiles of a block share out the prefetches of the block PREFETCH_BYTES on, so memory streams evenly
+   however many tiles reread it. Weights linear.c does not read as it multiplies (FP8, Q4, Q8) are
+   dequantised a block at a time into an L1 buffer first, once for all the tiles. */
+static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, const int M, const int K,
+                           const int N, const int p0, const int p1, const int accumulate) {
+    const int elem = lw->elem, direct = elem == F32 || elem == BF16 || elem == I8;
+    const size_t rb = row_bytes(elem), panel_bytes = (size_t)K * rb;
+    int mr_max = MR, tcols = TCOLS;
+    const kb_fn *fns = KB_FNS[direct ? elem : F32];
+#ifdef WIDE_ROWS
+    if (M <= WIDE_ROWS) mr_max = WIDE_MR, tcols = PANEL, fns = KBW_FNS[direct ? elem : F32];
+#endif
+    const int tiles = (M + mr_max - 1) / mr_max, halves = PANEL / tcols, calls = tiles * halves;
+    float tot[KB_ROWS * PANEL] __attribute__((aligned(64)));
+    float dq[KBLOCK * PANEL] __attribute__((aligned(64)));
+    for (int p = p0; p < p1; p++) {
+        const char *wp = (const char *)lw->w + (size_t)p * panel_bytes;
+        memset(tot, 0, sizeof(float) * (size_t)M * PANEL);
+        for (int k0 = 0; k0 < K; k0 += KBLOCK) {
+            const int kn = K - k0 < KBLOCK ? K - k0 : KBLOCK;
+            const char *wk = wp + (size_t)k0 * rb, *src = wk;
+            const int lines = (int)((kn * rb + 63) / 64);
+            if (!direct) {
+                for (int l = 0; l < lines; l++) __builtin_prefetch(wk + PREFETCH_BYTES + (size_t)l * 64, 0, 0);
+                dequantize(lw, K, p, k0, kn, dq);
+                src = (const char *)dq;
+            }
+            const size_t hb = (size_t)tcols * (direct ? rb / PANEL : 4);
+            for (int i = 0, c = 0; i < tiles; i++) {
+                const int m0 = M * i / tiles, mr = M * (i + 1) / tiles - m0;
+                for (int h = 0; h < halves; h++, c++) {
+                    const int l0 = direct ? lines * c / calls : 0, l1 = direct ? lines * (c + 1) / calls : 0;
+                    fns[mr - 1](x + (size_t)m0 * K + k0, src + h * hb, wk + PREFETCH_BYTES + (size_t)l0 * 64,
+                                l1 - l0, tot + (size_t)m0 * PANEL + h * tcols, K, kn);
+                }
+            }
+        }
+        store_panel(tot, lw, y, M, N, p * PANEL, accumulate);
+    }
+}
+
+/* Prompt-sized steps: each panel streamed once, x rows in tiles that reread it from L2. A weight linear.c
+   does not read as it multiplies is dequantised a panel at a time into `dq` first (K x PANEL floats). */
+static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, const int M, const int K,
+                              const int N, const int p0, const int p1, const int accumulate, float *dq) {
+    const int direct = lw->elem == F32 || lw->elem == BF16 || lw->elem == I8, elem = direct ? lw->elem : F32;
+    const size_t panel_bytes = (size_t)K * row_bytes(lw->elem);
     int mr_max = MR, tcols = TCOLS;
     const tile_fn *fns = TILE_FNS[elem];
 #ifdef WIDE_ROWS
@@ -216,41 +430,91 @@ void batchq_linear_part(
 #endif
     const int tiles = (M + mr_max - 1) / mr_max; /* of balanced sizes: 16 rows are 2 x 8, not 12 + 4 */
     for (int p = p0; p < p1; p++) {
-        const char *wp = (const char *)w + (size_t)p * panel_bytes;
+        const char *wp = (const char *)lw->w + (size_t)p * panel_bytes;
+        if (!direct) {
+            for (int k0 = 0; k0 < K; k0 += KBLOCK)
+                dequantize(lw, K, p, k0, K - k0 < KBLOCK ? K - k0 : KBLOCK, dq + (size_t)k0 * PANEL);
+            wp = (const char *)dq;
+        }
+        const size_t stride = direct ? row_bytes(elem) : PANEL * 4, next = direct ? panel_bytes : 0;
         for (int h = 0; h < PANEL / tcols; h++) {
             const int n0 = p * PANEL + h * tcols, cols = N - n0 < tcols ? N - n0 : tcols;
             if (cols <= 0) break;
-            const char *wt = wp + (size_t)h * tcols * ELEM_BYTES[elem];
+            const char *wt = wp + (size_t)h * tcols * (stride / PANEL);
             for (int i = 0; i < tiles; i++) {
                 const int m0 = M * i / tiles, mr = M * (i + 1) / tiles - m0;
                 /* The first tile streams the panel from memory, prefetching ahead in it; the second reads it
                    from L2 and prefetches the next panel meanwhile, so memory never waits for the tiles that
                    reuse a panel; later tiles touch their own rows. */
-                const char *pf = i == 0 ? wt + PREFETCH_BYTES : i == 1 && p + 1 < p1 ? wt + panel_bytes : wt;
+                const char *pf = i == 0 ? wt + PREFETCH_BYTES : i == 1 && p + 1 < p1 && next ? wt + next : wt;
                 fns[mr - 1](x + (size_t)m0 * K, wt, pf, y + (size_t)m0 * N + n0, K, N, cols,
-                                       wscale ? wscale + n0 : NULL, bias ? bias + n0 : NULL, accumulate);
+                            lw->scale ? lw->scale + n0 : NULL, lw->bias ? lw->bias + n0 : NULL, accumulate);
             }
         }
     }
 }
 
-int batchq_linear(
-    const float *x, const void *w, const float *wscale, const float *bias, float *y, int M, int K, int N,
-    int elem, int threads
-) {
-    if (elem < 0 || elem > 2 || K < 1) return 1;
+/* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): a contiguous range of panels,
+   each streamed once. Called inside a parallel region: by batchq_linear_w below, and by decode_stack.c for
+   every linear layer of a decode step. Returns nonzero for a weight it cannot read. */
+int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M, int K, int N, int t, int nt,
+                         int accumulate) {
+    const int panels = (N + PANEL - 1) / PANEL;
+    const int p0 = (int)((long)panels * t / nt), p1 = (int)((long)panels * (t + 1) / nt);
+    const int direct = lw->elem == F32 || lw->elem == BF16 || lw->elem == I8;
+    if (M <= KB_ROWS && (!direct || KB_DIRECT)) {
+        linear_part_kb(x, lw, y, M, K, N, p0, p1, accumulate);
+        return 0;
+    }
+    float *dq = NULL;
+    if (!direct) {
+        dq = (float *)aligned_alloc(64, (size_t)K * PANEL * sizeof(float));
+        if (!dq) return 1;
+    }
+    linear_part_tiles(x, lw, y, M, K, N, p0, p1, accumulate, dq);
+    free(dq);
+    return 0;
+}
+
+/* Whether lw is a weight of K rows this library reads. */
+static int valid(const LinearWeight *lw, const int K) {
+    if (lw->elem < F32 || lw->elem > Q8 || K < 1) return 0;
+    if (lw->elem == I8 || lw->elem == FP8) return lw->scale != NULL && lw->groups == NULL;
+    if (lw->elem == Q4 || lw->elem == Q8)
+        return lw->groups != NULL && lw->group > 0 && K % lw->group == 0 &&
+               (lw->group_elem == F32 || lw->group_elem == F16);
+    return 1;
+}
+
+int batchq_linear_w(const float *x, const LinearWeight *lw, float *y, int M, int K, int N, int threads) {
+    if (!valid(lw, K)) return 1;
     const int nthreads = threads > 0 ? threads : 1;
-#pragma omp parallel num_threads(nthreads)
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
 #ifdef _OPENMP
         extern int omp_get_thread_num(void);
         extern int omp_get_num_threads(void);
-        batchq_linear_part(x, w, wscale, bias, y, M, K, N, elem, omp_get_thread_num(), omp_get_num_threads(), 0);
+        failed |= batchq_linear_part_w(x, lw, y, M, K, N, omp_get_thread_num(), omp_get_num_threads(), 0);
 #else
-        batchq_linear_part(x, w, wscale, bias, y, M, K, N, elem, 0, 1, 0);
+        failed |= batchq_linear_part_w(x, lw, y, M, K, N, 0, 1, 0);
 #endif
     }
-    return 0;
+    return failed;
+}
+
+/* The float32 / bfloat16 / int8 weights of decode_stack.c's layers and of the first callers. */
+void batchq_linear_part(const float *x, const void *w, const float *wscale, const float *bias, float *y, int M,
+                        int K, int N, int elem, int t, int nt, int accumulate) {
+    const LinearWeight lw = {w, wscale, NULL, bias, elem, 0, F32};
+    batchq_linear_part_w(x, &lw, y, M, K, N, t, nt, accumulate);
+}
+
+int batchq_linear(const float *x, const void *w, const float *wscale, const float *bias, float *y, int M, int K,
+                  int N, int elem, int threads) {
+    if (elem < F32 || elem > I8) return 1;
+    const LinearWeight lw = {w, wscale, NULL, bias, elem, 0, F32};
+    return batchq_linear_w(x, &lw, y, M, K, N, threads);
 }
 
 /* The small per-token ops around the linear layers, one call each instead of a chain of torch ops (at

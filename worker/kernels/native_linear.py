@@ -1,15 +1,19 @@
 """The linear layers in C (linear.c) and their packed weight layout; RMSNorm and rotary rows beside them.
 
-y = x W^T + b, W nn.Linear's [out, in] weight stored packed in panels of PANEL outputs (`pack`), float32,
-bfloat16 or int8 with a scale per output row: each panel is streamed once per call and multiplied with
-every row of x from registers, where MKL's sgemm runs far below memory bandwidth at decode sizes
-(`python benchmarks/kernel_bench.py --linear` compares them).
+y = x W^T + b, W nn.Linear's [out, in] weight stored packed in panels of PANEL outputs (`pack`): float32,
+bfloat16, int8 or FP8 E4M3 with a scale per output row, or quantised in groups of input rows (4-bit
+unsigned or 8-bit signed q, w = s * q - o with s, o per group and output: GPTQ, AWQ and GGUF's Q4_0, Q4_1,
+Q8_0 all take this form). Each panel is streamed once per call and multiplied with every row of x from
+registers, where MKL's sgemm runs far below memory bandwidth at decode sizes (`python
+benchmarks/kernel_bench.py --linear` compares them).
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
-from ctypes import c_float, c_int, c_long, c_void_p
+from ctypes import POINTER, c_float, c_int, c_long, c_void_p
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -18,14 +22,93 @@ from torch import Tensor
 from worker.kernels.native_build import KERNELS, Signature, cached, load
 
 SOURCES = (KERNELS / "linear.c",)
+
+
+class LinearWeightStruct(ctypes.Structure):
+    """linear.h's LinearWeight, field for field."""
+
+    _fields_ = [
+        *((name, c_void_p) for name in ("w", "scale", "groups", "bias")),
+        *((name, c_int) for name in ("elem", "group", "group_elem")),
+    ]
+
+
 SIGNATURES = {
     "batchq_linear": Signature(c_int, [c_void_p] * 5 + [c_int] * 5),
+    "batchq_linear_w": Signature(c_int, [c_void_p, POINTER(LinearWeightStruct), c_void_p] + [c_int] * 4),
     "batchq_rmsnorm": Signature(None, [c_void_p] * 3 + [c_int] * 2 + [c_float]),
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
 }
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
+FP8, Q4, Q8 = 3, 4, 5  # linear.h's elem of an FP8 weight and of the group-quantised ones
+GROUP_TYPES = {torch.float32: 0, torch.float16: 1}  # linear.h's group_elem
 PANEL = 32  # linear.c's PANEL: output columns per panel of a packed weight
+
+
+@dataclass(frozen=True)
+class GroupQuantized:
+    """A weight [n, k] quantised in groups of `group` input rows: w = s * q - o, s and o per group and
+    output, in linear.c's layout. q: [panels, k, PANEL / 2] uint8 for 4 bits (`pack_q4`), [panels, k, PANEL]
+    int8 for 8; groups: [panels, k / group, 2, PANEL] float32 or float16 (`pack_groups`), s then o."""
+
+    q: Tensor
+    groups: Tensor
+    group: int
+    bits: int
+
+    @property
+    def elem(self) -> int:
+        return Q4 if self.bits == 4 else Q8
+
+
+def pack_q4(q: Tensor) -> Tensor:
+    """4-bit values [n, k] (uint8, 0..15) -> [panels, k, PANEL / 2] uint8: byte j of a panel row holds column
+    j in its low nibble and column j + PANEL / 2 in its high one (linear.c's Q4 row)."""
+    assert q.dtype == torch.uint8 and int(q.max()) < 16 if q.numel() else True
+    p = pack(q)  # [panels, k, PANEL]
+    half = PANEL // 2
+    return (p[..., :half] | (p[..., half:] << 4)).contiguous()
+
+
+def unpack_q4(packed: Tensor, n: int) -> Tensor:
+    """pack_q4's inverse: -> [n, k] uint8."""
+    return unpack(torch.cat((packed & 0xF, packed >> 4), dim=-1), n)
+
+
+def pack_groups(s: Tensor, o: Tensor, dtype: torch.dtype) -> Tensor:
+    """Scales and offsets [n, groups] -> [panels, groups, 2, PANEL] of `dtype` (zeros past n)."""
+    n, g = s.shape
+    panels = -(-n // PANEL)
+    out = torch.zeros(panels * PANEL, g, 2, dtype=dtype)
+    out[:n, :, 0], out[:n, :, 1] = s, o
+    return out.view(panels, PANEL, g, 2).permute(0, 2, 3, 1).contiguous()
+
+
+def unpack_groups(packed: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """pack_groups' inverse: -> s, o [n, groups]."""
+    panels, g, _, _ = packed.shape
+    flat = packed.permute(0, 3, 1, 2).reshape(panels * PANEL, g, 2)[:n]
+    return flat[..., 0].contiguous(), flat[..., 1].contiguous()
+
+
+def group_quantized(q: Tensor, s: Tensor, o: Tensor, group: int, bits: int) -> GroupQuantized:
+    """q [n, k] (uint8 0..15 for 4 bits, int8 for 8), s and o [n, k / group] float32 or float16 ->
+    linear.c's layout."""
+    assert (
+        bits in (4, 8) and q.shape[1] % group == 0 and s.shape == o.shape == (q.shape[0], q.shape[1] // group)
+    )
+    assert s.dtype == o.dtype and s.dtype in GROUP_TYPES
+    packed = pack_q4(q) if bits == 4 else pack(q)
+    return GroupQuantized(packed, pack_groups(s, o, s.dtype), group, bits)
+
+
+def dequantize_groups(gq: GroupQuantized, n: int) -> Tensor:
+    """The [n, k] float32 weight: s * q - o, as the reference formula."""
+    q = (unpack_q4(gq.q, n) if gq.bits == 4 else unpack(gq.q, n)).float()
+    s, o = unpack_groups(gq.groups, n)
+    rep = gq.group
+    return q * s.float().repeat_interleave(rep, dim=1) - o.float().repeat_interleave(rep, dim=1)
 
 
 @cached
@@ -117,6 +200,40 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None,
         torch.get_num_threads(),
     )  # fmt: skip
     assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {k}] {weight.dtype}"
+    return out
+
+
+def linear_w(
+    x: Tensor,
+    weight: Tensor | GroupQuantized,
+    n: int,
+    scale: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """y = x W^T (+ bias) for any weight linear.c reads: what `linear` takes, an FP8 E4M3 weight packed
+    with a float32 scale per output, or a group-quantised one. x: [M, K] float32 -> [M, n] float32."""
+    lib = library()
+    assert lib is not None
+    m, k = x.shape
+    groups: Tensor | None = None
+    group = group_elem = 0
+    if isinstance(weight, GroupQuantized):
+        w, groups, group, elem = weight.q, weight.groups, weight.group, weight.elem
+        group_elem = GROUP_TYPES[groups.dtype]
+    else:
+        w = weight
+        elem = FP8 if weight.dtype == torch.float8_e4m3fn else WEIGHT_TYPES[weight.dtype]
+    assert w.dim() == 3 and w.shape[1] == k and w.shape[0] * PANEL >= n, "pack the weight"
+    x = x.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    spec = LinearWeightStruct(
+        w.data_ptr(), None if scale is None else scale.data_ptr(), None if groups is None else groups.data_ptr(),
+        None if bias is None else bias.data_ptr(), elem, group, group_elem,
+    )  # fmt: skip
+    rc = lib.batchq_linear_w(
+        x.data_ptr(), ctypes.byref(spec), out.data_ptr(), m, k, n, torch.get_num_threads()
+    )
+    assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {k}] elem {elem}"
     return out
 
 

@@ -1,0 +1,128 @@
+"""linear.c on the weights it dequantises as it reads them: FP8 E4M3 with a scale per output, and weights
+quantised in groups of input rows (4-bit unsigned and 8-bit signed q, w = s * q - o per group and output,
+float32 or float16 s and o), against the float64 product with the reference dequantisation."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.kernels import native_build, native_linear
+
+pytestmark = pytest.mark.skipif(native_linear.library() is None, reason="no C compiler here")
+
+
+def random_groups(n: int, k: int, group: int, bits: int, dtype: torch.dtype, gen: torch.Generator):
+    """q, s, o of a random group-quantised [n, k] weight (s, o rounded to `dtype`, as a checkpoint ships)."""
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    s = (torch.rand(n, k // group, generator=gen) * 0.05 + 0.01).to(dtype)
+    o = (torch.randn(n, k // group, generator=gen) * 0.2).to(dtype)
+    return q, s, o
+
+
+def reference_groups(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, group: int, bias):
+    w = q.double() * s.double().repeat_interleave(group, 1) - o.double().repeat_interleave(group, 1)
+    y = x.double() @ w.t()
+    return y if bias is None else y + bias.double()
+
+
+# Rows: the wide tiles (1-3), the K-blocked path's tiles and their remainders (4-64), the prompt path (> 64);
+# columns: a partial panel, whole panels, the per-thread split; groups of 32 (GGUF), 64 and 128 (GPTQ, AWQ).
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16, 33, 64, 70])
+@pytest.mark.parametrize(("bits", "group", "k", "n"), [(4, 32, 64, 37), (4, 128, 384, 96), (8, 32, 96, 65),
+                                                       (4, 64, 192, 130), (8, 128, 256, 32)])  # fmt: skip
+def test_group_quantized_weights_match_the_reference_dequantisation(
+    m: int, bits: int, group: int, k: int, n: int
+) -> None:
+    gen = torch.Generator().manual_seed(m * 100 + n + bits)
+    for dtype in (torch.float32, torch.float16):
+        q, s, o = random_groups(n, k, group, bits, dtype, gen)
+        gq = native_linear.group_quantized(q, s, o, group, bits)
+        x = torch.randn(m, k, generator=gen)
+        bias = torch.randn(n, generator=gen) if m % 2 else None
+
+        y = native_linear.linear_w(x, gq, n, bias=bias)
+
+        torch.testing.assert_close(
+            y.double(), reference_groups(x, q, s, o, group, bias), rtol=1e-5, atol=1e-4
+        )
+
+
+def test_group_quantized_layout_round_trips() -> None:
+    gen = torch.Generator().manual_seed(2)
+    for n, k, group, bits in ((1, 32, 32, 4), (33, 64, 32, 4), (70, 128, 64, 8)):
+        q, s, o = random_groups(n, k, group, bits, torch.float16, gen)
+        gq = native_linear.group_quantized(q, s, o, group, bits)
+        assert gq.q.shape == (-(-n // 32), k, 16 if bits == 4 else 32)
+        back = native_linear.unpack_q4(gq.q, n) if bits == 4 else native_linear.unpack(gq.q, n)
+        assert torch.equal(back, q)
+        s2, o2 = native_linear.unpack_groups(gq.groups, n)
+        assert torch.equal(s2, s) and torch.equal(o2, o)
+        want = q.float() * s.float().repeat_interleave(group, 1) - o.float().repeat_interleave(group, 1)
+        torch.testing.assert_close(native_linear.dequantize_groups(gq, n), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 3, 6, 20, 80])
+def test_fp8_weights_widen_exactly(m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    k, n = 160, 75
+    w = (torch.randn(n, k, generator=gen) * 3).to(torch.float8_e4m3fn)
+    w[0, :8] = torch.tensor(
+        [0.0, -0.0, 2.0**-9, -(2.0**-7), 448.0, -448.0, 1.5, 2.0**-6]
+    )  # subnormals, extremes
+    scale = torch.rand(n, generator=gen) + 0.5
+    x = torch.randn(m, k, generator=gen)
+
+    y = native_linear.linear_w(x, native_linear.pack(w), n, scale=scale)
+
+    want = x.double() @ (w.double() * scale.double()[:, None]).t()
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize(
+    "flags", [("-march=x86-64-v3", "-mno-avx512f"), ("-march=x86-64",)], ids=["avx2", "generic"]
+)
+def test_narrower_instruction_sets_dequantise_alike(
+    flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    cc = native_build.compiler()
+    assert cc is not None
+    lib = native_build.bind(native_build.build(cc, native_linear.SOURCES, flags), native_linear.SIGNATURES)
+    monkeypatch.setattr(native_linear, "library", lambda: lib)
+    gen = torch.Generator().manual_seed(7)
+    k, n = 128, 45
+    for m, bits, dtype in itertools.product((1, 3, 9, 70), (4, 8), (torch.float32, torch.float16)):
+        q, s, o = random_groups(n, k, 32, bits, dtype, gen)
+        x = torch.randn(m, k, generator=gen)
+        y = native_linear.linear_w(x, native_linear.group_quantized(q, s, o, 32, bits), n)
+        torch.testing.assert_close(y.double(), reference_groups(x, q, s, o, 32, None), rtol=1e-5, atol=1e-4)
+    w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=gen) + 0.5
+    x = torch.randn(5, k, generator=gen)
+    y = native_linear.linear_w(x, native_linear.pack(w), n, scale=scale)
+    torch.testing.assert_close(
+        y.double(), x.double() @ (w.double() * scale.double()[:, None]).t(), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_linear_w_refuses_what_it_cannot_read() -> None:
+    lib = native_linear.library()
+    assert lib is not None
+    x, y = torch.randn(2, 64), torch.empty(2, 32)
+    q = torch.zeros(1, 64, 16, dtype=torch.uint8)
+    for elem, scale, groups, group in ((native_linear.Q4, None, None, 32), (native_linear.FP8, None, None, 0),
+                                       (native_linear.Q4, None, q, 48), (9, None, None, 0)):  # fmt: skip
+        spec = native_linear.LinearWeightStruct(
+            q.data_ptr(), scale, None if groups is None else groups.data_ptr(), None, elem, group, 0
+        )
+        assert lib.batchq_linear_w(x.data_ptr(), ctypes.byref(spec), y.data_ptr(), 2, 64, 32, 1) != 0
