@@ -125,4 +125,46 @@ def test_linear_w_refuses_what_it_cannot_read() -> None:
         spec = native_linear.LinearWeightStruct(
             q.data_ptr(), scale, None if groups is None else groups.data_ptr(), None, elem, group, 0
         )
-        assert lib.batchq_linear_w(x.data_ptr(), ctypes.byref(spec), y.data_ptr(), 2, 64, 32, 1) != 0
+        assert lib.batchq_linear_w(x.data_ptr(), ctypes.addressof(spec), y.data_ptr(), 2, 64, 32, 1) != 0
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_linear_layer_keeps_group_quantised_weights_in_either_method(bits: int) -> None:
+    from worker.kernels.linear_methods import TORCH_LINEAR, PackedLinear
+    from worker.models.layers import Linear
+
+    gen = torch.Generator().manual_seed(bits)
+    n, k, group = 70, 128, 32
+    q, s, o = random_groups(n, k, group, bits, torch.float16, gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(6, k, generator=gen)
+    want = reference_groups(x, q, s, o, group, bias)
+    lin = Linear(k, n, bias=True)
+    lin.load_groups(q, s, o, group, bits)
+    lin.bias.data.copy_(bias)  # type: ignore[union-attr]
+    for method in (TORCH_LINEAR, PackedLinear(bf16_gemm_rows=0), TORCH_LINEAR):
+        lin.use_method(method)
+        assert torch.equal(lin.unpacked(), q) and all(map(torch.equal, lin.group_s_o(), (s, o)))
+        torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
+        ids = torch.tensor([3, 0, 69])
+        torch.testing.assert_close(lin.rows(ids, torch.float32), lin.dequantized(torch.float32)[ids])
+    with pytest.raises(ValueError, match="groups of 48"):
+        lin.load_groups(q, s, o, 48, bits)
+
+
+def test_a_linear_layer_keeps_fp8_weights_with_their_scales() -> None:
+    from worker.kernels.linear_methods import TORCH_LINEAR, PackedLinear
+    from worker.models.layers import Linear
+
+    gen = torch.Generator().manual_seed(8)
+    n, k = 40, 96
+    w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=gen) + 0.5
+    x = torch.randn(3, k, generator=gen)
+    lin = Linear(k, n, bias=False)
+    lin.load(w, scale=scale)
+    want = x.double() @ (w.double() * scale.double()[:, None]).t()
+    for method in (TORCH_LINEAR, PackedLinear(bf16_gemm_rows=0)):
+        lin.use_method(method)
+        assert lin.weight.dtype == torch.float8_e4m3fn
+        torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)

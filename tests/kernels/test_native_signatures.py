@@ -165,6 +165,12 @@ def test_the_stack_structs_match_decode_stack_c() -> None:
         assert declared == structs[name], name
 
 
+def test_the_linear_weight_struct_matches_linear_h() -> None:
+    structs = c_structs((native_build.KERNELS / "linear.h").read_text())
+    for name, cls in native_linear.STRUCTS.items():
+        assert list(cls._fields_) == structs[name], name
+
+
 def test_a_bound_library_offers_its_declared_functions_only() -> None:
     lib = native_linear.library()
     if lib is None:

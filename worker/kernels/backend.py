@@ -34,7 +34,14 @@ import torch
 from torch import Tensor
 
 from worker.kernels import native_attention, native_linear, native_stack
-from worker.kernels.linear_methods import TORCH_LINEAR, LinearMethod, PackedLinear, dequantized
+from worker.kernels.linear_methods import (
+    TORCH_LINEAR,
+    Groups,
+    LinearMethod,
+    PackedLinear,
+    dequantized,
+    dequantized_groups,
+)
 from worker.kernels.native_stack import DecodeStack, StackLayer, StackLinear
 from worker.kernels.torch_attention import TorchAttention
 
@@ -43,10 +50,12 @@ __all__ = [
     "TORCH_LINEAR",
     "Backend",
     "DecodeStack",
+    "Groups",
     "LinearMethod",
     "StackLayer",
     "StackLinear",
     "dequantized",
+    "dequantized_groups",
 ]
 
 log = logging.getLogger(__name__)

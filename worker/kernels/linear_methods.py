@@ -4,20 +4,34 @@ per layer at load, and the layer's weight lives in that method's layout from the
 - TorchLinear: F.linear on nn.Linear's [out, in] weight, the op Hugging Face runs (CUDA, bfloat16 compute,
   no C compiler, cpu_kernels = "torch").
 - PackedLinear: linear.c on the CPU under float32 activations, the weight packed in panels of 32 outputs
-  ([ceil(out / 32), in, 32], native_linear.pack), float32, bfloat16 or int8 (a float32 scale per output),
-  widened to float32 as it is read. With bf16_gemm_rows, bfloat16 weights take oneDNN's bf16 GEMM for
-  steps of that many rows or more (prompt chunks, on CPUs whose bf16 GEMMs are fast).
+  ([ceil(out / 32), in, 32], native_linear.pack), float32, bfloat16, int8 or FP8 E4M3 (a float32 scale per
+  output), widened to float32 as it is read. With bf16_gemm_rows, bfloat16 weights take oneDNN's bf16 GEMM
+  for steps of that many rows or more (prompt chunks, on CPUs whose bf16 GEMMs are fast).
+
+Either method also runs weights quantised in groups of input rows (`Groups`: w = s * q - o, 4-bit or 8-bit
+q, s and o per group and output; GPTQ, AWQ and GGUF's legacy quants), each in its own layout of q and of
+the (s, o) table: TorchLinear dequantises to the activations' dtype per call (correct anywhere, fast
+nowhere), linear.c dequantises as it reads.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from worker.kernels import native_linear
+
+
+class Groups(NamedTuple):
+    """A group-quantised weight's (s, o) table in its method's layout, and its shape: w = s * q - o per group
+    of `group` input rows and output, q of `bits` (4: unsigned, 0..15; 8: signed)."""
+
+    table: Tensor
+    group: int
+    bits: int
 
 
 class LinearMethod(Protocol):
@@ -41,8 +55,32 @@ class LinearMethod(Protocol):
         """Rows `ids` of the [out, in] weight: [T] -> [T, in] (a tied embedding's lookup)."""
         ...
 
-    def apply(self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int) -> Tensor:
-        """y = x W^T (* scale per output) (+ bias): x [T, in] -> [T, n]."""
+    def apply(
+        self,
+        x: Tensor,
+        stored: Tensor,
+        scale: Tensor | None,
+        bias: Tensor | None,
+        n: int,
+        groups: Groups | None = None,
+    ) -> Tensor:
+        """y = x W^T (* scale per output) (+ bias): x [T, in] -> [T, n]. With groups, `stored` is q."""
+        ...
+
+    def store_q(self, q: Tensor, bits: int) -> Tensor:
+        """A group-quantised weight's q [out, in] (uint8 0..15 for 4 bits, int8 for 8) -> this layout."""
+        ...
+
+    def unpack_q(self, stored: Tensor, n: int, bits: int) -> Tensor:
+        """store_q's inverse: -> [n, in]."""
+        ...
+
+    def store_groups(self, s: Tensor, o: Tensor) -> Tensor:
+        """A group-quantised weight's s, o [out, groups] -> this layout's table."""
+        ...
+
+    def unpack_groups(self, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """store_groups' inverse: -> s, o [n, groups]."""
         ...
 
 
@@ -63,18 +101,48 @@ class TorchLinear:
     def rows(self, stored: Tensor, ids: Tensor) -> Tensor:
         return F.embedding(ids, stored)
 
-    def apply(self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int) -> Tensor:
+    def apply(
+        self,
+        x: Tensor,
+        stored: Tensor,
+        scale: Tensor | None,
+        bias: Tensor | None,
+        n: int,
+        groups: Groups | None = None,
+    ) -> Tensor:
+        if groups is not None:
+            s, o = self.unpack_groups(groups.table, n)
+            return F.linear(x, dequantized_groups(stored, s, o, groups.group).to(x.dtype), bias)
         return F.linear(x, dequantized(stored, scale, x.dtype), bias)
+
+    def store_q(self, q: Tensor, bits: int) -> Tensor:
+        return q
+
+    def unpack_q(self, stored: Tensor, n: int, bits: int) -> Tensor:
+        return stored
+
+    def store_groups(self, s: Tensor, o: Tensor) -> Tensor:
+        return torch.stack((s, o), dim=-1)  # [out, groups, 2]
+
+    def unpack_groups(self, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        return table[..., 0], table[..., 1]
 
 
 TORCH_LINEAR = TorchLinear()
 
 
 def dequantized(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """An [out, in] weight in `dtype`, times its scale per output row where it has one (int8)."""
+    """An [out, in] weight in `dtype`, times its scale per output row where it has one (int8, FP8)."""
     if scale is not None:
         return (weight.float() * scale[:, None]).to(dtype)
     return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+def dequantized_groups(q: Tensor, s: Tensor, o: Tensor, group: int) -> Tensor:
+    """The float32 [out, in] weight s * q - o of a group-quantised one (q [out, in], s and o [out, in /
+    group]): the reference formula, each weight rounded once in float32 as linear.c computes it."""
+    s32, o32 = s.float().repeat_interleave(group, dim=1), o.float().repeat_interleave(group, dim=1)
+    return torch.addcmul(-o32, q.float(), s32)
 
 
 class PackedLinear:
@@ -85,7 +153,9 @@ class PackedLinear:
         self.bf16_gemm_rows = bf16_gemm_rows  # 0: never
 
     def takes(self, weight: Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype in native_linear.WEIGHT_TYPES
+        return weight.device.type == "cpu" and (
+            weight.dtype in native_linear.WEIGHT_TYPES or weight.dtype in (torch.float8_e4m3fn, torch.uint8)
+        )
 
     def store(self, weight: Tensor) -> Tensor:
         return native_linear.pack(weight)
@@ -96,9 +166,40 @@ class PackedLinear:
     def rows(self, stored: Tensor, ids: Tensor) -> Tensor:
         return native_linear.packed_rows(stored, ids)
 
-    def apply(self, x: Tensor, stored: Tensor, scale: Tensor | None, bias: Tensor | None, n: int) -> Tensor:
+    def store_q(self, q: Tensor, bits: int) -> Tensor:
+        return native_linear.pack_q4(q) if bits == 4 else native_linear.pack(q)
+
+    def unpack_q(self, stored: Tensor, n: int, bits: int) -> Tensor:
+        return native_linear.unpack_q4(stored, n) if bits == 4 else native_linear.unpack(stored, n)
+
+    def store_groups(self, s: Tensor, o: Tensor) -> Tensor:
+        return native_linear.pack_groups(s, o, s.dtype)
+
+    def unpack_groups(self, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        return native_linear.unpack_groups(table, n)
+
+    def apply(
+        self,
+        x: Tensor,
+        stored: Tensor,
+        scale: Tensor | None,
+        bias: Tensor | None,
+        n: int,
+        groups: Groups | None = None,
+    ) -> Tensor:
+        if groups is not None:
+            if x.dtype != torch.float32:
+                s, o = self.unpack_groups(groups.table, n)
+                q = self.unpack_q(stored, n, groups.bits)
+                return TORCH_LINEAR.apply(
+                    x, q, None, bias, n, Groups(TORCH_LINEAR.store_groups(s, o), *groups[1:])
+                )
+            gq = native_linear.GroupQuantized(stored, groups.table, groups.group, groups.bits)
+            return native_linear.linear_w(x, gq, n, bias=bias)
         if x.dtype != torch.float32:  # linear.c takes float32 activations only
             return TORCH_LINEAR.apply(x, self.unpack(stored, n), scale, bias, n)
+        if stored.dtype == torch.float8_e4m3fn:
+            return native_linear.linear_w(x, stored, n, scale=scale, bias=bias)
         if self.bf16_gemm_rows and stored.dtype == torch.bfloat16 and x.shape[0] >= self.bf16_gemm_rows:
             # Prompt-sized steps on a CPU with fast bf16 GEMMs (oneDNN): bf16 activations, float32 out. The
             # [out, in] copy of the weight is a small part of such a GEMM.

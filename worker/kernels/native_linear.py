@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from ctypes import POINTER, c_float, c_int, c_long, c_void_p
+from ctypes import c_float, c_int, c_long, c_void_p
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -25,7 +25,7 @@ SOURCES = (KERNELS / "linear.c",)
 
 
 class LinearWeightStruct(ctypes.Structure):
-    """linear.h's LinearWeight, field for field."""
+    """linear.h's LinearWeight, field for field (tests/kernels/test_native_signatures.py compares them)."""
 
     _fields_ = [
         *((name, c_void_p) for name in ("w", "scale", "groups", "bias")),
@@ -33,9 +33,11 @@ class LinearWeightStruct(ctypes.Structure):
     ]
 
 
+STRUCTS = {"LinearWeight": LinearWeightStruct}  # by their C names
+
 SIGNATURES = {
     "batchq_linear": Signature(c_int, [c_void_p] * 5 + [c_int] * 5),
-    "batchq_linear_w": Signature(c_int, [c_void_p, POINTER(LinearWeightStruct), c_void_p] + [c_int] * 4),
+    "batchq_linear_w": Signature(c_int, [c_void_p] * 3 + [c_int] * 4),  # the LinearWeight by address
     "batchq_rmsnorm": Signature(None, [c_void_p] * 3 + [c_int] * 2 + [c_float]),
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),

@@ -11,7 +11,14 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from worker.kernels.backend import TORCH_LINEAR, Backend, LinearMethod, dequantized
+from worker.kernels.backend import (
+    TORCH_LINEAR,
+    Backend,
+    Groups,
+    LinearMethod,
+    dequantized,
+    dequantized_groups,
+)
 
 KVCache = tuple[Tensor, Tensor]  # one layer's k, v in the attention backend's layout (backend.kv_cache_shape)
 
@@ -28,7 +35,9 @@ class Linear(nn.Module):
 
     `quantize` may store the weight narrower for the C kernel, which widens it to float32 as it reads:
     bfloat16 (half the bytes) or int8 with a float32 scale per output (a quarter). Both change outputs
-    slightly, so neither is a default.
+    slightly, so neither is a default. A checkpoint's own quantisation is kept as it ships: FP8 E4M3 with a
+    scale per output (`load` of a float8 weight), or groups of input rows (`load_groups`: w = s * q - o,
+    4-bit or 8-bit q; GPTQ, AWQ, GGUF), in the method's layout of q (`weight`) and of (s, o) (`group_table`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -37,42 +46,87 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # in self.method's layout
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.scale: Tensor | None
-        self.register_buffer("scale", None)  # [out] float32: int8 weights only
+        self.register_buffer("scale", None)  # [out] float32: int8 and FP8 weights only
+        self.group_table: Tensor | None
+        self.register_buffer("group_table", None)  # group-quantised weights: (s, o) in the method's layout
+        self.group = self.bits = 0  # rows of K per group, bits of q (0: not group-quantised)
         self.method: LinearMethod = TORCH_LINEAR
 
     @torch.no_grad()
     def use_method(self, method: LinearMethod) -> None:
         """Run `method`, the weight moved into its layout (the backend's choice, made once at load)."""
         if method.layout != self.method.layout:
-            self.weight = nn.Parameter(method.store(self.unpacked()), requires_grad=False)
+            if self.bits:
+                s, o = self.group_s_o()
+                self.group_table = method.store_groups(s, o)
+                self.weight = nn.Parameter(method.store_q(self.unpacked(), self.bits), requires_grad=False)
+            else:
+                self.weight = nn.Parameter(method.store(self.unpacked()), requires_grad=False)
         self.method = method
 
     def unpacked(self) -> Tensor:
-        """The weight [out, in] as stored (a copy where its layout is another)."""
+        """The weight [out, in] as stored (a copy where its layout is another); q of a group-quantised one."""
+        if self.bits:
+            return self.method.unpack_q(self.weight, self.out_features, self.bits)
         return self.method.unpack(self.weight, self.out_features)
+
+    def group_s_o(self) -> tuple[Tensor, Tensor]:
+        """A group-quantised weight's s, o [out, in / group]."""
+        assert self.group_table is not None
+        return self.method.unpack_groups(self.group_table, self.out_features)
+
+    def groups(self) -> Groups | None:
+        return None if self.group_table is None else Groups(self.group_table, self.group, self.bits)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
+        if self.bits:
+            return self.method.apply(x, self.weight, None, self.bias, self.out_features, self.groups())
         return self.method.apply(x, self.weight, self.scale, self.bias, self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight [out, in] in `dtype` (itself where it is stored so, unpacked)."""
+        if self.bits:
+            return dequantized_groups(self.unpacked(), *self.group_s_o(), self.group).to(dtype)
         return dequantized(self.unpacked(), self.scale, dtype)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows `ids` of the weight in `dtype`: a tied embedding's lookup. ids: [T] -> [T, in]."""
-        w = self.method.rows(self.weight, ids)
+        w = self.method.rows(self.weight, ids) if not self.bits else self.unpacked()[ids]
+        if self.bits:
+            s, o = self.group_s_o()
+            return dequantized_groups(w, s[ids], o[ids], self.group).to(dtype)
         if self.scale is not None:
             return (w.float() * self.scale[ids, None]).to(dtype)
         return w.to(dtype)
 
     @torch.no_grad()
-    def load(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        """Copy a Hugging Face weight [out, in] (and bias [out])."""
-        self.weight.copy_(self.method.store(weight))
+    def load(self, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> None:
+        """Copy a Hugging Face weight [out, in] (and bias [out]); an FP8 E4M3 weight keeps its dtype, with its
+        float32 scale per output (`scale`)."""
+        if weight.dtype == torch.float8_e4m3fn:
+            assert scale is not None and scale.shape == (self.out_features,), "an FP8 weight needs its scales"
+            self.weight = nn.Parameter(self.method.store(weight), requires_grad=False)
+            self.scale = scale.float().contiguous()
+        else:
+            self.weight.copy_(self.method.store(weight))
         if self.bias is not None:
             assert bias is not None, "a biased layer needs its bias"
             self.bias.copy_(bias)
+
+    @torch.no_grad()
+    def load_groups(self, q: Tensor, s: Tensor, o: Tensor, group: int, bits: int) -> None:
+        """Keep a group-quantised weight as it ships: w = s * q - o, q [out, in] (uint8 0..15 for 4 bits,
+        int8 for 8), s and o [out, in / group] (float32 or float16)."""
+        n, k = self.out_features, self.in_features
+        if q.shape != (n, k) or s.shape != (n, k // group) or o.shape != s.shape or k % group:
+            raise ValueError(
+                f"group-quantised weight: q {tuple(q.shape)}, s {tuple(s.shape)}, o {tuple(o.shape)} do not "
+                f"make a [{n}, {k}] weight in groups of {group}"
+            )
+        self.weight = nn.Parameter(self.method.store_q(q, bits), requires_grad=False)
+        self.group_table = self.method.store_groups(s, o)
+        self.group, self.bits, self.scale = group, bits, None
 
     @torch.no_grad()
     def quantize(self, dtype: torch.dtype) -> None:

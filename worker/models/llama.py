@@ -135,6 +135,8 @@ class LlamaFamilyModel(nn.Module):
             return "OLMo 2's norms: after each sublayer, and over whole q / k projections"
         if self.rotary.dim != self.spec.head_dim:
             return "a partial rotary factor"
+        if any(lin.bits or lin.weight.dtype == torch.float8_e4m3fn for lin in self.linears()):
+            return "weights kept quantised as the checkpoint ships them (FP8, 4-bit or 8-bit groups)"
         return None
 
     @property
