@@ -79,6 +79,14 @@ class LinearMethod(Protocol):
         """A group-quantised weight's s, o [out, groups] -> this layout's table."""
         ...
 
+    def rows_q(self, stored: Tensor, ids: Tensor, bits: int) -> Tensor:
+        """Rows `ids` of a group-quantised weight's q [out, in]: [T] -> [T, in]."""
+        ...
+
+    def rows_groups(self, table: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows `ids` of s and o [out, groups]: [T] -> 2 x [T, groups]."""
+        ...
+
     def unpack_groups(self, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
         """store_groups' inverse: -> s, o [n, groups]."""
         ...
@@ -126,6 +134,12 @@ class TorchLinear:
 
     def unpack_groups(self, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
         return table[..., 0], table[..., 1]
+
+    def rows_q(self, stored: Tensor, ids: Tensor, bits: int) -> Tensor:
+        return stored[ids]
+
+    def rows_groups(self, table: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        return table[ids, :, 0], table[ids, :, 1]
 
 
 TORCH_LINEAR = TorchLinear()
@@ -177,6 +191,14 @@ class PackedLinear:
 
     def unpack_groups(self, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
         return native_linear.unpack_groups(table, n)
+
+    def rows_q(self, stored: Tensor, ids: Tensor, bits: int) -> Tensor:
+        return (
+            native_linear.packed_q4_rows(stored, ids) if bits == 4 else native_linear.packed_rows(stored, ids)
+        )
+
+    def rows_groups(self, table: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        return native_linear.packed_group_rows(table, ids)
 
     def apply(
         self,

@@ -78,6 +78,20 @@ def unpack_q4(packed: Tensor, n: int) -> Tensor:
     return unpack(torch.cat((packed & 0xF, packed >> 4), dim=-1), n)
 
 
+def packed_q4_rows(packed: Tensor, ids: Tensor) -> Tensor:
+    """Rows `ids` of the unpacked 4-bit q [N, K], gathered from pack_q4's layout: [T] -> [T, K] uint8."""
+    col = ids % PANEL
+    half = PANEL // 2
+    byte = packed[ids // PANEL, :, col % half]  # [T, K]
+    return torch.where((col >= half)[:, None], byte >> 4, byte & 0xF)
+
+
+def packed_group_rows(packed: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows `ids` of s and o [N, groups], gathered from pack_groups' layout: [T] -> 2 x [T, groups]."""
+    rows = packed[ids // PANEL, :, :, ids % PANEL]  # [T, groups, 2]
+    return rows[..., 0], rows[..., 1]
+
+
 def pack_groups(s: Tensor, o: Tensor, dtype: torch.dtype) -> Tensor:
     """Scales and offsets [n, groups] -> [panels, groups, 2, PANEL] of `dtype` (zeros past n)."""
     n, g = s.shape

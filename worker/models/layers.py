@@ -50,6 +50,8 @@ class Linear(nn.Module):
         self.group_table: Tensor | None
         self.register_buffer("group_table", None)  # group-quantised weights: (s, o) in the method's layout
         self.group = self.bits = 0  # rows of K per group, bits of q (0: not group-quantised)
+        self.in_perm: Tensor | None
+        self.register_buffer("in_perm", None)  # [in] int64: the input order q's rows follow (GPTQ act-order)
         self.method: LinearMethod = TORCH_LINEAR
 
     @torch.no_grad()
@@ -81,21 +83,28 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
         if self.bits:
+            if self.in_perm is not None:
+                x = x.index_select(1, self.in_perm)
             return self.method.apply(x, self.weight, None, self.bias, self.out_features, self.groups())
         return self.method.apply(x, self.weight, self.scale, self.bias, self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight [out, in] in `dtype` (itself where it is stored so, unpacked)."""
         if self.bits:
-            return dequantized_groups(self.unpacked(), *self.group_s_o(), self.group).to(dtype)
+            w = dequantized_groups(self.unpacked(), *self.group_s_o(), self.group)
+            if self.in_perm is not None:  # back to the layer's own input order
+                w = w[:, torch.argsort(self.in_perm)]
+            return w.to(dtype)
         return dequantized(self.unpacked(), self.scale, dtype)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows `ids` of the weight in `dtype`: a tied embedding's lookup. ids: [T] -> [T, in]."""
-        w = self.method.rows(self.weight, ids) if not self.bits else self.unpacked()[ids]
-        if self.bits:
-            s, o = self.group_s_o()
-            return dequantized_groups(w, s[ids], o[ids], self.group).to(dtype)
+        if self.bits:  # a quantised tied embedding (GGUF's): only the rows asked for are dequantised
+            assert self.group_table is not None and self.in_perm is None
+            q = self.method.rows_q(self.weight, ids, self.bits)
+            s, o = self.method.rows_groups(self.group_table, ids)
+            return dequantized_groups(q, s, o, self.group).to(dtype)
+        w = self.method.rows(self.weight, ids)
         if self.scale is not None:
             return (w.float() * self.scale[ids, None]).to(dtype)
         return w.to(dtype)
@@ -115,9 +124,12 @@ class Linear(nn.Module):
             self.bias.copy_(bias)
 
     @torch.no_grad()
-    def load_groups(self, q: Tensor, s: Tensor, o: Tensor, group: int, bits: int) -> None:
+    def load_groups(
+        self, q: Tensor, s: Tensor, o: Tensor, group: int, bits: int, perm: Tensor | None = None
+    ) -> None:
         """Keep a group-quantised weight as it ships: w = s * q - o, q [out, in] (uint8 0..15 for 4 bits,
-        int8 for 8), s and o [out, in / group] (float32 or float16)."""
+        int8 for 8), s and o [out, in / group] (float32 or float16); perm: q's input order (column k' of q
+        multiplies input perm[k']), or None for the layer's own."""
         n, k = self.out_features, self.in_features
         if q.shape != (n, k) or s.shape != (n, k // group) or o.shape != s.shape or k % group:
             raise ValueError(
@@ -127,6 +139,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(self.method.store_q(q, bits), requires_grad=False)
         self.group_table = self.method.store_groups(s, o)
         self.group, self.bits, self.scale = group, bits, None
+        self.in_perm = None if perm is None else perm.long().contiguous()
 
     @torch.no_grad()
     def quantize(self, dtype: torch.dtype) -> None:
