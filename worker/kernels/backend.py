@@ -39,6 +39,7 @@ from worker.kernels.linear_methods import (
     Groups,
     LinearMethod,
     PackedLinear,
+    TritonLinear,
     dequantized,
     dequantized_groups,
 )
@@ -262,6 +263,8 @@ def select_backend(
     attention = select_attention(
         device, settings.attention_backend, c and native_attention.library() is not None
     )
+    if attention.name == "triton":  # quantised weights through Triton's GEMM, the rest through F.linear
+        return Backend(attention, TritonLinear())
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
     rows = 0

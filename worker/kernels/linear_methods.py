@@ -11,7 +11,8 @@ per layer at load, and the layer's weight lives in that method's layout from the
 Either method also runs weights quantised in groups of input rows (`Groups`: w = s * q - o, 4-bit or 8-bit
 q, s and o per group and output; GPTQ, AWQ and GGUF's legacy quants), each in its own layout of q and of
 the (s, o) table: TorchLinear dequantises to the activations' dtype per call (correct anywhere, fast
-nowhere), linear.c dequantises as it reads.
+nowhere), linear.c dequantises as it reads, and on a GPU TritonLinear (F.linear for the rest) runs them and
+FP8 weights through a Triton GEMM that dequantises tiles in registers (triton_quant.py).
 """
 
 from __future__ import annotations
@@ -229,3 +230,67 @@ class PackedLinear:
                 x.bfloat16(), self.unpack(stored, n), None if bias is None else bias.bfloat16()
             ).float()
         return native_linear.linear(x, stored, scale, bias, n)
+
+
+class TritonLinear:
+    """F.linear for every weight but those kept quantised (groups, FP8), which triton_quant's GEMM runs
+    from a layout of its own: 4-bit q packed two to a byte along K, the (s, o) table [out, groups, 2]."""
+
+    name = "triton"
+    layout = "triton"
+    bf16_gemm_rows = 0
+
+    def takes(self, weight: Tensor) -> bool:
+        return True
+
+    def store(self, weight: Tensor) -> Tensor:
+        return weight
+
+    def unpack(self, stored: Tensor, n: int) -> Tensor:
+        return stored
+
+    def rows(self, stored: Tensor, ids: Tensor) -> Tensor:
+        return F.embedding(ids, stored)
+
+    def store_q(self, q: Tensor, bits: int) -> Tensor:
+        from worker.kernels import triton_quant
+
+        return triton_quant.pack_q4_rows(q) if bits == 4 else q
+
+    def unpack_q(self, stored: Tensor, n: int, bits: int) -> Tensor:
+        from worker.kernels import triton_quant
+
+        return triton_quant.unpack_q4_rows(stored) if bits == 4 else stored
+
+    def store_groups(self, s: Tensor, o: Tensor) -> Tensor:
+        return torch.stack((s, o), dim=-1)
+
+    def unpack_groups(self, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        return table[..., 0], table[..., 1]
+
+    def rows_q(self, stored: Tensor, ids: Tensor, bits: int) -> Tensor:
+        return self.unpack_q(stored[ids], ids.shape[0], bits)
+
+    def rows_groups(self, table: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        return table[ids, :, 0], table[ids, :, 1]
+
+    def apply(
+        self,
+        x: Tensor,
+        stored: Tensor,
+        scale: Tensor | None,
+        bias: Tensor | None,
+        n: int,
+        groups: Groups | None = None,
+    ) -> Tensor:
+        if groups is None and stored.dtype != torch.float8_e4m3fn:
+            return TORCH_LINEAR.apply(x, stored, scale, bias, n)
+        from worker.kernels import triton_quant
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if groups is not None:
+            y = triton_quant.quant_linear(x2, stored, n, groups.table, groups.group, groups.bits, bias=bias)
+        else:
+            y = triton_quant.quant_linear(x2, stored, n, scale=scale, bias=bias)
+        return y.view(*lead, n)
