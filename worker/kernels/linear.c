@@ -175,22 +175,30 @@ static void dequantize(const LinearWeight *lw, const int K, const int panel, con
     }
     const int groups = K / lw->group, ge = lw->group_elem == F32 ? 4 : 2;
     const char *gbase = (const char *)lw->groups + (size_t)panel * groups * 2 * PANEL * ge;
-    for (int k = 0; k < kn; k++) {
-        const char *g = gbase + (size_t)((k0 + k) / lw->group) * 2 * PANEL * ge;
-        const uint8_t *row = w + (size_t)k * rb;
-        float *out = dq + (size_t)k * PANEL;
+    for (int k = 0; k < kn;) {
+        /* the rows of this block in one group share its s and o: loaded once */
+        const int g = (k0 + k) / lw->group, end = (g + 1) * lw->group - k0 < kn ? (g + 1) * lw->group - k0 : kn;
+        const char *gp = gbase + (size_t)g * 2 * PANEL * ge;
+        vf s[PANEL_VECS], o[PANEL_VECS];
         for (int j = 0; j < PANEL_VECS; j++) {
-            vf q;
+            s[j] = load_group(gp + (size_t)j * VL * ge, lw->group_elem);
+            o[j] = load_group(gp + (size_t)(PANEL + j * VL) * ge, lw->group_elem);
+        }
+        for (; k < end; k++) {
+            const uint8_t *row = w + (size_t)k * rb;
+            float *out = dq + (size_t)k * PANEL;
             if (lw->elem == Q4) {
-                const int half = j * VL >= PANEL / 2;  /* columns PANEL / 2 on sit in the high nibbles */
-                const vu32 b = widen_u8(row + j * VL - half * (PANEL / 2));
-                q = u32_to_f32(half ? b >> 4 : b & 0xF);
+                /* one widened load gives a vector of the low half's columns and one of the high half's */
+                for (int j = 0; j < PANEL_VECS / 2; j++) {
+                    const vu32 b = widen_u8(row + j * VL);
+                    const int hi = j + PANEL_VECS / 2;
+                    *(vf *)(out + j * VL) = s[j] * u32_to_f32(b & 0xF) - o[j];
+                    *(vf *)(out + hi * VL) = s[hi] * u32_to_f32(b >> 4) - o[hi];
+                }
             } else {
-                q = load_w((const char *)row + j * VL, I8);
+                for (int j = 0; j < PANEL_VECS; j++)
+                    *(vf *)(out + j * VL) = s[j] * load_w((const char *)row + j * VL, I8) - o[j];
             }
-            const vf s = load_group(g + (size_t)j * VL * ge, lw->group_elem);
-            const vf o = load_group(g + (size_t)(PANEL + j * VL) * ge, lw->group_elem);
-            *(vf *)(out + j * VL) = s * q - o;
         }
     }
 }
@@ -373,6 +381,47 @@ static void store_panel(const float *tot, const LinearWeight *lw, float *y, cons
     }
 }
 
+/* One x row against rows k0 .. k0 + kn - 1 of a Q4 or Q8 panel, the weights dequantised in registers (no
+   trip through dq: at one row, the store and reload would cost as much as the product), the block's
+   partial sums added to tot: what dequantize and a tile would compute, in the same order. */
+static void q_row(const float *x, const LinearWeight *lw, const int K, const int panel, const int k0,
+                  const int kn, float *tot) {
+    const size_t rb = row_bytes(lw->elem);
+    const uint8_t *w = (const uint8_t *)lw->w + ((size_t)panel * K + k0) * rb;
+    const int groups = K / lw->group, ge = lw->group_elem == F32 ? 4 : 2;
+    const char *gbase = (const char *)lw->groups + (size_t)panel * groups * 2 * PANEL * ge;
+    vf acc[PANEL_VECS];
+    for (int j = 0; j < PANEL_VECS; j++) acc[j] = (vf){0};
+    for (int k = 0; k < kn;) {
+        const int g = (k0 + k) / lw->group, end = (g + 1) * lw->group - k0 < kn ? (g + 1) * lw->group - k0 : kn;
+        const char *gp = gbase + (size_t)g * 2 * PANEL * ge;
+        vf s[PANEL_VECS], o[PANEL_VECS];
+        for (int j = 0; j < PANEL_VECS; j++) {
+            s[j] = load_group(gp + (size_t)j * VL * ge, lw->group_elem);
+            o[j] = load_group(gp + (size_t)(PANEL + j * VL) * ge, lw->group_elem);
+        }
+        for (; k < end; k++) {
+            const uint8_t *row = w + (size_t)k * rb;
+            const float xs = x[k0 + k];
+            if (lw->elem == Q4) {
+                for (int j = 0; j < PANEL_VECS / 2; j++) {
+                    const vu32 b = widen_u8(row + j * VL);
+                    const int hi = j + PANEL_VECS / 2;
+                    const vf lo_w = s[j] * u32_to_f32(b & 0xF) - o[j], hi_w = s[hi] * u32_to_f32(b >> 4) - o[hi];
+                    acc[j] += xs * lo_w;
+                    acc[hi] += xs * hi_w;
+                }
+            } else {
+                for (int j = 0; j < PANEL_VECS; j++) {
+                    const vf wv = s[j] * load_w((const char *)row + j * VL, I8) - o[j];
+                    acc[j] += xs * wv;
+                }
+            }
+        }
+    }
+    for (int j = 0; j < PANEL_VECS; j++) *(vf *)(tot + j * VL) += acc[j];
+}
+
 /* Decode-sized steps: a panel a KBLOCK of rows at a time. The block (8 KB in float32) comes from memory once
    and stays in L1 while every tile of x rows, and with 8-float vectors each half of the panel, uses it; each
    tile adds its partial sums over the block to the panel's totals, the sums tile() would form, in its order.
@@ -400,6 +449,10 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
             const int lines = (int)((kn * rb + 63) / 64);
             if (!direct) {
                 for (int l = 0; l < lines; l++) __builtin_prefetch(wk + PREFETCH_BYTES + (size_t)l * 64, 0, 0);
+                if (M == 1 && elem != FP8) {
+                    q_row(x, lw, K, p, k0, kn, tot);
+                    continue;
+                }
                 dequantize(lw, K, p, k0, kn, dq);
                 src = (const char *)dq;
             }
