@@ -185,3 +185,27 @@ def test_a_bfloat16_model_passes_the_load_check_and_serves(family: tuple[Path, s
         [EngineRequest(f"r{i}", greedy(), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]
     )
     assert all(len(r.token_ids) == NEW for r in results)
+
+
+def test_every_layer_the_config_masks_with_a_window_passes_that_window(tmp_path: Path) -> None:
+    """The windows Gemma 2's modules pass (recorded on the load's check) are the ones its config's mask
+    names; a config whose mask windowed a layer its module attends to in full would be refused, as would
+    layer types batchq's attention does not compute."""
+    import copy
+
+    from worker.models.transformers_model import check_windows
+
+    arch, overrides = FAMILIES["gemma2"]
+    engine = load(build_tiny_checkpoint(tmp_path, arch, **overrides))
+    model = engine.model_runner.model
+    assert isinstance(model, TransformersModel) and model.layer_windows == (12, None)
+    cfg = model.hf.config
+    assert check_windows(model, cfg) is None
+    both = copy.deepcopy(cfg)
+    both.layer_types = ["sliding_attention", "sliding_attention"]
+    assert check_windows(model, both) == (
+        "layer 1's mask has a sliding window of 12 tokens but its attention module passes None to the "
+        "attention function"
+    )
+    both.layer_types = ["sliding_attention", "chunked_attention"]
+    assert "layer types ['chunked_attention']" in str(check_windows(model, both))
