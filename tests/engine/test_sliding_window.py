@@ -163,6 +163,25 @@ def test_a_cached_prefix_longer_than_the_window_is_reused_and_exact(model: tuple
         assert check_greedy(i, res.token_ids, theirs, logits) is None, (name, i)
 
 
+def test_labels_scored_over_a_cached_prefix_longer_than_the_window_equal_hf(model: tuple[Path, str]) -> None:
+    """A choices request whose prompt extends a cached prefix four windows long: its hit leaves out the
+    blocks no window reaches (every layer windowed) or takes them all, and its label scores are HF's."""
+    from tests.engine.test_labeling import LABELS, hf_label_logprob
+
+    path, name = model
+    hf = hf_model(path)
+    engine = load(path)
+    shared = list(range(20, 84))
+    run_checked(engine, [EngineRequest("warm", greedy(2), prompt_token_ids=[*shared, 7])])
+    prompt = [*shared, 9, 10, 11]
+    params = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
+    res = run_checked(engine, [EngineRequest("c", params, prompt_token_ids=prompt)])[0]
+    assert res.cached_tokens == len(shared) and res.label_scores is not None
+    eos = engine.eos_token_ids[0]
+    for score, label in zip(res.label_scores, engine.prompts.label_ids(LABELS), strict=True):
+        assert abs(score.logprob - hf_label_logprob(hf, prompt, label, eos)) < 1e-4, (name, score)
+
+
 def test_a_windowed_model_serves_a_sequence_far_longer_than_the_pool(tmp_path: Path) -> None:
     """A pool of 6 blocks of 8 tokens (48 tokens): with every layer windowed at 16 and chunks of 8, one
     sequence holds at most 4 blocks at once, so a 40-token prompt with 100 new tokens (140 tokens, 18 blocks)

@@ -297,8 +297,8 @@ class Scheduler:
         return max(0, idle)
 
     def check_invariants(self) -> None:
-        """The block manager's, and per running sequence: its table covers what it has computed and what
-        its next step writes, and the window released no block its next token still reads."""
+        """The block manager's, and per running sequence: its table covers what it has computed, and the
+        window released no block its next token still reads."""
         bm = self.block_manager
         bm.check_invariants()
         for seq in self.running:
@@ -306,8 +306,8 @@ class Scheduler:
             nxt = seq.num_tokens - 1 if seq.prefilled else seq.num_computed
             held_to = (bm.released(rid) + len(bm.block_table(rid))) * bm.block_size
             assert held_to >= seq.num_computed, f"{rid}: computed tokens without blocks"
+            # (a choices request never slides, but its prefix hit may leave out blocks no window reaches)
             assert bm.released(rid) <= bm.first_needed(nxt), f"{rid}: a block its window reads was released"
-            assert self.slides(seq) or bm.released(rid) == 0, f"{rid} released blocks but does not slide"
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence wherever it is and free its blocks."""
