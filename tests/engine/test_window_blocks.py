@@ -11,7 +11,8 @@ from fakes import make_seq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.engine.block_manager import BlockManager, SlidingWindow
+from worker.engine.block_manager import BlockManager
+from worker.engine.kv_window import SlidingWindow
 from worker.engine.scheduler import RELEASED_BLOCK, Scheduler
 from worker.engine.sequence import Sequence
 

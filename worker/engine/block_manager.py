@@ -21,20 +21,20 @@ make some. Either way the pool is never over-committed:
 
     blocks held by running sequences (each counted once) + blocks they may still allocate <= num_blocks.
 
-Sliding windows (`SlidingWindow`, only where every layer of the model has one): a query at position p reads
-keys from p - window + 1 on in every layer, so a sequence whose next computed token (a prompt chunk's first,
-or a decode step's) is at p needs no block that ends before p - window + 1. `slide` releases those blocks
-back to the pool as the sequence advances (`window_released` counts them); the table keeps its logical
-positions, the released ones before its first held block (`released`). A released block is freed like any
-other: it keeps its registration and K/V in the free queue. A reservation then counts blocks held at once,
-not the blocks of the whole sequence: `held_bound` is a windowed sequence's worst case. A prefix hit needs
-only the registered blocks its first computed token's window reaches (`match_prefix`), so the earliest blocks
-of a long cached prefix may have been evicted. A block two sequences share may be released by one while the
-other still holds it, so under a window sharing earns no credit: what is committed is the sum of the
-reservations (each at most held_bound), not the blocks held plus what each may still take, which counts a
-shared block once. Where some layer attends to the whole context, every layer
-shares the one block table and nothing can be released: the window's saving would need per-layer tables
-(the engine counts what they would free).
+Sliding windows (kv_window.SlidingWindow, only where every layer of the model has one): a query at position
+p reads keys from p - window + 1 on in every layer, so a sequence whose next computed token (a prompt
+chunk's first, or a decode step's) is at p needs no block that ends before p - window + 1. `slide` releases
+those blocks back to the pool as the sequence advances (`window_released` counts them); the table keeps its
+logical positions, the released ones before its first held block (`released`). A released block is freed
+like any other: it keeps its registration and K/V in the free queue. A reservation then counts blocks held
+at once, not the blocks of the whole sequence: `held_bound` is a windowed sequence's worst case. A prefix
+hit needs only the registered blocks its first computed token's window reaches (`match_prefix`), so the
+earliest blocks of a long cached prefix may have been evicted. A block two sequences share may be released
+by one while the other still holds it, so under a window sharing earns no credit: what is committed is the
+sum of the reservations (each at most held_bound), not the blocks held plus what each may still take,
+which counts a shared block once. Where some layer attends to the whole context, every layer shares the one
+block table and nothing can be released: the window's saving would need per-layer tables (the engine
+counts what they would free).
 """
 
 from __future__ import annotations
@@ -42,51 +42,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+
+from worker.engine.kv_window import PrefixHit, SlidingWindow
 
 BlockHash = bytes  # 16 bytes of blake2b: a chain hash of a full block's tokens and all before them
 
 
 def chain_hash(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
-@dataclass(frozen=True)
-class SlidingWindow:
-    """Every layer attends to at most the last `tokens` keys, a query's own included (the model's largest
-    window, where every layer has one); a step computes at most `max_chunk` tokens of one sequence (the
-    step's token budget)."""
-
-    tokens: int
-    max_chunk: int
-
-    @classmethod
-    def of_layers(cls, windows: tuple[int | None, ...], max_chunk: int) -> SlidingWindow | None:
-        """The window a model's layers leave the cache (their largest), or None where some layer has none
-        (or there are no layers)."""
-        if not windows or any(w is None for w in windows):
-            return None
-        return cls(max(w for w in windows if w is not None), max_chunk)
-
-    def held_blocks(self, block_size: int) -> int:
-        """The most blocks a sequence holds at once: a chunk of max_chunk tokens from position p reads
-        positions p - tokens + 1 .. p + max_chunk - 1, which span this many blocks at worst."""
-        span = self.tokens + self.max_chunk - 1
-        return -(-(span - 1) // block_size) + 1
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """The cached part of a prompt: logical blocks first .. first + len(blocks) - 1 (registered), and the
-    tokens before them, which no layer's window reaches from the first token computed after the hit."""
-
-    first: int = 0
-    blocks: list[int] = field(default_factory=list)
-
-    @property
-    def end(self) -> int:
-        """Prompt blocks the hit covers: the first one computed is this one."""
-        return self.first + len(self.blocks)
 
 
 class BlockManager:
@@ -116,7 +79,7 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}  # the blocks a sequence holds, from logical block released on
         self._released: dict[str, int] = {}  # its leading logical blocks the window released
         self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of a sequence's computed full blocks
-        self._reserved: dict[str, int] = {}  # table length each sequence may reach (its reservation)
+        self._reserved: dict[str, int] = {}  # blocks each sequence may hold at once (its reservation)
         self._growth = 0  # blocks running sequences may still allocate: sum(reserved - len(table))
         self._reserved_sum = 0  # sum(reserved): what a window commits
         self.hit_blocks = 0  # prefix-cache hits and evictions since start (stats)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from worker.engine.block_manager import BlockManager, SlidingWindow
+from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import CpuShare, bound_onednn_caches, cpu_budget, keep_freed_memory
 from worker.engine.device import (
@@ -29,6 +29,7 @@ from worker.engine.device import (
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
+from worker.engine.kv_window import SlidingWindow
 from worker.engine.model_runner import ModelRunner, ScoredLabels
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
 from worker.engine.prompts import PromptBuilder

@@ -7,8 +7,8 @@ import logging
 import psutil
 import torch
 
-from worker.engine.block_manager import SlidingWindow
 from worker.engine.config import EngineConfig
+from worker.engine.kv_window import SlidingWindow
 from worker.kernels.backend import torch_backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.transformers_model import AnyModel
