@@ -289,12 +289,12 @@ class Scheduler:
         """Blocks running sequences hold that lie wholly before their next token's `window`: what layers of
         that window no longer read (with one table shared by every layer, a full-attention layer keeps
         them; per-layer tables would free them in the windowed layers)."""
-        bs = self.block_manager.block_size
+        bm = self.block_manager
         idle = 0
         for seq in self.running:
             nxt = seq.num_tokens - 1 if seq.prefilled else seq.num_computed
-            idle += max(0, nxt - window + 1) // bs - self.block_manager.released(seq.request_id)
-        return max(0, idle)
+            idle += max(0, max(0, nxt - window + 1) // bm.block_size - bm.released(seq.request_id))
+        return idle
 
     def check_invariants(self) -> None:
         """The block manager's, and per running sequence: its table covers what it has computed, and the
