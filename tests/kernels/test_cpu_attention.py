@@ -87,14 +87,22 @@ def test_the_c_decode_kernel_matches_the_reference_on_every_instruction_set_and_
             q = random_queries(case, len(lens), gen, CPU)
             scale = 1 / math.sqrt(case.head_dim)
             assert native_attention.supports(q, cache.k_cache), case
-            got = TorchAttention(native=True).paged_decode_attention(
-                q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cache.context_lens,
-                scale,
-            )  # fmt: skip
-            want = reference.paged_decode_attention(
-                q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
-            )
-            assert_close(got, want, case.dtype)
+            for window, softcap in ((None, None), (37, 2.0)):  # and within a window, soft-capped
+                got = TorchAttention(native=True).paged_decode_attention(
+                    q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables,
+                    cache.context_lens, scale, window=window, softcap=softcap,
+                )  # fmt: skip
+                want = reference.paged_decode_attention(
+                    q,
+                    cache.k_cache,
+                    cache.v_cache,
+                    cache.block_tables,
+                    cache.context_lens,
+                    scale,
+                    window,
+                    softcap,
+                )
+                assert_close(got, want, case.dtype)
     finally:
         native_build.clear_caches()
 
