@@ -27,7 +27,6 @@ from worker.engine.scheduler import ScheduledBatch
 from worker.models.loader import ModelLoadError, check_model_reference
 from worker.models.transformers_model import TransformersModel
 
-GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 64}
 # Cohere: LayerNorm without bias, interleaved rotary, parallel attention and MLP, logits times logit_scale,
 # per-head q/k norms. Starcoder2: biased LayerNorms and projections, a GELU MLP.
 FAMILIES = {
@@ -43,7 +42,8 @@ FAMILIES = {
     # Gemma 3's text model: q/k norms, rotary bases per layer type, two windowed layers to a global one
     "gemma3": (
         "gemma3",
-        {**GEMMA3, "sliding_window": 10, "num_hidden_layers": 3, "sliding_window_pattern": 3},
+        {"head_dim": 16, "query_pre_attn_scalar": 64, "sliding_window": 10, "num_hidden_layers": 3}
+        | {"sliding_window_pattern": 3},
     ),
 }
 SHARED = list(range(10, 58))  # six blocks of 8: what the second batch's prompts find in the prefix cache
@@ -209,3 +209,22 @@ def test_every_layer_the_config_masks_with_a_window_passes_that_window(tmp_path:
     )
     both.layer_types = ["sliding_attention", "chunked_attention"]
     assert "layer types ['chunked_attention']" in str(check_windows(model, both))
+
+
+def test_gemma2s_softcap_and_window_change_hf_logits_here(tmp_path: Path) -> None:
+    """The Gemma 2 comparisons above can fail: without its attention-logit softcap, or with a window past
+    the prompt (its eager attention windows by the config's mask), Hugging Face's own model gives these
+    prompts other logits."""
+    arch, overrides = FAMILIES["gemma2"]
+    hf = AutoModelForCausalLM.from_pretrained(build_tiny_checkpoint(tmp_path, arch, **overrides)).eval()
+    ids = torch.tensor([PROMPTS[2]])  # 50 tokens, the window 12
+    with torch.no_grad():
+        base = hf(ids).logits
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        assert (hf(ids).logits - base).abs().max() > 0.1
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = overrides["attn_logit_softcapping"]
+        assert torch.equal(hf(ids).logits, base)
+        hf.config.sliding_window = 1000
+        assert (hf(ids).logits - base).abs().max() > 0.1
