@@ -179,6 +179,11 @@ def test_importing_the_engine_loads_neither_the_producer_nor_torch() -> None:
     assert loaded_by("worker.engine", ("producer", "torch", "redis", "arq")) == []
 
 
+def test_the_scheduler_and_block_manager_are_pure_python() -> None:
+    modules = "worker.engine.scheduler, worker.engine.block_manager, worker.engine.kv_window"
+    assert loaded_by(modules, ("torch", "transformers")) == []
+
+
 def test_the_full_engine_runs_without_the_producer() -> None:
     assert loaded_by("worker.engine.engine, worker.engine.async_engine", ("producer",)) == []
 

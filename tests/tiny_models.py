@@ -55,10 +55,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
     """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3, and cohere |
-    starcoder2 | gemma | gemma2, which run through the transformers fallback) with peaky random logits."""
+    starcoder2 | gemma | gemma2 | gemma3 (its text model), which run through the transformers fallback) with
+    peaky random logits."""
     from transformers import (
         CohereConfig,
         Gemma2Config,
+        Gemma3TextConfig,
         GemmaConfig,
         GraniteConfig,
         LlamaConfig,
@@ -98,6 +100,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         "starcoder2": Starcoder2Config,
         "gemma": GemmaConfig,
         "gemma2": Gemma2Config,
+        "gemma3": Gemma3TextConfig,
     }
     return classes[arch](**common)
 

@@ -110,6 +110,7 @@ class StatsLogger:
         self._busy = s.prefill_s + s.decode_s + s.score_s
         self._prompt, self._cached = s.prompt_tokens, s.cached_prompt_tokens
         self._preempted = s.preemptions
+        self._window_released = s.window_released_blocks
 
     def line(self, completed: int, failed: int, from_cache: int) -> str:
         s = self.engine.core.stats()
@@ -132,10 +133,18 @@ class StatsLogger:
         )
         self._prompt, self._cached = s.prompt_tokens, s.cached_prompt_tokens
         self._preempted = s.preemptions
+        released, self._window_released = (
+            s.window_released_blocks - self._window_released,
+            s.window_released_blocks,
+        )
         kv_pct = 100.0 * s.kv_blocks_used / max(s.kv_blocks_total, 1)
+        # a sliding window's effect on the pool, where the model has one: blocks it released (every layer
+        # windowed) or blocks only full-attention layers still read (windowed and full layers)
+        window = f"window released={released} " if s.window_released_blocks else ""
+        window += f"window idle={s.window_idle_blocks} " if s.window_idle_blocks else ""
         return (
             f"throughput={rate:.1f} tok/s running={s.running} waiting={s.waiting} "
-            f"kv={s.kv_blocks_used}/{s.kv_blocks_total} ({kv_pct:.0f}%) steps={steps} "
+            f"kv={s.kv_blocks_used}/{s.kv_blocks_total} ({kv_pct:.0f}%) {window}steps={steps} "
             f"(prefill {prefills}) prompt tokens computed={computed} cached={cached} preempted={preempted} "
             f"model busy={busy_pct:.0f}% done={completed} (result cache {from_cache}) failed={failed}"
         )

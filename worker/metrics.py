@@ -154,6 +154,16 @@ class WorkerCollector(Collector):
         yield self._gauge("batchq_kv_cache_blocks_used", "KV cache blocks held by requests", s.kv_blocks_used)
         yield self._gauge("batchq_kv_cache_blocks", "KV cache blocks in the pool", s.kv_blocks_total)
         yield self._counter(
+            "batchq_kv_cache_window_released_blocks",
+            "KV blocks the sliding window released as sequences advanced (models windowed in every layer)",
+            s.window_released_blocks,
+        )
+        yield self._gauge(
+            "batchq_kv_cache_window_idle_blocks",
+            "KV blocks held that only full-attention layers still read (models with windowed and full layers)",
+            s.window_idle_blocks,
+        )
+        yield self._counter(
             "batchq_prompt_tokens",
             "prompt tokens of the requests prefilled (prefix-cache queries)",
             s.prompt_tokens,

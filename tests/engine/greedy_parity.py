@@ -16,7 +16,10 @@ class Divergence:
     top2_gap: float
 
 
-def hf_greedy(hf_model, prompt_ids: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:  # type: ignore[no-untyped-def]
+def hf_greedy(
+    hf_model, prompt_ids: list[int], max_new: int, ignore_eos: bool = False
+) -> tuple[list[int], list[torch.Tensor]]:  # type: ignore[no-untyped-def]
+    """HF generate's greedy tokens and logits; ignore_eos: past EOS too, as GenerationParams.ignore_eos."""
     out = hf_model.generate(
         torch.tensor([prompt_ids]),
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
@@ -24,6 +27,7 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new: int) -> tuple[list[int],
         do_sample=False,
         output_logits=True,
         return_dict_in_generate=True,
+        **({"eos_token_id": []} if ignore_eos else {}),
     )
     return out.sequences[0, len(prompt_ids) :].tolist(), [lg[0] for lg in out.logits]
 

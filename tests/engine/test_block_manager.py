@@ -12,7 +12,7 @@ from worker.engine.block_manager import BlockManager
 def admit(bm: BlockManager, seq_id: str, prompt: list[int], max_new: int) -> int:
     """What the scheduler does: match the cached prefix, admit, allocate the prompt. -> cached tokens."""
     hashes = bm.prompt_hashes(prompt)
-    hits = bm.match_prefix(hashes)
+    hits = bm.match_prefix(hashes).blocks
     need = bm.blocks_for(len(prompt) + max_new)
     assert bm.can_admit(need, hits)
     bm.admit(seq_id, need, hits, hashes)
@@ -162,14 +162,14 @@ def test_any_sequence_of_operations_keeps_the_pool_consistent(
             _, pi, tail, max_new = o
             prompt = PREFIXES[pi] + list(tail) or [1]  # type: ignore[operator]
             hashes = bm.prompt_hashes(prompt)
-            hits = bm.match_prefix(hashes)
+            hits = bm.match_prefix(hashes).blocks
             need = bm.blocks_for(len(prompt) + max_new)  # type: ignore[operator]
             held_before = {b for sid in live for b in bm.block_table(sid)}
             if need > num_blocks or not bm.can_admit(need, hits):
                 continue
             sid = f"s{counter}"
             counter += 1
-            cached_before = {h for h in hashes if bm.match_prefix([h])}
+            cached_before = {h for h in hashes if bm.match_prefix([h]).blocks}
             bm.admit(sid, need, hits, hashes)
             bm.ensure_capacity(sid, len(prompt))
             # eviction never takes a block a sequence holds

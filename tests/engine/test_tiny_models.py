@@ -73,7 +73,12 @@ ARCHS = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
-    "mistral": ("mistral", {"sliding_window": 4096}),
+    "mistral": ("mistral", {"sliding_window": 16}),  # every layer windowed, most prompts longer than it
+    # Qwen2's sliding layers from max_window_layers on: layer 0 full, layers 1-2 windowed
+    "qwen2-sliding": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1, "num_hidden_layers": 3},
+    ),
     "granite": ("granite", GRANITE),
     "granite-tied": ("granite", {**GRANITE, "tie_word_embeddings": True}),
     "olmo2": ("olmo2", {"attention_bias": True}),

@@ -1,7 +1,8 @@
-"""The transformers fallback (models/transformers_model.py): families without a native path (Cohere, Starcoder2)
-run Hugging Face's own layers over batchq's paged cache, exact against Hugging Face in float32 and
-continuously batched, prefix cache included; Llama gives the same tokens on either path; what the fallback
-cannot compute exactly is refused at load, in one line.
+"""The transformers fallback (models/transformers_model.py): families without a native path (Cohere, Starcoder2,
+Gemma 2 with its attention-logit softcap and interleaved sliding windows, Gemma 3's text model) run Hugging
+Face's own layers over batchq's paged cache, exact against Hugging Face in float32 and continuously batched,
+prefix cache included (a shared prefix longer than the windows); Llama gives the same tokens on either path;
+what the fallback cannot compute exactly is refused at load, in one line.
 
 Each checkpoint goes through the production loader (save_pretrained dir -> Engine.load).
 """
@@ -31,10 +32,19 @@ from worker.models.transformers_model import TransformersModel
 FAMILIES = {
     "cohere": ("cohere", {"logit_scale": 0.5, "use_qk_norm": True}),
     "starcoder2": ("starcoder2", {}),
-    # Gemma 2 without attention-logit softcapping: a softmax scale of query_pre_attn_scalar ** -0.5, not
-    # head_dim's, norms after each sublayer too, a final logit softcap, and layers alternately windowed (the
-    # window longer than any sequence here)
-    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 64, "attn_logit_softcapping": None}),
+    # Gemma 2: a softmax scale of query_pre_attn_scalar ** -0.5, not head_dim's, norms after each sublayer
+    # too, attention-logit softcapping (low enough to bend these scores), a final logit softcap, and layers
+    # alternately windowed, the window shorter than most prompts here
+    "gemma2": (
+        "gemma2",
+        {"head_dim": 16, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 4.0, "sliding_window": 12},
+    ),
+    # Gemma 3's text model: q/k norms, rotary bases per layer type, two windowed layers to a global one
+    "gemma3": (
+        "gemma3",
+        {"head_dim": 16, "query_pre_attn_scalar": 64, "sliding_window": 10, "num_hidden_layers": 3}
+        | {"sliding_window_pattern": 3},
+    ),
 }
 SHARED = list(range(10, 58))  # six blocks of 8: what the second batch's prompts find in the prefix cache
 PROMPTS = [[5, 6, 7], [*SHARED, 3, 4], list(range(10, 60)), [200, 100] * 20, [42], [*SHARED, 77]]
@@ -141,11 +151,6 @@ def test_an_fp8_cache_calibrates_through_the_fallback(tmp_path: Path) -> None:
 
 
 def test_what_the_fallback_cannot_run_exactly_is_refused_in_one_line(tmp_path: Path) -> None:
-    # attention-logit softcapping (Gemma 2): our attention kernels have none
-    gemma2 = build_tiny_checkpoint(tmp_path / "gemma2", "gemma2", head_dim=16)
-    with pytest.raises(ModelLoadError, match=r"cannot run it exactly: .*no attention-logit softcapping") as e:
-        load(gemma2)
-    assert "\n" not in str(e.value)
     # an encoder-decoder, refused before anything loads
     t5 = tmp_path / "t5"
     t5.mkdir()
@@ -180,3 +185,46 @@ def test_a_bfloat16_model_passes_the_load_check_and_serves(family: tuple[Path, s
         [EngineRequest(f"r{i}", greedy(), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]
     )
     assert all(len(r.token_ids) == NEW for r in results)
+
+
+def test_every_layer_the_config_masks_with_a_window_passes_that_window(tmp_path: Path) -> None:
+    """The windows Gemma 2's modules pass (recorded on the load's check) are the ones its config's mask
+    names; a config whose mask windowed a layer its module attends to in full would be refused, as would
+    layer types batchq's attention does not compute."""
+    import copy
+
+    from worker.models.transformers_model import check_windows
+
+    arch, overrides = FAMILIES["gemma2"]
+    engine = load(build_tiny_checkpoint(tmp_path, arch, **overrides))
+    model = engine.model_runner.model
+    assert isinstance(model, TransformersModel) and model.layer_windows == (12, None)
+    cfg = model.hf.config
+    assert check_windows(model, cfg) is None
+    both = copy.deepcopy(cfg)
+    both.layer_types = ["sliding_attention", "sliding_attention"]
+    assert check_windows(model, both) == (
+        "layer 1's mask has a sliding window of 12 tokens but its attention module passes None to the "
+        "attention function"
+    )
+    both.layer_types = ["sliding_attention", "chunked_attention"]
+    assert "layer types ['chunked_attention']" in str(check_windows(model, both))
+
+
+def test_gemma2s_softcap_and_window_change_hf_logits_here(tmp_path: Path) -> None:
+    """The Gemma 2 comparisons above can fail: without its attention-logit softcap, or with a window past
+    the prompt (its eager attention windows by the config's mask), Hugging Face's own model gives these
+    prompts other logits."""
+    arch, overrides = FAMILIES["gemma2"]
+    hf = AutoModelForCausalLM.from_pretrained(build_tiny_checkpoint(tmp_path, arch, **overrides)).eval()
+    ids = torch.tensor([PROMPTS[2]])  # 50 tokens, the window 12
+    with torch.no_grad():
+        base = hf(ids).logits
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        assert (hf(ids).logits - base).abs().max() > 0.1
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = overrides["attn_logit_softcapping"]
+        assert torch.equal(hf(ids).logits, base)
+        hf.config.sliding_window = 1000
+        assert (hf(ids).logits - base).abs().max() > 0.1

@@ -30,7 +30,7 @@ def signature(fn: triton.JITFunction, dtype: str, constexprs: dict[str, object])
         elif name.endswith("_ptr"):
             sig[name] = f"*{dtype}"
         else:
-            sig[name] = "fp32" if name == "scale_log2" else "i32"
+            sig[name] = "fp32" if name in ("scale_log2", "softcap_log2") else "i32"
     return sig
 
 
@@ -41,24 +41,27 @@ def compile_for_hopper(fn: triton.JITFunction, dtype: str, constexprs: dict[str,
 
 
 def main() -> None:
+    # (windowed, soft-capped): plain, and both a layer's variants on (Gemma 2's local layers)
     for dtype in ("bf16", "fp32"):
         precision = "ieee" if dtype == "fp32" else "tf32"
-        for splits in (1, 4):
+        for windowed, softcap in ((False, False), (True, True)):
+            variant = {"WINDOWED": windowed, "SOFTCAP": softcap}
+            for splits in (1, 4):
+                compile_for_hopper(
+                    triton_decode.decode_kernel, dtype,
+                    {"HEADS": 32, "BLOCK_SIZE": 16, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "BLOCK_N": 64,
+                     "NUM_SPLITS": splits, "DOT_PRECISION": precision, "UPCAST": False, **variant},
+                )  # fmt: skip
             compile_for_hopper(
-                triton_decode.decode_kernel, dtype,
-                {"HEADS": 32, "BLOCK_SIZE": 16, "GROUP": 4, "BLOCK_H": 16, "HEAD_DIM": 128, "BLOCK_N": 64,
-                 "NUM_SPLITS": splits, "DOT_PRECISION": precision, "UPCAST": False},
+                triton_prefill.prefill_kernel, dtype,
+                {"HEADS": 9, "BLOCK_SIZE": 16, "GROUP": 3, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_Q": 21,
+                 "BLOCK_N": 64, "DOT_PRECISION": precision, "UPCAST": False, **variant},
             )  # fmt: skip
         compile_for_hopper(
             triton_decode.decode_merge_kernel,
             dtype,
             {"HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 4, "SPLITS_PAD": 4},
         )
-        compile_for_hopper(
-            triton_prefill.prefill_kernel, dtype,
-            {"HEADS": 9, "BLOCK_SIZE": 16, "GROUP": 3, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_Q": 21,
-             "BLOCK_N": 64, "DOT_PRECISION": precision, "UPCAST": False},
-        )  # fmt: skip
         compile_for_hopper(
             triton_cache.write_kv_kernel, dtype, {"KV_HEADS": 3, "KV_HEADS_PAD": 4, "HEAD_DIM": 64}
         )

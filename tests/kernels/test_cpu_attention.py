@@ -27,7 +27,8 @@ from tests.kernels.paged_cases import (
 from tests.kernels.test_triton_decode import decode_lengths
 from tests.kernels.test_triton_prefill import prefill_lengths
 from worker.kernels import native_attention, native_build, reference
-from worker.kernels.torch_attention import TorchAttention, causal_tiles, length_groups
+from worker.kernels.causal_tiles import causal_tiles
+from worker.kernels.torch_attention import TorchAttention, length_groups
 
 CPU = torch.device("cpu")
 
@@ -86,14 +87,22 @@ def test_the_c_decode_kernel_matches_the_reference_on_every_instruction_set_and_
             q = random_queries(case, len(lens), gen, CPU)
             scale = 1 / math.sqrt(case.head_dim)
             assert native_attention.supports(q, cache.k_cache), case
-            got = TorchAttention(native=True).paged_decode_attention(
-                q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables, cache.context_lens,
-                scale,
-            )  # fmt: skip
-            want = reference.paged_decode_attention(
-                q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale
-            )
-            assert_close(got, want, case.dtype)
+            for window, softcap in ((None, None), (37, 2.0)):  # and within a window, soft-capped
+                got = TorchAttention(native=True).paged_decode_attention(
+                    q, cpu_layout(cache.k_cache), cpu_layout(cache.v_cache), cache.block_tables,
+                    cache.context_lens, scale, window=window, softcap=softcap,
+                )  # fmt: skip
+                want = reference.paged_decode_attention(
+                    q,
+                    cache.k_cache,
+                    cache.v_cache,
+                    cache.block_tables,
+                    cache.context_lens,
+                    scale,
+                    window,
+                    softcap,
+                )
+                assert_close(got, want, case.dtype)
     finally:
         native_build.clear_caches()
 
@@ -171,12 +180,12 @@ def test_decode_plan_is_shared_by_layers_and_rebuilt_when_the_step_changes() -> 
 
     lens = cache.context_lens
     check((cache.k_cache, cache.v_cache), lens)
-    plan = attn._plan
+    plan = attn._plans[None]
     check(layer2, lens)
-    assert attn._plan is plan
+    assert attn._plans[None] is plan
     lens[1] = 150  # shorter context, same buffer
     check((cache.k_cache, cache.v_cache), lens)
-    assert attn._plan is not plan
+    assert attn._plans[None] is not plan
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -245,3 +245,48 @@ def test_bf16_gemm_rows_take_the_torch_path(tmp_path: Path) -> None:
     model = engine.model_runner.model
     engine.model_runner.compute_logits(decode_batch(engine, PROMPTS[1:3]))
     assert model._stack is None
+
+
+WINDOWED = {
+    "mistral-window-5": ("mistral", {"sliding_window": 5}),  # every layer, narrower than a block
+    "qwen2-full-then-windowed": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 11, "max_window_layers": 1, "num_hidden_layers": 3},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_stack_computes_windowed_and_softcapped_layers_as_layer_by_layer(tmp_path: Path, name: str) -> None:
+    """Each layer's sliding window and an attention-logit softcap reach decode_stack.c's layers: the stack's
+    step equals the layer-by-layer step, which paged_decode.c computes within the same windows. (No native
+    family has a softcap: it is set on the decoder's layers, as a family with one would set it.)"""
+    arch, overrides = WINDOWED[name]
+    engine = load(build_tiny_checkpoint(tmp_path / name, arch, **overrides))
+    model = engine.model_runner.model
+    assert isinstance(model.spec.layer_windows, tuple) and any(w is not None for w in model.layer_windows)
+    for attn in model.attentions():
+        attn.softcap = 3.0
+    batch = decode_batch(engine, PROMPTS)
+    stacked, layered, _, _ = both_paths(engine, batch)
+    torch.testing.assert_close(stacked, layered, rtol=1e-4, atol=1e-4)
+    assert model._stack is not None and model._stack[1] is not None
+    assert [x.window for x in model._stack[1]._keep[0]] == list(model.layer_windows)
+
+
+def test_a_shared_prefix_beyond_every_window_keeps_the_stack(tmp_path: Path) -> None:
+    """Cascade attention cannot run in a layer whose window cuts the contexts, so where every layer's does,
+    sequences sharing a cached prefix still decode through the stack."""
+    engine = load(build_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=16))
+    shared = list(range(3, 83))  # 80 tokens of shared prefix, five windows
+    engine.generate(
+        [EngineRequest("warm", GenerationParams(max_new_tokens=1), prompt_token_ids=[*shared, 9])]
+    )
+    batch = decode_batch(engine, [[*shared, 5, 6], [*shared, 7]])
+    runner = engine.model_runner
+    meta = runner.decode_inputs(batch.seqs, batch.block_tables).meta
+    assert batch.block_tables[0][8:10] == batch.block_tables[1][8:10]  # the blocks the window reaches
+    assert runner.backend.stack_applies(runner.kv_caches[0][0], meta.block_tables, meta.context_lens, 16)
+    runner.model._stack = None
+    runner.compute_logits(batch)
+    assert runner.model._stack is not None and runner.model._stack[1] is not None

@@ -20,6 +20,21 @@ only what its prompt fills now, so `grow` may find no room, and the scheduler th
 make some. Either way the pool is never over-committed:
 
     blocks held by running sequences (each counted once) + blocks they may still allocate <= num_blocks.
+
+Sliding windows (kv_window.SlidingWindow, only where every layer of the model has one): a query at position
+p reads keys from p - window + 1 on in every layer, so a sequence whose next computed token (a prompt
+chunk's first, or a decode step's) is at p needs no block that ends before p - window + 1. `slide` releases
+those blocks back to the pool as the sequence advances (`window_released` counts them); the table keeps its
+logical positions, the released ones before its first held block (`released`). A released block is freed
+like any other: it keeps its registration and K/V in the free queue. A reservation then counts blocks held
+at once, not the blocks of the whole sequence: `held_bound` is a windowed sequence's worst case. A prefix
+hit needs only the registered blocks its first computed token's window reaches (`match_prefix`), so the
+earliest blocks of a long cached prefix may have been evicted. A block two sequences share may be released
+by one while the other still holds it, so under a window sharing earns no credit: what is committed is the
+sum of the reservations (each at most held_bound), not the blocks held plus what each may still take,
+which counts a shared block once. Where some layer attends to the whole context, every layer shares the one
+block table and nothing can be released: the window's saving would need per-layer tables (the engine
+counts what they would free).
 """
 
 from __future__ import annotations
@@ -27,6 +42,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+
+from worker.engine.kv_window import PrefixHit, SlidingWindow
 
 BlockHash = bytes  # 16 bytes of blake2b: a chain hash of a full block's tokens and all before them
 
@@ -37,7 +54,12 @@ def chain_hash(parent: BlockHash, token_ids: list[int]) -> BlockHash:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, prefix_caching: bool = True, salt: bytes = b""
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = True,
+        salt: bytes = b"",
+        window: SlidingWindow | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -46,6 +68,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.window = window
         self.root: BlockHash = hashlib.blake2b(b"batchq-kv\0" + salt, digest_size=16).digest()
         self._refs = [0] * num_blocks
         # Blocks no sequence holds, in the order they are handed out: uncached ones first, then cached
@@ -53,15 +76,30 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_of: dict[int, BlockHash] = {}  # registered block -> its chain hash
         self._block_of: dict[BlockHash, int] = {}  # chain hash -> registered block
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[int]] = {}  # the blocks a sequence holds, from logical block released on
+        self._released: dict[str, int] = {}  # its leading logical blocks the window released
         self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of a sequence's computed full blocks
-        self._reserved: dict[str, int] = {}  # table length each sequence may reach (its reservation)
+        self._reserved: dict[str, int] = {}  # blocks each sequence may hold at once (its reservation)
         self._growth = 0  # blocks running sequences may still allocate: sum(reserved - len(table))
+        self._reserved_sum = 0  # sum(reserved): what a window commits
         self.hit_blocks = 0  # prefix-cache hits and evictions since start (stats)
         self.evicted_blocks = 0
+        self.window_released = 0  # blocks `slide` returned to the pool since start (stats)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def held_bound(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once: all of them, or with a window
+        (and `slide` called before each chunk) at most SlidingWindow.held_blocks."""
+        whole = self.blocks_for(num_tokens)
+        return whole if self.window is None else min(whole, self.window.held_blocks(self.block_size))
+
+    def first_needed(self, position: int) -> int:
+        """The first logical block that a token computed at `position` (and every later one) reads."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window.tokens + 1) // self.block_size
 
     @property
     def num_free(self) -> int:
@@ -79,8 +117,9 @@ class BlockManager:
 
     @property
     def num_committed(self) -> int:
-        """Blocks held plus blocks that running sequences may still allocate."""
-        return self.num_used + self._growth
+        """Blocks held plus blocks that running sequences may still allocate; under a window, the sum of
+        the reservations (see the module docstring)."""
+        return self.num_used + self._growth if self.window is None else self._reserved_sum
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -97,44 +136,78 @@ class BlockManager:
             out.append(parent)
         return out
 
-    def match_prefix(self, hashes: list[BlockHash]) -> list[int]:
-        """The registered blocks of the longest cached prefix of `hashes` (from prompt_hashes)."""
-        blocks: list[int] = []
-        for h in hashes:
-            b = self._block_of.get(h)
-            if b is None:
-                break
-            blocks.append(b)
-        return blocks
+    def match_prefix(self, hashes: list[BlockHash]) -> PrefixHit:
+        """The longest cached prefix of `hashes` (from prompt_hashes): the most blocks n such that every
+        block the token after them reads (first_needed: all n without a window) is registered. A block's
+        chain hash names every token before it, so a registered block holds the K/V this prompt's would."""
+        bs = self.block_size
+        best = 0
+        missing = -1  # the last block index not registered so far
+        for n in range(1, len(hashes) + 1):
+            if hashes[n - 1] not in self._block_of:
+                missing = n - 1
+            if missing < self.first_needed(n * bs):
+                best = n
+        first = self.first_needed(best * bs)
+        return PrefixHit(first, [self._block_of[h] for h in hashes[first:best]])
 
     def new_blocks_needed(self, need: int, hits: list[int]) -> int:
-        """What admitting a sequence that reserves `need` blocks with these cache hits takes from the pool."""
+        """What admitting a sequence that reserves `need` blocks with these cache hits takes from the pool
+        (under a window, all of it: see the module docstring)."""
+        if self.window is not None:
+            return need
         return need - sum(1 for b in hits if self._refs[b] > 0)
 
     def can_admit(self, need: int, hits: list[int]) -> bool:
         return self.num_committed + self.new_blocks_needed(need, hits) <= self.num_blocks
 
-    def admit(self, seq_id: str, need: int, hits: list[int], hashes: list[BlockHash]) -> None:
-        """Reserve `need` blocks for a new sequence and hand it the hit blocks as its table's start."""
+    def admit(self, seq_id: str, need: int, hits: list[int], hashes: list[BlockHash], first: int = 0) -> None:
+        """Reserve `need` blocks (held at once) for a new sequence and hand it the hit blocks as its table's
+        start, logical blocks `first` on (a PrefixHit's; the ones before it count as released)."""
         assert seq_id not in self._reserved, f"{seq_id} already holds a reservation"
         assert self.can_admit(need, hits), "admission must check can_admit first"
-        assert len(hits) <= need and hashes[: len(hits)] == [self._hash_of[b] for b in hits]
+        end = first + len(hits)
+        assert len(hits) <= need and hashes[first:end] == [self._hash_of[b] for b in hits]
+        assert first <= self.first_needed(end * self.block_size), "a hit must hold what its window reads"
         for b in hits:
             self._take(b)
         self.hit_blocks += len(hits)
         self._tables[seq_id] = list(hits)
-        self._hashes[seq_id] = list(hashes[: len(hits)])
+        self._released[seq_id] = first
+        self._hashes[seq_id] = list(hashes[:end])
         self._reserved[seq_id] = need
+        self._reserved_sum += need
         self._growth += need - len(hits)
+
+    def released(self, seq_id: str) -> int:
+        """The sequence's leading logical blocks the window released (none without a window)."""
+        return self._released[seq_id]
+
+    def slide(self, seq_id: str, position: int) -> int:
+        """The sequence's next computed token is at `position`: release its blocks that no layer's window
+        reaches from there (first_needed). Its reservation stays: the blocks it will take next count
+        against it as before. -> blocks released."""
+        table = self._tables[seq_id]
+        k = min(self.first_needed(position) - self._released[seq_id], len(table))
+        if k <= 0:
+            return 0
+        for b in table[:k]:
+            self._free_one(b)
+        del table[:k]
+        self._released[seq_id] += k
+        self._growth += k
+        self.window_released += k
+        return k
 
     def grow(self, seq_id: str, num_tokens: int) -> bool:
         """Cover `num_tokens` slots, raising the sequence's reservation where it must and the pool allows
         it (optimistic admission); False when it does not, and nothing changed."""
-        extra = self.blocks_for(num_tokens) - self._reserved[seq_id]
+        extra = self.blocks_for(num_tokens) - self._released[seq_id] - self._reserved[seq_id]
         if extra > 0:
             if self.num_committed + extra > self.num_blocks:
                 return False
             self._reserved[seq_id] += extra
+            self._reserved_sum += extra
             self._growth += extra
         self.ensure_capacity(seq_id, num_tokens)
         return True
@@ -142,7 +215,7 @@ class BlockManager:
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> None:
         """Allocate blocks until the sequence's table covers `num_tokens` token slots."""
         table = self._tables[seq_id]
-        need = self.blocks_for(num_tokens)
+        need = self.blocks_for(num_tokens) - self._released[seq_id]
         assert need <= self._reserved[seq_id], f"{seq_id} grew past its reservation"
         while len(table) < need:
             b = next(iter(self._free))  # cannot be empty: reservations fit in the pool
@@ -167,13 +240,14 @@ class BlockManager:
         bs = self.block_size
         if not self.prefix_caching or num_computed // bs <= len(hashes):
             return
-        table = self._tables[seq_id]
+        table, released = self._tables[seq_id], self._released[seq_id]
         token_ids = prompt_ids + output_ids if output_ids and num_computed > len(prompt_ids) else prompt_ids
         parent = hashes[-1] if hashes else self.root
         for i in range(len(hashes), num_computed // bs):
             parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
-            b = table[i]
+            assert i >= released, "a block is registered before the window releases it"
+            b = table[i - released]
             if parent not in self._block_of and b not in self._hash_of:
                 self._block_of[parent] = b
                 self._hash_of[b] = parent
@@ -191,13 +265,21 @@ class BlockManager:
         if table is None:
             return
         self._hashes.pop(seq_id)
-        self._growth -= self._reserved.pop(seq_id) - len(table)
+        self._released.pop(seq_id)
+        reserved = self._reserved.pop(seq_id)
+        self._reserved_sum -= reserved
+        self._growth -= reserved - len(table)
         for b in reversed(table):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free[b] = None
-                if b not in self._hash_of:  # nothing worth keeping: hand it out first
-                    self._free.move_to_end(b, last=False)
+            self._free_one(b)
+
+    def _free_one(self, b: int) -> None:
+        """Drop one reference to block b; unreferenced, it joins the free queue: last if it is registered
+        (evicted after the blocks freed before it), first if not (nothing worth keeping)."""
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            self._free[b] = None
+            if b not in self._hash_of:
+                self._free.move_to_end(b, last=False)
 
     def _take(self, b: int) -> None:
         if self._refs[b] == 0:
@@ -216,12 +298,17 @@ class BlockManager:
         assert len(self._hash_of) == len(self._block_of), "hash maps out of step"
         assert all(self._block_of[h] == b for b, h in self._hash_of.items()), "hash maps disagree"
         growth = 0
+        assert set(self._released) == set(self._tables) == set(self._reserved) == set(self._hashes)
         for seq_id, table in self._tables.items():
             assert len(table) <= self._reserved[seq_id], f"{seq_id} holds more than it reserved"
             growth += self._reserved[seq_id] - len(table)
+            released = self._released[seq_id]
+            assert released == 0 or self.window is not None, f"{seq_id} released blocks without a window"
             hashes = self._hashes[seq_id]
-            assert len(hashes) <= len(table)
-            for b, h in zip(table, hashes, strict=False):  # a registered block holds what its hash says
+            assert len(hashes) <= released + len(table)
+            # a registered block holds what its hash says
+            for b, h in zip(table, hashes[released:], strict=False):
                 assert self._hash_of.get(b, h) == h
         assert growth == self._growth, "growth reservations out of step"
+        assert sum(self._reserved.values()) == self._reserved_sum, "reservations out of step"
         assert self.num_committed <= self.num_blocks, "the pool is over-committed"

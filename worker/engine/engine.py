@@ -29,6 +29,7 @@ from worker.engine.device import (
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
+from worker.engine.kv_window import SlidingWindow
 from worker.engine.model_runner import ModelRunner, ScoredLabels
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
 from worker.engine.prompts import PromptBuilder
@@ -70,7 +71,15 @@ class Engine:
         # The prefix cache's chain hashes are salted with what else decides K/V: model, weights, dtype.
         kv_dtype = model_runner.kv_caches[0][0].dtype
         salt = f"{loaded.name}\0{loaded.checkpoint_dir}\0{kv_dtype}".encode()
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, salt)
+        windows = loaded.model.layer_windows
+        window = SlidingWindow.of_layers(windows, cfg.max_num_batched_tokens)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, salt, window)
+        # Layers with a window beside full-attention ones: the one block table every layer shares keeps
+        # a block while a full-attention layer reads it, so nothing is released; the stats count the blocks
+        # the windowed layers no longer read (what per-layer tables would free in them).
+        windowed = [w for w in windows if w is not None]
+        self.idle_window = max(windowed) if windowed and window is None else None
+        _log_windows(windows, window, self.block_manager)
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
@@ -280,6 +289,10 @@ class Engine:
             kv_blocks_used=self.block_manager.num_used,
             kv_blocks_total=self.block_manager.num_blocks,
             preemptions=self.scheduler.preemptions,
+            window_released_blocks=self.block_manager.window_released,
+            window_idle_blocks=(
+                0 if self.idle_window is None else self.scheduler.window_idle_blocks(self.idle_window)
+            ),
             **vars(self.counters),
         )
 
@@ -362,6 +375,22 @@ class Engine:
                 rows = rows[:-1]
             logprobs = self.token_texts.entries(rows)
         return seq.to_result(now, logprobs=logprobs, label_scores=scores)
+
+
+def _log_windows(windows: tuple[int | None, ...], window: SlidingWindow | None, bm: BlockManager) -> None:
+    """What the model's sliding windows do to the KV pool, at load."""
+    windowed = [w for w in windows if w is not None]
+    if window is not None:
+        log.info(
+            "sliding window %d in every layer: a sequence's blocks before it go back to the pool as it "
+            "advances; one holds at most %d blocks at once", window.tokens, window.held_blocks(bm.block_size),
+        )  # fmt: skip
+    elif windowed:
+        log.info(
+            "sliding windows in %d of %d layers: their blocks stay while the full-attention layers read them "
+            "(one block table for every layer); per-layer tables would free %d/%d of an idle block's bytes",
+            len(windowed), len(windows), len(windowed), len(windows),
+        )  # fmt: skip
 
 
 def _unstarted(

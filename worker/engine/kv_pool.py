@@ -8,6 +8,7 @@ import psutil
 import torch
 
 from worker.engine.config import EngineConfig
+from worker.engine.kv_window import SlidingWindow
 from worker.kernels.backend import torch_backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.transformers_model import AnyModel
@@ -85,15 +86,21 @@ def _cpu_step_bytes(cfg: EngineConfig, model: AnyModel) -> int:
 SPARE_SEQUENCES = 1  # the CPU default's room beyond max_num_seqs full-length sequences (see below)
 
 
-def concurrency_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+def concurrency_blocks(
+    max_num_seqs: int, max_model_len: int, block_size: int, window: SlidingWindow | None = None
+) -> int:
     """The blocks the configured concurrency can use: (max_num_seqs + SPARE_SEQUENCES) sequences of
-    max_model_len tokens, each rounded up to whole blocks.
+    max_model_len tokens, each rounded up to whole blocks (where every layer has a sliding window: each the
+    blocks its window leaves it at once, if fewer).
 
     max_num_seqs full-length sequences are the most the running sequences can hold, so a pool of that
     size never preempts. The spare sequence's worth is for what lives beside them: a choices request's
     label rows take scratch blocks beyond its prompt, and the prefix cache keeps a long shared prompt
     (a few-shot preamble) even while the running sequences are at their longest."""
-    return (max_num_seqs + SPARE_SEQUENCES) * -(-max_model_len // block_size)
+    per_seq = -(-max_model_len // block_size)
+    if window is not None:
+        per_seq = min(per_seq, window.held_blocks(block_size))
+    return (max_num_seqs + SPARE_SEQUENCES) * per_seq
 
 
 def _size(n: int) -> str:
@@ -140,10 +147,13 @@ def size_kv_pool(cfg: EngineConfig, model: AnyModel, dtype: torch.dtype, device:
             num_blocks, why = watermark_blocks, why_watermark
     else:
         max_model_len = cfg.context_len(model.max_positions)
-        need = concurrency_blocks(cfg.max_num_seqs, max_model_len, cfg.block_size)
+        window = SlidingWindow.of_layers(model.layer_windows, cfg.max_num_batched_tokens)
+        need = concurrency_blocks(cfg.max_num_seqs, max_model_len, cfg.block_size, window)
         concurrency = (
             f"(max_num_seqs {cfg.max_num_seqs} + {SPARE_SEQUENCES}) x max_model_len {max_model_len:,} tokens"
         )
+        if window is not None and need < concurrency_blocks(cfg.max_num_seqs, max_model_len, cfg.block_size):
+            concurrency += f", each at most the {window.held_blocks(cfg.block_size)} blocks its window holds"
         wanted, why = need, concurrency
         if gb_cap is not None:
             wanted, why = gb_cap // block_bytes, f"kv_cache_gb {cfg.kv_cache_gb}"

@@ -63,12 +63,15 @@ class PromptBuilder:
         max_new = 0 if labels else min(params.max_new_tokens, limit - len(ids))
         bm = self.block_manager
         scratch = self._scratch_blocks(len(ids), labels) if labels else 0
-        need = bm.blocks_for(len(ids) + max_new) + scratch
+        # a generating sequence of a model windowed in every layer holds its window's blocks at most
+        # (Scheduler.blocks_needed); a choices request rereads its prompt's blocks when it is scored
+        need = (bm.blocks_for(len(ids)) if labels else bm.held_bound(len(ids) + max_new)) + scratch
         if need > bm.num_blocks:
             what = f"{len(labels)} labels to score" if labels else f"{max_new} new tokens"
+            at_once = " at once" if bm.window is not None and not labels else ""
             raise RequestError(
                 "kv_capacity",
-                f"request needs {need} KV blocks ({len(ids)} prompt tokens + {what}, "
+                f"request needs {need} KV blocks{at_once} ({len(ids)} prompt tokens + {what}, "
                 f"{bm.block_size} per block) but the whole pool has {bm.num_blocks} blocks",
             )
         if any(t >= self.vocab_size for t, _ in params.logit_bias):

@@ -143,3 +143,8 @@ class EngineStats:
     decode_s: float  # time in the model for decode steps
     score_steps: int = 0  # `choices` scoring steps (label rows only; in `steps`, not in prefill_steps)
     score_s: float = 0.0  # time in the model for scoring steps
+    # A model windowed in every layer: blocks the window released as sequences advanced, since load. A model
+    # with windowed and full-attention layers: blocks held now that only its full-attention layers read
+    # (block_manager.py says why they stay).
+    window_released_blocks: int = 0
+    window_idle_blocks: int = 0

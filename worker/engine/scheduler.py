@@ -24,6 +24,13 @@ steps as it takes).
 A request whose next prompt block another request admitted in this step is about to compute waits one
 step, so that it finds that block cached instead of computing it twice.
 
+Sliding windows (a block manager with a window: every layer of the model has one): a generating sequence
+slides (block_manager.slide) before each of its chunks and decode steps, releasing the blocks its next
+token's window no longer reaches, and allocates its prompt chunk by chunk rather than whole at admission, so
+its worst case is what it holds at once (block_manager.held_bound), not prompt + max_new_tokens: that is
+what both admission rules count for it. A `choices` request does not slide: its score step rereads the
+prompt's last full blocks.
+
 Admission order: "fcfs" (arrival order) or "longest_first" (largest max_new_tokens first, then arrival).
 For batch work longest_first keeps the batch full to the end: long generations start early and short
 labeling requests fill the slots they leave, instead of a few long ones decoding alone at the tail.
@@ -53,13 +60,20 @@ INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, RATIO_MARGIN, RATIO_WEIGHT = 0.7, 0.1
 RESUME_FIRST = -(1 << 62)  # the order key of a preempted sequence: ahead of every other waiting one
 
 
+# What a block table names in place of a block the window released: block 0, like a table's padding. No
+# kernel reads it: every layer's window begins after it.
+RELEASED_BLOCK = 0
+
+
 @dataclass
 class ScheduledBatch:
     phase: Phase
     seqs: list[Sequence]  # the decoding ones first, then the ones computing a prompt chunk
-    block_tables: list[list[int]]  # one per seq, physical block ids
+    # One per seq: the physical block of each logical block, RELEASED_BLOCK for those the window released
+    block_tables: list[list[int]]
     num_decode: int = 0  # seqs[:num_decode] decode one token each
     chunks: list[int] = field(default_factory=list)  # seqs[num_decode:]: prompt tokens computed this step
+    released: list[int] = field(default_factory=list)  # per seq: leading logical blocks released
 
 
 class Scheduler:
@@ -86,8 +100,14 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._order: dict[str, tuple[int, int]] = {}
 
+    def slides(self, seq: Sequence) -> bool:
+        """Whether the window releases this sequence's early blocks as it advances (a windowed model's
+        generating sequence; a `choices` request's score step rereads its prompt's blocks)."""
+        return self.block_manager.window is not None and seq.labels is None
+
     def blocks_needed(self, seq: Sequence) -> int:
-        return self.block_manager.blocks_for(seq.max_total_tokens) + seq.scratch_blocks
+        """Its worst case: the most blocks it holds at once (and a choices request's scratch blocks)."""
+        return self._held(seq, seq.max_total_tokens) + seq.scratch_blocks
 
     def fits_pool_at_all(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= self.block_manager.num_blocks
@@ -119,6 +139,9 @@ class Scheduler:
         for seq in self.running:
             if not seq.prefilled and budget > 0:
                 n = min(len(seq.prefill_ids) - seq.num_computed, budget)
+                if self.slides(seq):  # its blocks come chunk by chunk (the rest did at admission)
+                    self.block_manager.slide(seq.request_id, seq.num_computed)
+                    self.block_manager.ensure_capacity(seq.request_id, seq.num_computed + n)
                 chunks.append((seq, n))
                 budget -= n
         if budget > 0:
@@ -154,6 +177,11 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if self.slides(seq):
+                if not seq.prefilled:  # its next chunk's blocks come with the chunk (schedule)
+                    i += 1
+                    continue
+                bm.slide(seq.request_id, seq.num_tokens - 1)  # its next token is computed there
             if bm.grow(seq.request_id, seq.num_tokens):
                 i += 1
                 continue
@@ -174,11 +202,16 @@ class Scheduler:
         self._order[seq.request_id] = (RESUME_FIRST, next(self._arrivals))
         bisect.insort(self.waiting, seq, key=lambda s: self._order[s.request_id])
 
-    def _expected_growth(self, seq: Sequence) -> int:
-        """Blocks a sequence is expected to still take: new_token_ratio of its remaining tokens."""
+    def _held(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks the sequence holds at most once it holds num_tokens tokens."""
         bm = self.block_manager
+        return bm.held_bound(num_tokens) if self.slides(seq) else bm.blocks_for(num_tokens)
+
+    def _expected_growth(self, seq: Sequence) -> int:
+        """Blocks a sequence is expected to still take: new_token_ratio of its remaining tokens (a sliding
+        one stops growing once it holds its window's worth)."""
         grown = seq.num_tokens + int(self.new_token_ratio * seq.remaining_tokens)
-        return bm.blocks_for(grown) - bm.blocks_for(seq.num_tokens)
+        return self._held(seq, grown) - self._held(seq, seq.num_tokens)
 
     def _scoring(self) -> list[Sequence]:
         """Prefilled `choices` requests whose label rows fit this step's budget (the first always goes)."""
@@ -215,24 +248,24 @@ class Scheduler:
             ids = seq.prefill_ids
             if seq.prompt_hashes is None:
                 seq.prompt_hashes = bm.prompt_hashes(ids)
-            hits = bm.match_prefix(seq.prompt_hashes)
-            if len(hits) < len(seq.prompt_hashes) and seq.prompt_hashes[len(hits)] in computing:
+            hit = bm.match_prefix(seq.prompt_hashes)
+            if hit.end < len(seq.prompt_hashes) and seq.prompt_hashes[hit.end] in computing:
                 break
-            if optimistic:  # hold what it fills now (and a choices request's scratch); expect the rest
-                need = bm.blocks_for(len(ids)) + seq.scratch_blocks
+            if optimistic:  # hold what its prompt fills (and a choices request's scratch); expect the rest
+                need = self._held(seq, len(ids)) + seq.scratch_blocks
                 expected = growth + self._expected_growth(seq)
             else:
                 need, expected = self.blocks_needed(seq), 0
-            if not bm.can_admit(need + expected, hits):
+            if not bm.can_admit(need + expected, hit.blocks):
                 break
-            cached = len(hits) * bm.block_size
+            cached = hit.end * bm.block_size
             chunk = min(len(ids) - cached, budget - tokens)
             if chunk <= 0:
                 break
             self.waiting.pop(0)
             del self._order[seq.request_id]
-            bm.admit(seq.request_id, need, hits, seq.prompt_hashes)
-            bm.ensure_capacity(seq.request_id, len(ids))
+            bm.admit(seq.request_id, need, hit.blocks, seq.prompt_hashes, hit.first)
+            bm.ensure_capacity(seq.request_id, cached + chunk if self.slides(seq) else len(ids))
             growth = expected
             seq.num_cached_tokens = seq.num_computed = cached
             if not seq.preemptions:
@@ -240,13 +273,41 @@ class Scheduler:
             seq.status = "running"
             self.running.append(seq)
             admitted.append((seq, chunk))
-            computing.update(seq.prompt_hashes[len(hits) :])
+            computing.update(seq.prompt_hashes[hit.end :])
             tokens += chunk
         return admitted
 
     def _batch(self, phase: Phase, seqs: list[Sequence]) -> ScheduledBatch:
-        tables = [self.block_manager.block_table(s.request_id) for s in seqs]
-        return ScheduledBatch(phase=phase, seqs=seqs, block_tables=tables)
+        bm = self.block_manager
+        released = [bm.released(s.request_id) for s in seqs]
+        tables = [
+            [RELEASED_BLOCK] * r + bm.block_table(s.request_id) for s, r in zip(seqs, released, strict=True)
+        ]
+        return ScheduledBatch(phase=phase, seqs=seqs, block_tables=tables, released=released)
+
+    def window_idle_blocks(self, window: int) -> int:
+        """Blocks running sequences hold that lie wholly before their next token's `window`: what layers of
+        that window no longer read (with one table shared by every layer, a full-attention layer keeps
+        them; per-layer tables would free them in the windowed layers)."""
+        bm = self.block_manager
+        idle = 0
+        for seq in self.running:
+            nxt = seq.num_tokens - 1 if seq.prefilled else seq.num_computed
+            idle += max(0, max(0, nxt - window + 1) // bm.block_size - bm.released(seq.request_id))
+        return idle
+
+    def check_invariants(self) -> None:
+        """The block manager's, and per running sequence: its table covers what it has computed, and the
+        window released no block its next token still reads."""
+        bm = self.block_manager
+        bm.check_invariants()
+        for seq in self.running:
+            rid = seq.request_id
+            nxt = seq.num_tokens - 1 if seq.prefilled else seq.num_computed
+            held_to = (bm.released(rid) + len(bm.block_table(rid))) * bm.block_size
+            assert held_to >= seq.num_computed, f"{rid}: computed tokens without blocks"
+            # (a choices request never slides, but its prefix hit may leave out blocks no window reaches)
+            assert bm.released(rid) <= bm.first_needed(nxt), f"{rid}: a block its window reads was released"
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence wherever it is and free its blocks."""

@@ -17,8 +17,10 @@ What a Backend decides:
   fallback) says so too, and `for_model` leaves it the attention kernels only.
 
 Every attention backend takes reference.py's three functions' arguments, plus the cache layout it wants
-(`kv_cache_shape`). Prefill also receives this step's new k/v; a backend may attend to them directly
-instead of reading them back from the cache (torch does, the Triton kernel reads the cache).
+(`kv_cache_shape`): a layer's sliding window and soft-capping among them (keywords `window`, `softcap`),
+which every backend computes and within which no kernel reads the blocks before a window. Prefill also
+receives this step's new k/v; a backend may attend to them directly instead of reading them back from the
+cache (torch does, the Triton kernel reads the cache).
 """
 
 from __future__ import annotations
@@ -77,12 +79,14 @@ class AttentionBackend:
     name: str
     kv_cache_shape: Callable[[int, int, int, int], tuple[int, ...]]  # (blocks, block_size, kv_heads, dim)
     write_kv: Callable[..., None]
+    # (q, k_cache, v_cache, block_tables, context_lens, scale, window=, softcap=)
     paged_decode_attention: Callable[..., Tensor]
-    # (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k=new_k, v=new_v)
+    # (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k=new_k, v=new_v, window=,
+    # softcap=)
     paged_prefill_attention: Callable[..., Tensor]
-    # (k_cache, block_tables, context_lens) -> whether this decode step's attention would be the plain C
-    # kernel of paged_decode.c (the kernel decode_stack.c runs); None: never
-    plain_native_decode: Callable[[Tensor, Tensor, Tensor], bool] | None = None
+    # (k_cache, block_tables, context_lens, widest window) -> whether this decode step's attention would be
+    # the plain C kernel of paged_decode.c in every layer (the kernel decode_stack.c runs); None: never
+    plain_native_decode: Callable[[Tensor, Tensor, Tensor, int | None], bool] | None = None
 
 
 def torch_attention(c_decode: bool) -> AttentionBackend:
@@ -99,8 +103,14 @@ def torch_attention(c_decode: bool) -> AttentionBackend:
 
 
 def _prefill_from_cache(mod: object) -> Callable[..., Tensor]:
-    def prefill(*args: object, k: Tensor | None = None, v: Tensor | None = None) -> Tensor:
-        out: Tensor = mod.paged_prefill_attention(*args)  # type: ignore[attr-defined]
+    def prefill(
+        *args: object,
+        k: Tensor | None = None,
+        v: Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        out: Tensor = mod.paged_prefill_attention(*args, window=window, softcap=softcap)  # type: ignore[attr-defined]
         return out
 
     return prefill
@@ -192,17 +202,20 @@ class Backend:
         """The method a linear layer with this weight (its dtype and device) runs."""
         return self.linear if self.linear.takes(weight) else TORCH_LINEAR
 
-    def stack_applies(self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> bool:
-        """Whether decode_stack.c runs this decode step (its metadata; one layer's K cache): the stack is
-        on, the step has fewer rows than the bf16 GEMM threshold, and the layer-by-layer step's attention
-        would be paged_decode.c alone (cascade attention over a shared prefix is faster where it applies,
-        and keeps the step layer by layer)."""
+    def stack_applies(
+        self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor, widest: int | None = None
+    ) -> bool:
+        """Whether decode_stack.c runs this decode step (its metadata; one layer's K cache; the model's
+        largest sliding window, None where a layer has none): the stack is on, the step has fewer rows than
+        the bf16 GEMM threshold, and the layer-by-layer step's attention would be paged_decode.c alone
+        (cascade attention over a shared prefix is faster where it applies, and keeps the step layer by
+        layer)."""
         if not self.decode_stack:
             return False
         if self.bf16_gemm_rows and context_lens.shape[0] >= self.bf16_gemm_rows:
             return False
         plain = self.attention.plain_native_decode
-        return plain is not None and plain(k_cache, block_tables, context_lens)
+        return plain is not None and plain(k_cache, block_tables, context_lens, widest)
 
     def build_decode_stack(
         self,

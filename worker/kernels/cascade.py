@@ -65,12 +65,13 @@ def shared_prefixes(tables: list[list[int]], visible: list[int], block_size: int
 
 
 def prefix_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, scale: float
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, scale: float, softcap: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """Attention of query rows over the keys of `blocks`, no mask.
 
     q: [KVH, R, D] (each kv head's query rows); caches [KVH, NB, BS, D]; blocks: [P] block ids.
-    -> out [KVH, R, D] float32, lse [KVH, R] float32 (log-sum-exp of the scaled scores).
+    softcap: attention-logit soft-capping of the scaled scores (reference.py).
+    -> out [KVH, R, D] float32, lse [KVH, R] float32 (log-sum-exp of the scaled (capped) scores).
     The matmuls run in q's dtype (a narrower cache widens as it is read), the softmax in float32.
     """
     kvh, _, _, d = k_cache.shape
@@ -84,6 +85,8 @@ def prefix_attention(
     for a in range(0, rows, ROWS_PER_TILE):
         b = min(rows, a + ROWS_PER_TILE)
         scores = torch.bmm(q[:, a:b].to(dt), kt).float().mul_(scale)  # [KVH, r, T]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap).mul_(softcap)
         m = scores.amax(dim=-1, keepdim=True)
         p = scores.sub_(m).exp_()
         s = p.sum(dim=-1, keepdim=True)
@@ -151,22 +154,27 @@ class CascadePlanner:
 
 
 def cascade_decode(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: CascadePlan, scale: float
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: CascadePlan, scale: float, softcap: float | None = None
 ) -> Tensor | None:
     """Decode with the C kernel over every sequence's own blocks, the shared prefixes as matmuls.
-    q: [batch, heads, head_dim]; caches [KVH, NB, BS, D]. -> [batch, heads, head_dim], or None when the
-    C kernel could not allocate its scratch memory."""
+    q: [batch, heads, head_dim]; caches [KVH, NB, BS, D]; softcap: reference.py's. No window: a member whose
+    window began inside the shared prefix would see a part of it only (the caller keeps such layers off
+    this path). -> [batch, heads, head_dim], or None when the C kernel could not allocate its scratch memory."""
     b, h, d = q.shape
     kvh = k_cache.shape[0]
     g = h // kvh
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
-    out = native_attention.paged_decode(q, k_cache, v_cache, plan.suffix_tables, plan.suffix_lens, scale, lse)
+    out = native_attention.paged_decode(
+        q, k_cache, v_cache, plan.suffix_tables, plan.suffix_lens, scale, lse, softcap=softcap
+    )
     if out is None:
         return None
     for grp, idx in zip(plan.groups, plan.index, strict=True):
         n = len(grp.members)
         rows = q.index_select(0, idx).view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
-        o1, l1 = prefix_attention(rows, k_cache, v_cache, grp.blocks, scale)  # [KVH, n*G, D], [KVH, n*G]
+        o1, l1 = prefix_attention(
+            rows, k_cache, v_cache, grp.blocks, scale, softcap
+        )  # [KVH, n*G, D], [KVH, n*G]
         o1 = o1.view(kvh, n, g, d).transpose(0, 1).reshape(n, h, d)
         l1 = l1.view(kvh, n, g).transpose(0, 1).reshape(n, h)
         out[idx] = merge(o1, l1, out.index_select(0, idx), lse.index_select(0, idx))

@@ -14,7 +14,8 @@
      xn = rmsnorm(h)                         rows split over threads
      qkv = xn Wqkv^T (+ b)                   output columns split (linear.c streams each weight once)
      q, k: per-head RMSNorm (Qwen3), rotary; q scaled into qs; k, v written to the paged cache
-     att = attention(qs, cache)              (sequence, kv head) tasks, dynamic (paged_decode.c)
+     att = attention(qs, cache)              (sequence, kv head) tasks, dynamic (paged_decode.c), within the
+                                             layer's sliding window and soft-capped where it has them
      h += att Wo^T (+ b)                     the residual added in the linear's epilogue
      xn = rmsnorm(h)
      gu = xn Wgu^T (+ b); act = silu(gate) * up
@@ -44,7 +45,7 @@ void batchq_rotary_head(float *v, const float *c, const float *s, int D);
 void batchq_paged_decode_task(const float *q, const void *k, const void *v, float *out,
                               const int32_t *block_tables, const int32_t *context_lens, int batch, int heads,
                               int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
-                              int elem, int i, float *scores);
+                              int elem, int window, float softcap, int i, float *scores);
 
 typedef struct {
     const void *w;       /* [n, k]: float32, bfloat16 or int8 (elem 0, 1, 2: linear.c's) */
@@ -60,6 +61,8 @@ typedef struct {
     void *k_cache, *v_cache;
     float q_scale;          /* the softmax scale times k_scale */
     float k_scale, v_scale; /* the cache holds K / k_scale, V / v_scale (1 but for FP8) */
+    int window;             /* > 0: the layer's sliding window (paged_decode.c's) */
+    float softcap;          /* > 0: its attention-logit soft-capping */
 } Layer;
 
 typedef struct {
@@ -216,7 +219,8 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
 #pragma omp for schedule(dynamic, 1)
             for (int i = 0; i < M * KVH; i++) {
                 batchq_paged_decode_task(qs, L->k_cache, L->v_cache, att, block_tables, context_lens, M, H, KVH, D,
-                                         s->block_size, s->num_blocks, width, max_len, s->kv_elem, i, scores);
+                                         s->block_size, s->num_blocks, width, max_len, s->kv_elem, L->window,
+                                         L->softcap, i, scores);
                 if (L->v_scale != 1.0f) { /* this task's G heads of output, times v_scale */
                     float *o = att + ((size_t)(i / KVH) * H + (size_t)(i % KVH) * (H / KVH)) * D;
                     for (int j = 0; j < (H / KVH) * D; j++) o[j] *= L->v_scale;

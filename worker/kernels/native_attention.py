@@ -7,7 +7,7 @@ place, once, on torch's OpenMP threads (`python benchmarks/kernel_bench.py --cpu
 
 from __future__ import annotations
 
-from ctypes import c_int, c_void_p
+from ctypes import c_float, c_int, c_void_p
 from types import SimpleNamespace
 
 import torch
@@ -17,7 +17,7 @@ from worker.kernels.native_build import KERNELS, Signature, cached, load
 
 SOURCES = (KERNELS / "paged_decode.c",)
 SIGNATURES = {
-    "batchq_paged_decode": Signature(c_int, [c_void_p] * 7 + [c_int] * 10),
+    "batchq_paged_decode": Signature(c_int, [c_void_p] * 7 + [c_int] * 10 + [c_float, c_int]),
 }
 MAX_D, MAX_G = 256, 16  # paged_decode.c's limits
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # paged_decode.c's `elem`
@@ -56,11 +56,17 @@ def paged_decode(
     context_lens: Tensor,
     scale: float,
     lse: Tensor | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor | None:
     """torch_attention.TorchAttention.paged_decode_attention's contract, caches [KVH, NB, BS, D] (check
     `supports` first). -> [batch, heads, head_dim] in q's dtype (float32 when `lse` is given), or None
     if the kernel could not allocate its scratch memory. `lse`: a contiguous float32 [batch, heads] that
-    receives each row's log-sum-exp of its scaled scores (to merge with attention over other keys)."""
+    receives each row's log-sum-exp of its scaled scores (to merge with attention over other keys).
+    window, softcap: reference.py's (the kernel reads no block before a window)."""
+    assert window is None or window >= 1, window
+    assert softcap is None or softcap > 0, softcap
     lib = library()
     assert lib is not None
     b, h, d = q.shape
@@ -72,10 +78,13 @@ def paged_decode(
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     max_len = max(int(lens.max()), 1) if b else 1
+    if window is not None:
+        max_len = min(max_len, window)  # the scores a row holds: its window's
     rc = lib.batchq_paged_decode(
         qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         None if lse is None else lse.data_ptr(), tables.data_ptr(), lens.data_ptr(), b, h, kvh, d, bs, nb,
-        tables.shape[1], max_len, ELEMENT_TYPES[k_cache.dtype], torch.get_num_threads(),
+        tables.shape[1], max_len, ELEMENT_TYPES[k_cache.dtype], window or 0, softcap or 0.0,
+        torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         return None

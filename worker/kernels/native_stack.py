@@ -56,6 +56,8 @@ class _Layer(ctypes.Structure):
         ("down", _Lin),
         *((name, ctypes.c_void_p) for name in ("ln1", "ln2", "q_norm", "k_norm", "k_cache", "v_cache")),
         *((name, ctypes.c_float) for name in ("q_scale", "k_scale", "v_scale")),
+        ("window", ctypes.c_int),
+        ("softcap", ctypes.c_float),
     ]
 
 
@@ -98,6 +100,8 @@ class StackLayer:
     q_scale: float  # what q is multiplied by: the softmax scale times k_scale (llama.py's Attention's)
     k_scale: float = 1.0  # the cache holds K / k_scale, V / v_scale (FP8's calibrated scales)
     v_scale: float = 1.0
+    window: int | None = None  # the layer's sliding window (reference.py's)
+    softcap: float | None = None  # its attention-logit soft-capping
 
 
 class DecodeStack:
@@ -147,6 +151,8 @@ class DecodeStack:
                     x.q_scale,
                     x.k_scale,
                     x.v_scale,
+                    x.window or 0,
+                    x.softcap or 0.0,
                 )
                 for x in layers
             )

@@ -12,6 +12,9 @@
    q: [B, H, D] float32, already scaled; out: [B, H, D] float32; k, v: float32, bfloat16 or FP8 E4M3
    (elem), widened to float32 as they are read;
    block_tables: [B, W] int32; context_lens: [B] int32.
+   window > 0: a sliding window, the last `window` tokens of each context (the query's own included): the
+   loops start there, so the blocks before it are never read (their table entries may name any block).
+   softcap > 0: attention-logit soft-capping, score = softcap * tanh(score / softcap) before the softmax.
    D must be a multiple of 16 and at most MAX_D; G at most MAX_G (native_attention.py checks).
 */
 #include <math.h>
@@ -85,6 +88,8 @@ typedef struct {
     float *out, *lse;
     const int32_t *block_tables, *context_lens;
     int batch, heads, kv_heads, head_dim, block_size, num_blocks, width, max_len;
+    int window;    /* > 0: keys of the last `window` positions only */
+    float softcap; /* > 0: scores soft-capped */
 } Job;
 
 /* One (sequence, kv head). Always inlined into task(), which calls it with literal (G, D, elem) for
@@ -96,15 +101,18 @@ typedef struct {
    ACC_REGS registers; with more chunks than one, later chunks reread the rows from L1/L2. */
 static inline __attribute__((always_inline)) void task_body(const Job *job, int b, int kh, float *scores,
                                                             const int g_count, const int d, const int elem) {
-    const int nv = d / VL, bs = job->block_size, n = job->context_lens[b], stride = job->max_len;
+    const int nv = d / VL, bs = job->block_size, ctx = job->context_lens[b], stride = job->max_len;
+    const int t0 = job->window > 0 && ctx > job->window ? ctx - job->window : 0; /* the first key it sees */
+    const int n = ctx - t0;                                                       /* keys, scores[0..n) */
     const size_t el = elem == BF16 ? 2 : elem == FP8 ? 1 : 4;
     const float *q = job->q + ((size_t)b * job->heads + (size_t)kh * g_count) * d;
     const size_t head_off = (size_t)kh * job->num_blocks * bs * d;
     const char *kbase = (const char *)job->k + head_off * el, *vbase = (const char *)job->v + head_off * el;
     const int32_t *table = job->block_tables + (size_t)b * job->width;
     const char *row = kbase;
-    for (int t = 0; t < n; t++) {
-        if (t % bs == 0) row = kbase + (size_t)table[t / bs] * bs * d * el;
+    for (int j = 0; j < n; j++) {
+        const int t = t0 + j;
+        if (j == 0 || t % bs == 0) row = kbase + (size_t)table[t / bs] * bs * d * el;
         const char *kr = row + (size_t)(t % bs) * d * el;
         const float *qr = q;
         __asm__("" : "+r"(qr));
@@ -114,19 +122,23 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
             for (int g = 0; g < g_count; g++) {
                 vf a = load_f32(qr + (size_t)g * d) * kc[0];
                 for (int c = 1; c < nv; c++) a += load_f32(qr + (size_t)g * d + c * VL) * kc[c];
-                scores[g * stride + t] = hsum(a);
+                scores[g * stride + j] = hsum(a);
             }
         } else { /* a row wider than the registers: reread (from L1) per query row */
             for (int g = 0; g < g_count; g++) {
                 vf a = load_f32(qr + (size_t)g * d) * load_row(kr, elem);
                 for (int c = 1; c < nv; c++)
                     a += load_f32(qr + (size_t)g * d + c * VL) * load_row(kr + c * VL * el, elem);
-                scores[g * stride + t] = hsum(a);
+                scores[g * stride + j] = hsum(a);
             }
         }
     }
     for (int g = 0; g < g_count; g++) {
         float *s = scores + g * stride, mx = -INFINITY, sum = 0.0f;
+        if (job->softcap > 0.0f) {
+            const float cap = job->softcap, inv_cap = 1.0f / cap;
+            for (int t = 0; t < n; t++) s[t] = cap * tanhf(s[t] * inv_cap);
+        }
         for (int t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
 #pragma omp simd reduction(+ : sum)
         for (int t = 0; t < n; t++) {
@@ -145,12 +157,13 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
         vf acc[MAX_G][MAX_D / VL];
         for (int g = 0; g < g_count; g++)
             for (int c = 0; c < chunk; c++) acc[g][c] = (vf){0};
-        for (int t = 0; t < n; t++) {
-            if (t % bs == 0) row = vbase + (size_t)table[t / bs] * bs * d * el;
+        for (int j = 0; j < n; j++) {
+            const int t = t0 + j;
+            if (j == 0 || t % bs == 0) row = vbase + (size_t)table[t / bs] * bs * d * el;
             const char *vr = row + (size_t)(t % bs) * d * el + (size_t)c0 * VL * el;
             for (int c = 0; c < chunk; c++) {
                 const vf x = load_row(vr + c * VL * el, elem);
-                for (int g = 0; g < g_count; g++) acc[g][c] += scores[g * stride + t] * x;
+                for (int g = 0; g < g_count; g++) acc[g][c] += scores[g * stride + j] * x;
             }
         }
         for (int g = 0; g < g_count; g++)
@@ -203,9 +216,9 @@ static void task(const Job *job, int b, int kh, float *scores, int elem) {
 void batchq_paged_decode_task(const float *q, const void *k, const void *v, float *out,
                               const int32_t *block_tables, const int32_t *context_lens, int batch, int heads,
                               int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
-                              int elem, int i, float *scores) {
+                              int elem, int window, float softcap, int i, float *scores) {
     const Job job = {q, k, v, out, NULL, block_tables, context_lens, batch, heads, kv_heads, head_dim,
-                     block_size, num_blocks, width, max_len};
+                     block_size, num_blocks, width, max_len, window, softcap};
     task(&job, i / kv_heads, i % kv_heads, scores, elem);
 }
 
@@ -218,9 +231,9 @@ void batchq_paged_decode_task(const float *q, const void *k, const void *v, floa
 int batchq_paged_decode(const float *q, const void *k, const void *v, float *out, float *lse,
                         const int32_t *block_tables, const int32_t *context_lens, int batch, int heads,
                         int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
-                        int elem, int threads) {
+                        int elem, int window, float softcap, int threads) {
     const Job job = {q, k, v, out, lse, block_tables, context_lens, batch, heads, kv_heads, head_dim,
-                     block_size, num_blocks, width, max_len};
+                     block_size, num_blocks, width, max_len, window, softcap};
     const int tasks = batch * kv_heads, g_count = heads / kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)

@@ -4,6 +4,14 @@
 Cache layout (one layer): k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim].
 A token's slot is block_id * block_size + offset; block_tables map each sequence's logical
 blocks to physical ones. Query heads = kv_heads * group (GQA); head h reads kv head h // group.
+
+Every attention function takes a layer's two optional variants, as Hugging Face computes them:
+- window: a sliding window of that many keys, the query's own included (a query at position p sees
+  keys p - window + 1 .. p; transformers' mask `kv_idx > q_idx - sliding_window`); None: every key;
+- softcap: attention-logit soft-capping (Gemma 2), scores = softcap * tanh(scores / softcap) after the
+  softmax scale and before the mask and the softmax; None: none.
+Block table entries wholly before every query's window may name any block (the engine releases those
+blocks): nothing reads them.
 """
 
 from __future__ import annotations
@@ -22,34 +30,54 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
-    # -> [length, kv_heads, head_dim]
+def _gather(cache: Tensor, block_table: Tensor, first: int, length: int) -> Tensor:
+    # the keys of positions first * block_size .. length - 1 -> [length - first * block_size, kv_heads, head_dim]
     bs = cache.shape[1]
     nblk = (length + bs - 1) // bs
-    return cache[block_table[:nblk].long()].flatten(0, 1)[:length]
+    return cache[block_table[first:nblk].long()].flatten(0, 1)[: length - first * bs]
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, causal_offset: int | None) -> Tensor:
-    # q: [Lq, H, D]; k, v: [Lk, KVH, D] -> [Lq, H, D]; math in float32.
+def _first_block(earliest_query: int, window: int | None, block_size: int) -> int:
+    """The first block a sequence's queries read: the one holding the earliest query's first key."""
+    return 0 if window is None else max(0, earliest_query - window + 1) // block_size
+
+
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int, window: int | None, softcap: float | None
+) -> Tensor:
+    # q: [Lq, H, D]; k, v: [Lk, KVH, D] -> [Lq, H, D]; math in float32. Query i sits at position offset + i
+    # and sees the keys at positions (offset + i - window, offset + i].
     h, kvh = q.shape[1], k.shape[1]
     group = h // kvh
     qf = q.float().transpose(0, 1)  # [H, Lq, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Lq, Lk]
-    if causal_offset is not None:
-        lq, lk = q.shape[0], k.shape[0]
-        qpos = torch.arange(lq, device=q.device).unsqueeze(1) + causal_offset
-        kpos = torch.arange(lk, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    lq, lk = q.shape[0], k.shape[0]
+    qpos = torch.arange(lq, device=q.device).unsqueeze(1) + offset
+    kpos = torch.arange(lk, device=q.device).unsqueeze(0)
+    hidden = kpos > qpos
+    if window is not None:
+        hidden |= kpos <= qpos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [H, Lq, D]
     return out.transpose(0, 1).to(q.dtype)
 
 
 def paged_decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """One new query token per sequence, attending over its whole cached context (itself included).
+    """One new query token per sequence, attending over its cached context (itself included), the last
+    `window` tokens of it where a window is given.
 
     q: [batch, heads, head_dim]; block_tables: [batch, max_blocks] int32;
     context_lens: [batch] int32, tokens in the cache for each sequence -> [batch, heads, head_dim].
@@ -57,9 +85,10 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
-        k = _gather(k_cache, block_tables[b], n)
-        v = _gather(v_cache, block_tables[b], n)
-        out[b] = _attend(q[b : b + 1], k, v, scale, None)[0]
+        first = _first_block(n - 1, window, k_cache.shape[1])
+        k = _gather(k_cache, block_tables[b], first, n)
+        v = _gather(v_cache, block_tables[b], first, n)
+        out[b] = _attend(q[b : b + 1], k, v, scale, n - 1 - first * k_cache.shape[1], window, softcap)[0]
     return out
 
 
@@ -71,8 +100,11 @@ def paged_prefill_attention(
     cu_seqlens_q: Tensor,
     context_lens: Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Causal attention for packed new tokens of several sequences, over their cached prefix and themselves.
+    """Causal attention for packed new tokens of several sequences, over their cached prefix and themselves
+    (within `window` where given).
 
     q: [new_tokens, heads, head_dim], sequences packed back to back, no padding;
     cu_seqlens_q: [batch + 1] int32 offsets into q; context_lens: [batch] int32, the total tokens of each
@@ -83,7 +115,8 @@ def paged_prefill_attention(
     for b in range(cu_seqlens_q.shape[0] - 1):
         s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         n = int(context_lens[b])
-        k = _gather(k_cache, block_tables[b], n)
-        v = _gather(v_cache, block_tables[b], n)
-        out[s:e] = _attend(q[s:e], k, v, scale, causal_offset=n - (e - s))
+        first = _first_block(n - (e - s), window, k_cache.shape[1])
+        k = _gather(k_cache, block_tables[b], first, n)
+        v = _gather(v_cache, block_tables[b], first, n)
+        out[s:e] = _attend(q[s:e], k, v, scale, n - (e - s) - first * k_cache.shape[1], window, softcap)
     return out

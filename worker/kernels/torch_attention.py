@@ -18,8 +18,8 @@ narrower than that (kv_cache_dtype) widens as it is read. Scores are rounded to 
 softmax, which runs in float32 inside (HF's eager attention does the same). SDPA's flash kernel is slower
 here: its tiles do only a few query rows of work per call at decode.
 Prefill attends over each sequence's own K/V from this step (nothing read back from the cache) unless
-the sequence continues a cached prefix: in float32 with one causal SDPA call, in bf16/fp16 as
-causal tiles of batched matmuls (causal_tiles).
+the sequence continues a cached prefix: in float32 with one causal SDPA call, in bf16/fp16 (and wherever
+a layer has a sliding window or soft-capping) as causal tiles of batched matmuls (causal_tiles.py).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from torch import Tensor
 
 from worker.kernels import native_attention
 from worker.kernels.cascade import CascadePlanner, cascade_decode
+from worker.kernels.causal_tiles import TILE_ROWS, causal_tiles, first_block
 
 MAX_GROUP = 64  # sequences per padded group
 WORKSPACE_BYTES = 64 << 20  # per K and per V; a group that needs more is split
-TILE_ROWS = 128  # query positions per tile of a reduced-precision prefill
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -70,7 +70,7 @@ class _Chunk:
 class _DecodePlan:
     context_lens: Tensor  # copies of the step's metadata this plan was built for
     block_tables: Tensor
-    layout: tuple[object, ...]  # cache shape and dtype
+    layout: tuple[object, ...]  # cache shape and dtype, and the window
     order: Tensor  # [B] sequence indices, grouped
     inverse: Tensor  # [B] position of each sequence in `order`
     chunks: list[_Chunk]
@@ -82,40 +82,6 @@ def head_rows(rows: Tensor, kv_heads: int, per_head: int) -> Tensor:
     viewed [KVH * num_blocks, block_size, D]."""
     offsets = torch.arange(kv_heads, device=rows.device).view(kv_heads, 1) * per_head
     return (rows.long().view(1, -1) + offsets).view(-1)
-
-
-def causal_tiles(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> Tensor:
-    """Causal attention of one sequence, TILE_ROWS query positions at a time, as batched matmuls.
-
-    q: [q_len, H, D] (packed rows); k, v: [KVH, n, D] (any strides with a unit last one); query j
-    sits at position offset + j and sees keys 0..offset+j.  -> [q_len, H, D]
-
-    Each tile reads only the keys its last row can see, so the causal half is mostly skipped, its scores
-    stay in cache, and only its diagonal block needs a mask. The queries are laid out once per sequence
-    as [KVH, q_len, G, D], so a tile's rows of one kv head are one contiguous matrix. Scores are scaled
-    inside the matmul and rounded to q's dtype before the softmax (float32 inside). In bf16 this beats
-    SDPA's flash kernel at prompt lengths of a few hundred tokens; in float32 SDPA is faster, so the
-    caller keeps it there.
-    """
-    q_len, h, d = q.shape
-    kvh = k.shape[0]
-    g = h // kvh
-    qs = q.reshape(q_len, kvh, g, d).transpose(0, 1).contiguous()  # [KVH, q_len, G, D]
-    kt = k.transpose(1, 2)  # [KVH, D, n]
-    out = torch.empty(q_len, kvh, g, d, dtype=q.dtype, device=q.device)
-    above = torch.ones(TILE_ROWS, TILE_ROWS, dtype=torch.bool, device=q.device).triu_(1)  # key > query
-    unused = torch.zeros(1, 1, 1, dtype=q.dtype, device=q.device)  # baddbmm's input, times beta=0
-    for a in range(0, q_len, TILE_ROWS):
-        b = min(q_len, a + TILE_ROWS)
-        rows, end = b - a, offset + b  # keys 0..end-1: what the tile's last row sees
-        qt = qs[:, a:b].reshape(kvh, rows * g, d)  # a view: rows of one kv head are contiguous
-        scores = torch.baddbmm(unused, qt, kt[:, :, :end], beta=0, alpha=scale)  # [KVH, rows * G, end]
-        scores.view(kvh, rows, g, end)[..., end - rows :].masked_fill_(
-            above[:rows, None, :rows], float("-inf")
-        )
-        probs = torch.softmax(scores, dim=-1)
-        out[a:b] = torch.bmm(probs, v[:, :end]).view(kvh, rows, g, d).transpose(0, 1)
-    return out.view(q_len, h, d)
 
 
 class TorchAttention:
@@ -130,7 +96,8 @@ class TorchAttention:
         self.workspace_bytes = workspace_bytes
         self.native = native
         self._ws: dict[str, Tensor] = {}
-        self._plan: _DecodePlan | None = None
+        # one plan per window: a model's windowed and full layers alternate within a step (Gemma)
+        self._plans: dict[int | None, _DecodePlan] = {}
         self._cascade = CascadePlanner()
 
     kv_cache_shape = staticmethod(kv_cache_shape)
@@ -162,14 +129,19 @@ class TorchAttention:
                 cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
             cache.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, rows)
 
-    def _decode_plan(self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> _DecodePlan:
-        """Groups, gather indices and masks for one decode step, built once and reused by every layer.
+    def _decode_plan(
+        self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor, window: int | None
+    ) -> _DecodePlan:
+        """Groups, gather indices and masks for one decode step, built once and reused by every layer of
+        the same window.
 
-        The plan depends only on context_lens, block_tables and the cache layout, which every layer of a
-        step shares: it is rebuilt when their values change (comparing them costs microseconds).
+        The plan depends only on context_lens, block_tables, the cache layout and the window, which every
+        such layer of a step shares: it is rebuilt when their values change (comparing them costs
+        microseconds). A sequence's gather starts at the block of its window's first key (first_block) and
+        its slots before that key are masked like those past its context.
         """
-        plan = self._plan
-        layout = (*k_cache.shape, k_cache.dtype)
+        plan = self._plans.get(window)
+        layout = (*k_cache.shape, k_cache.dtype, window)
         if (
             plan is not None
             and plan.layout == layout
@@ -180,19 +152,29 @@ class TorchAttention:
         kvh, nb, bs, d = k_cache.shape
         dev = k_cache.device
         lens = context_lens.tolist()
+        firsts = [first_block(n - 1, window, bs) for n in lens]
+        spans = [n - f * bs for n, f in zip(lens, firsts, strict=True)]  # tokens from the first block read
+        width = block_tables.shape[1]
         per_token = kvh * d * k_cache.element_size()
         chunks: list[_Chunk] = []
         order: list[int] = []
-        for group in length_groups(lens, bs):
-            nblk = -(-lens[group[-1]] // bs)
+        for group in length_groups(spans, bs):
+            nblk = -(-spans[group[-1]] // bs)
             step = max(1, self.workspace_bytes // (nblk * bs * per_token))
             for i in range(0, len(group), step):
                 chunk = group[i : i + step]
                 n, tokens = len(chunk), nblk * bs
                 idx = torch.tensor(chunk, device=dev)
-                blocks = block_tables[idx, :nblk].reshape(-1)  # [n * nblk]
-                valid = torch.arange(tokens, device=dev) < context_lens[idx].unsqueeze(1)  # [n, L]
-                stale = (~valid).view(1, -1).nonzero()[:, 1]  # rows past a context, within one head
+                first = torch.tensor([firsts[j] for j in chunk], device=dev).unsqueeze(1)  # [n, 1]
+                # a shorter span's columns past its table read some block; those slots are masked
+                cols = (first + torch.arange(nblk, device=dev)).clamp_(max=width - 1)
+                blocks = block_tables[idx.unsqueeze(1), cols].reshape(-1)  # [n * nblk]
+                pos = torch.arange(tokens, device=dev) + first * bs  # [n, L] each slot's position
+                ctx = context_lens[idx].unsqueeze(1)
+                valid = pos < ctx
+                if window is not None:
+                    valid &= pos >= ctx - window
+                stale = (~valid).view(1, -1).nonzero()[:, 1]  # rows outside a window, within one head
                 rows = head_rows(stale, kvh, n * tokens)  # the same rows in every head's slice
                 chunks.append(
                     _Chunk(len(order), n, tokens, head_rows(blocks, kvh, nb), rows, ~valid[None, :, None, :])
@@ -201,14 +183,21 @@ class TorchAttention:
         order_t = torch.tensor(order, device=dev)
         inverse = torch.empty_like(order_t)
         inverse[order_t] = torch.arange(len(order), device=dev)
-        self._plan = _DecodePlan(context_lens.clone(), block_tables.clone(), layout, order_t, inverse, chunks)
-        return self._plan
+        plan = _DecodePlan(context_lens.clone(), block_tables.clone(), layout, order_t, inverse, chunks)
+        self._plans[window] = plan
+        return plan
 
-    def plain_native_decode(self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor) -> bool:
-        """Whether paged_decode_attention would run the C kernel alone this step (no cascade over a shared
-        prefix, which is faster where it applies): the model's C decode stack runs that same kernel."""
+    def plain_native_decode(
+        self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor, widest: int | None = None
+    ) -> bool:
+        """Whether paged_decode_attention would run the C kernel alone in every layer this step (no cascade
+        over a shared prefix, which is faster where it applies): the model's C decode stack runs that same
+        kernel. widest: the largest window of the model's layers, None where some layer sees every key;
+        cascade runs only in a layer whose window covers every context."""
         if not self.native or not native_attention.cache_supported(k_cache):
             return False
+        if widest is not None and widest < int(context_lens.max()):
+            return True
         return not self._cascade.plan(block_tables, context_lens, k_cache.shape[2]).groups
 
     def paged_decode_attention(
@@ -219,26 +208,33 @@ class TorchAttention:
         block_tables: Tensor,
         context_lens: Tensor,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         """q: [batch, heads, head_dim]; block_tables: [batch, max_blocks] int32; context_lens: [batch].
-
-        -> [batch, heads, head_dim]
+        window, softcap: reference.py's. -> [batch, heads, head_dim]
 
         Sequences are sorted by length and cut into groups of similar length, each padded only to its
         own longest context, so a few long contexts do not make every short one pay for their padding.
         """
         if self.native and native_attention.supports(q, k_cache):
-            shared = self._cascade.plan(block_tables, context_lens, k_cache.shape[2])
-            if shared.groups:
-                out = cascade_decode(q, k_cache, v_cache, shared, scale)
-            else:
-                out = native_attention.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+            out = None
+            # cascade's shared prefix is seen whole by every member: not where a window cuts a context
+            if window is None or window >= int(context_lens.max()):
+                shared = self._cascade.plan(block_tables, context_lens, k_cache.shape[2])
+                if shared.groups:
+                    out = cascade_decode(q, k_cache, v_cache, shared, scale, softcap)
+                    if out is not None:
+                        return out
+            out = native_attention.paged_decode(
+                q, k_cache, v_cache, block_tables, context_lens, scale, window=window, softcap=softcap
+            )
             if out is not None:
                 return out
         b, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
         g = h // kvh
-        plan = self._decode_plan(k_cache, block_tables, context_lens)
+        plan = self._decode_plan(k_cache, block_tables, context_lens, window)
         q_sorted = q.index_select(0, plan.order) * scale
         out_sorted = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
         k_rows, v_rows = k_cache.view(kvh * nb, bs, d), v_cache.view(kvh * nb, bs, d)
@@ -246,12 +242,14 @@ class TorchAttention:
             size = (c.blocks.numel(), bs, d)
             k = torch.index_select(k_rows, 0, c.blocks, out=self._buffer("k", size, k_cache))
             v = torch.index_select(v_rows, 0, c.blocks, out=self._buffer("v", size, v_cache))
-            # Slots past a context hold another request's stale V (or padding blocks): zero them, since
+            # Slots outside a window hold another request's stale V (or padding blocks): zero them, since
             # 0 * NaN in P @ V is NaN. Their scores need no such care: masked_fill_ overwrites a NaN.
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache narrower than the compute dtype widens here
             v.view(-1, d).index_fill_(0, c.stale_rows, 0)
             qg = q_sorted[c.start : c.start + c.n].view(c.n, kvh, g, d).transpose(0, 1)  # [KVH, n, G, D]
             scores = torch.matmul(qg, k.view(kvh, c.n, c.tokens, d).transpose(-1, -2))  # [KVH, n, G, T]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap).mul_(softcap)
             probs = torch.softmax(scores.masked_fill_(c.masked, float("-inf")), dim=-1)
             o = torch.matmul(probs, v.view(kvh, c.n, c.tokens, d))  # [KVH, n, G, D]
             out_sorted[c.start : c.start + c.n] = o.transpose(0, 1).reshape(c.n, h, d)
@@ -268,33 +266,41 @@ class TorchAttention:
         scale: float,
         k: Tensor | None = None,
         v: Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         """q: [new_tokens, heads, head_dim] packed; cu_seqlens_q: [batch + 1]; context_lens: [batch].
 
         k, v: this step's new keys/values [new_tokens, kv_heads, head_dim] (already written to the
-        cache); a sequence without a cached prefix attends to them directly.
-        -> [new_tokens, heads, head_dim]
+        cache); a sequence without a cached prefix attends to them directly. window, softcap:
+        reference.py's (then causal_tiles in every dtype: SDPA computes neither, and its mask would not
+        skip the keys before the window). -> [new_tokens, heads, head_dim]
         """
         h = q.shape[1]
         kvh, _, bs, _ = k_cache.shape
         tiled = q.dtype != torch.float32
+        plain = window is None and softcap is None
         out = torch.empty_like(q)
         starts = cu_seqlens_q.tolist()
         lens = context_lens.tolist()
         for i, n in enumerate(lens):
             s, e = starts[i], starts[i + 1]
+            first = 0
             if e - s == n and k is not None and v is not None:
                 # rounded as the cache holds them, so a prompt attends to the same K/V in one step or in
                 # chunks that read the earlier ones back
                 ki = k[s:e].transpose(0, 1).to(k_cache.dtype).to(q.dtype)  # [KVH, n, D]
                 vi = v[s:e].transpose(0, 1).to(v_cache.dtype).to(q.dtype)
             else:
-                nblk = -(-n // bs)
-                blocks = block_tables[i, :nblk]
-                ki = self._gather("k", k_cache, blocks, nblk * bs)[:, 0, :n].to(q.dtype)  # [KVH, n, D]
-                vi = self._gather("v", v_cache, blocks, nblk * bs)[:, 0, :n].to(q.dtype)
-            if tiled and e - s >= TILE_ROWS // 2:
-                out[s:e] = causal_tiles(q[s:e], ki, vi, n - (e - s), scale)
+                first = first_block(n - (e - s), window, bs)  # blocks before it: outside every window
+                nblk = -(-n // bs) - first
+                blocks = block_tables[i, first : first + nblk]
+                keys = n - first * bs
+                ki = self._gather("k", k_cache, blocks, nblk * bs)[:, 0, :keys].to(q.dtype)  # [KVH, keys, D]
+                vi = self._gather("v", v_cache, blocks, nblk * bs)[:, 0, :keys].to(q.dtype)
+            offset = n - (e - s) - first * bs  # the first query's position among the keys read
+            if not plain or (tiled and e - s >= TILE_ROWS // 2):
+                out[s:e] = causal_tiles(q[s:e], ki, vi, offset, scale, window, softcap)
                 continue
             qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
             # 4-D inputs: CPU SDPA only takes its fused flash kernel for [batch, heads, len, dim].

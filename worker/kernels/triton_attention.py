@@ -73,13 +73,17 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     out: Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """One new query token per sequence over its whole cached context (itself included).
+    """One new query token per sequence over its cached context (itself included), its last `window`
+    tokens where a window is given; softcap: attention-logit soft-capping (reference.py's).
 
     q: [batch, heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch], each >= 1
     -> [batch, heads, head_dim] contiguous, dtype of q, written into `out` when given (a preallocated
     buffer, e.g. for CUDA graphs). num_splits=None picks split-K from the SM count.
     """
+    checks.check_window(window, softcap)
     _, block_size, kv_heads, head_dim = checks.check_cache(k_cache, v_cache)
     checks.check_rows("q", q, 3, None, head_dim)
     batch, heads = q.shape[0], q.shape[1]
@@ -93,6 +97,8 @@ def paged_decode_attention(
     if batch == 0:
         return out
     max_ctx = block_tables.shape[1] * block_size  # host-side bound: no sync on context_lens
+    if window is not None:
+        max_ctx = min(max_ctx, window)  # the splits cover the window only
     if num_splits is None:
         num_splits = _auto_splits(batch * kv_heads, max_ctx, block_n, q.device)
     if num_splits < 1:
@@ -107,12 +113,13 @@ def paged_decode_attention(
         part_o = part_ml = out  # unused by the kernel when NUM_SPLITS == 1
     triton_decode.decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_ml,
-        scale * _LOG2E, tokens_per_split,
+        scale * _LOG2E, tokens_per_split, window or 0, (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        WINDOWED=window is not None, SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -138,14 +145,18 @@ def paged_prefill_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     out: Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Causal attention for packed new tokens over their cached prefix and themselves.
+    """Causal attention for packed new tokens over their cached prefix and themselves (within `window`
+    where given; softcap: reference.py's).
 
     q: [new_tokens, heads, head_dim]; cu_seqlens_q: [batch + 1]; context_lens: [batch] (cached prefix +
     new tokens, new K/V already written); block_tables: [batch, max_blocks]
     -> [new_tokens, heads, head_dim] contiguous (into `out` when given). The i-th new token of
     sequence b sits at position context_lens[b] - q_len_b + i. block_m counts rows = tokens x GQA group.
     """
+    checks.check_window(window, softcap)
     _, block_size, kv_heads, head_dim = checks.check_cache(k_cache, v_cache)
     checks.check_rows("q", q, 3, None, head_dim)
     tokens, heads = q.shape[0], q.shape[1]
@@ -167,12 +178,13 @@ def paged_prefill_attention(
     block_q = block_m // group
     triton_prefill.prefill_kernel[(tokens // block_q + batch, kv_heads)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * _LOG2E, batch,
+        scale * _LOG2E, batch, window or 0, (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        WINDOWED=window is not None, SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

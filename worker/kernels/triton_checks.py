@@ -65,6 +65,14 @@ def check_index(name: str, x: Tensor, shape: tuple[int | None, ...]) -> None:
         raise ValueError(f"{name} must have unit stride along its last dim, got strides {x.stride()}")
 
 
+def check_window(window: int | None, softcap: float | None) -> None:
+    # a sliding window of at least the query's own key; a positive soft-capping value
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 (keys a query sees, its own included), got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
+
+
 def check_pow2(name: str, value: int, low: int, high: int | None = None) -> None:
     if value < low or value & (value - 1) or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"

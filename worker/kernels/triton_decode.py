@@ -5,6 +5,8 @@ so each K/V tile is read from HBM once per group rather than once per query head
 to BLOCK_H >= 16 rows because tl.dot needs at least 16 rows; decode is memory-bound, the padding is free.
 Split-K: with few sequences the context is cut into NUM_SPLITS chunks processed by separate programs;
 a second kernel merges their partial results by their softmax statistics.
+A sliding window (WINDOWED): the splits cover the last `window` tokens of each context only, so no tile
+before it is loaded. Soft-capping (SOFTCAP): scores = softcap * tanh(scores / softcap) before the mask.
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ import triton.language as tl
 
 # Finite "minus infinity" for the running max: exp2(-inf - -inf) would be NaN for an empty split.
 NEG_BIG = tl.constexpr(-1.0e30)  # jit code may only read constexpr globals
+
+
+@triton.jit
+def softcapped(s, cap):
+    """cap * tanh(s / cap), with tanh from one exp of a non-positive argument (no overflow; no libdevice,
+    which the interpreter lacks). The scores are in log2 units here, and so is cap: the cap of natural-log
+    scores times log2(e) caps their log2 image."""
+    x = s / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -28,6 +41,8 @@ def decode_kernel(
     part_ml_ptr,
     scale_log2,
     tokens_per_split,
+    window,
+    softcap_log2,
     stride_qb,
     stride_qh,
     stride_cb,
@@ -43,12 +58,16 @@ def decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
     start = split * tokens_per_split
+    if WINDOWED:  # the splits tile the window: the first key the query sees, on
+        start += tl.maximum(ctx - window, 0)
     end = tl.minimum(ctx, start + tokens_per_split)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -77,6 +96,8 @@ def decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        if SOFTCAP:
+            s = softcapped(s, softcap_log2)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

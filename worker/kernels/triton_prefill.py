@@ -5,12 +5,16 @@ tiles through an online softmax. A query tile holds BLOCK_Q tokens x GROUP query
 so each K/V tile feeds the whole GQA group. Sequences are packed without padding; to avoid a host sync
 on cu_seqlens the grid is the upper bound total_tokens // BLOCK_Q + batch, and each program finds its
 sequence by binary search over the tile offsets cu_seqlens[b] // BLOCK_Q + b (spare programs exit early).
+A sliding window (WINDOWED): a tile's key loop starts at its first row's first visible key, so the tiles
+before the window are never loaded. Soft-capping (SOFTCAP): triton_decode's.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from worker.kernels.triton_decode import softcapped
 
 # Finite running-max start: keeps fully masked rows free of NaN. A constexpr, as jit code may only
 # read constexpr globals.
@@ -28,6 +32,8 @@ def prefill_kernel(
     out_ptr,
     scale_log2,
     num_seqs,
+    window,
+    softcap_log2,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -43,6 +49,8 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,12 +81,15 @@ def prefill_kernel(
         qpos = ctx - q_len + tok  # absolute position of each row's token
         # Keys past the tile's last query position are masked for every row: stop there.
         kv_end = ctx - q_len + tl.minimum((t + 1) * BLOCK_Q, q_len)
+        kv_start = kv_end * 0  # an int32 tensor, as kv_end
+        if WINDOWED:  # keys before the tile's first row's window are masked for every row: start there
+            kv_start = tl.maximum(ctx - q_len + t * BLOCK_Q - window + 1, 0)
 
         m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-        for n0 in range(0, kv_end, BLOCK_N):
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             pos = n0 + offs_n
             n_mask = pos < kv_end
             blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -88,7 +99,11 @@ def prefill_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            if SOFTCAP:
+                s = softcapped(s, softcap_log2)
             visible = n_mask[None, :] & (pos[None, :] <= qpos[:, None])
+            if WINDOWED:
+                visible = visible & (pos[None, :] > qpos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)

@@ -245,34 +245,42 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Write this step's K/V into one layer's paged cache, then attend over each sequence's cached context.
 
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (rotated) -> [T, heads, head_dim]. The cache
     holds K / k_scale and V / v_scale (an FP8 cache's calibrated scales; 1 otherwise): q.k/s_k scores with
     the softmax scale times s_k, and the output is multiplied by s_v, so the kernels never see a scale.
+    window: the layer's sliding window, keys a query sees with its own (None: all); softcap: its
+    attention-logit soft-capping, scores = softcap * tanh(scores / softcap) (None: none).
     """
+    variant = {"window": window, "softcap": softcap}
     if k_scale != 1.0 or v_scale != 1.0:
         k, v, scale = k / k_scale, v / v_scale, scale * k_scale
     k_cache, v_cache = kv
     attn = backend.attention
     attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.phase == "decode":
-        o = attn.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        o = attn.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, **variant
+        )
     elif meta.phase == "prefill":
         assert meta.cu_seqlens_q is not None
         o = attn.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale, k=k, v=v
-        )
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale, k=k, v=v,
+            **variant,
+        )  # fmt: skip
     else:  # mixed: decode rows first, then prompt chunks, each through its own kernel
         assert meta.cu_seqlens_q is not None and meta.decode is not None
         nd = meta.decode.context_lens.shape[0]
         od = attn.paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, scale
+            q[:nd], k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, scale, **variant
         )
         op = attn.paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
-            k=k[nd:], v=v[nd:],
+            k=k[nd:], v=v[nd:], **variant,
         )  # fmt: skip
         o = torch.cat([od, op])
     return o if v_scale == 1.0 else o * v_scale

@@ -32,7 +32,7 @@ __all__ = ["DecoderSpec", "KVCache", "LlamaFamilyModel"]
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
@@ -45,6 +45,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps) if qk_norm else None
         self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
+        self.window = spec.window(layer)  # its sliding window (None: full attention)
+        self.softcap = spec.attention_softcap
         # K and V are stored divided by these (per-tensor scales of an FP8 cache, calibrated at load by
         # kv_pool.calibrate_kv_scales; 1 otherwise): q.k/s_k scores with the softmax scale times s_k, and
         # the output is multiplied by s_v, so the kernels never see a scale.
@@ -76,7 +78,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin, self.c_rotary), apply_rotary(k, cos, sin, self.c_rotary)
         if kv_absmax is not None:
             kv_absmax.append((float(k.abs().max()), float(v.abs().max())))
-        o = paged_attention(q, k, v, kv, meta, backend, self.scale, self.k_scale, self.v_scale)
+        o = paged_attention(
+            q, k, v, kv, meta, backend, self.scale, self.k_scale, self.v_scale, self.window, self.softcap
+        )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -98,10 +102,10 @@ class DecoderLayer(nn.Module):
     names). Post-norm (OLMo 2): post_attention_layernorm on attention's output, post_feedforward_layernorm
     on the MLP's, and no input_layernorm."""
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
         self.input_layernorm = None if spec.post_norms else RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
         self.post_feedforward_layernorm = (
@@ -116,7 +120,7 @@ class LlamaFamilyModel(nn.Module):
         # Tied embeddings keep one table, lm_head's [vocab, hidden], whose rows are the embeddings, rather
         # than a second copy of the largest matrix (113 MB in float32 for SmolLM2-135M).
         self.embed_tokens = None if spec.tie_embeddings else nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
@@ -138,6 +142,11 @@ class LlamaFamilyModel(nn.Module):
         if any(lin.bits or lin.weight.dtype == torch.float8_e4m3fn for lin in self.linears()):
             return "weights kept quantised as the checkpoint ships them (FP8, 4-bit or 8-bit groups)"
         return None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None for full attention (what the engine's block manager reads)."""
+        return tuple(a.window for a in self.attentions())
 
     @property
     def uses_c_linear(self) -> bool:
@@ -211,7 +220,7 @@ class LlamaFamilyModel(nn.Module):
         # input_ids, positions: [T] -> hidden: [T, hidden]
         h = self.embed(input_ids)
         if meta.phase == "decode" and backend.stack_applies(
-            kv_caches[0][0], meta.block_tables, meta.context_lens
+            kv_caches[0][0], meta.block_tables, meta.context_lens, self.spec.widest_window
         ):
             stack = self.decode_stack(kv_caches, backend)
             if stack is not None:  # every layer in one C call (same kernels, without the ops between them)
@@ -291,6 +300,8 @@ class LlamaFamilyModel(nn.Module):
                     q_scale=attn.scale * attn.k_scale,  # as forward() scales q (double, then float32)
                     k_scale=attn.k_scale,
                     v_scale=attn.v_scale,
+                    window=attn.window,
+                    softcap=attn.softcap,
                 )
             )
         return backend.build_decode_stack(

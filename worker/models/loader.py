@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from worker.cache_dir import cache_dir
+from worker.models.spec import UnsupportedLayers, WindowRule
 
 if TYPE_CHECKING:
     import torch
@@ -48,16 +49,17 @@ class Family:
     qk_norm: Literal["none", "head", "projection"] = "none"  # Qwen3: per head; OLMo 2: over all of q / k
     qkv_bias: bool | None = None  # None: from config.attention_bias
     post_norms: bool = False  # OLMo 2: each sublayer's output normed before the residual, no pre-norm
+    windows: WindowRule = "none"  # which layers slide, as the family's Hugging Face mask decides (spec.py)
 
 
 SUPPORTED: dict[str, Family] = {
     "granite": Family(),
     "llama": Family(),
-    "mistral": Family(),
+    "mistral": Family(windows="every_layer"),
     "olmo2": Family(qk_norm="projection", post_norms=True),
-    "phi3": Family(),
-    "qwen2": Family(qkv_bias=True),
-    "qwen3": Family(qk_norm="head"),
+    "phi3": Family(windows="every_layer"),
+    "qwen2": Family(qkv_bias=True, windows="layer_types"),
+    "qwen3": Family(qk_norm="head", windows="layer_types"),
 }
 
 
@@ -355,15 +357,23 @@ def collect_eos_ids(hf_config: Any, generation_config: Any) -> list[int]:
 
 
 def context_length(hf_config: Any) -> int:
-    """The model's context, capped at a sliding window smaller than it so attention stays exact."""
-    length = int(hf_config.max_position_embeddings)
-    window: int | None = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    windowed = layer_types is None or "sliding_attention" in layer_types
-    if window is not None and windowed and window < length:
-        log.warning("sliding window %d < context %d: capping the context at the window", window, length)
-        length = int(window)
-    return length
+    """The model's context: its max_position_embeddings, whatever its layers' sliding windows (every
+    attention path computes them)."""
+    return int(hf_config.max_position_embeddings)
+
+
+def _windows_summary(windows: tuple[int | None, ...]) -> str:
+    """e.g. "layers 0-1 full, 2-3 window 4096"."""
+    runs: list[tuple[int, int, int | None]] = []
+    for i, w in enumerate(windows):
+        if runs and runs[-1][2] == w and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i, w)
+        else:
+            runs.append((i, i, w))
+    parts = [
+        f"{a}" + (f"-{b}" if b > a else "") + (" full" if w is None else f" window {w}") for a, b, w in runs
+    ]
+    return "layers " + ", ".join(parts)
 
 
 def _long_rope(hf_config: Any, device: torch.device) -> tuple[torch.Tensor, int] | None:
@@ -426,7 +436,10 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     max_len = context_length(hf_config)
     ours: LlamaFamilyModel | TransformersModel
     if path == "native":
-        ours = _native(hf, str(model_type), max_len, dtype, device)
+        try:
+            ours = _native(hf, str(model_type), max_len, dtype, device)
+        except UnsupportedLayers as e:
+            raise ModelLoadError(f"model {model!r}: {e}") from None
     else:
         from worker.models.transformers_model import fallback_model
 
@@ -488,7 +501,10 @@ def _native(
         o_bias=attn_bias,
         qk_norm_over_projection=family.qk_norm == "projection",
         post_norms=family.post_norms,
+        windows=family.windows,
     )
+    if any(w is not None for w in spec.layer_windows):
+        log.info("sliding windows per layer: %s", _windows_summary(spec.layer_windows))
     # A fresh HF rotary module computes inv_freq in float32 for whatever rope type the config names,
     # whatever dtype the weights were loaded in.
     rotary_hf = type(hf.model.rotary_emb)(config=hf.config)

@@ -1,4 +1,5 @@
-"""DecoderSpec: the shape and the variants of one decoder, read from a Hugging Face config.
+"""DecoderSpec: the shape and the variants of one decoder, read from a Hugging Face config; and each layer's
+sliding window as transformers decides it (`sliding_windows`).
 
 Plain data, no torch: the loader fills it from the config and its family (loader.SUPPORTED), the decoder
 (llama.py) is built from it.
@@ -7,7 +8,50 @@ Plain data, no torch: the loader fills it from the config and its family (loader
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+# How a family's Hugging Face code decides which layers slide (its mask is the truth):
+# - "none": no layer (Llama, Granite, OLMo 2 build a plain causal mask whatever the config holds);
+# - "every_layer": every layer, by config.sliding_window where it is set (Mistral, Phi-3, Starcoder2: their
+#   mask is the sliding one whenever sliding_window is not None; they ignore layer_types);
+# - "layer_types": config.layer_types, "sliding_attention" layers by config.sliding_window (Qwen2 and Qwen3
+#   derive the list from use_sliding_window and max_window_layers: layers from max_window_layers on slide;
+#   Gemma 2 / 3, and transformers' create_masks_for_generate for any config that has the list).
+WindowRule = Literal["none", "every_layer", "layer_types"]
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # the types batchq's attention computes
+
+
+class UnsupportedLayers(ValueError):
+    """A config whose layers attend in a way batchq's kernels do not compute (chunked, linear, ...), or
+    that names sliding layers without a window."""
+
+
+def sliding_windows(cfg: Any, rule: WindowRule) -> tuple[int | None, ...]:
+    """Each layer's sliding window under `rule`: the keys a query sees, its own included (transformers'
+    mask keeps kv_idx > q_idx - sliding_window), or None for full attention. Raises UnsupportedLayers."""
+    layers = int(cfg.num_hidden_layers)
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise UnsupportedLayers(f"sliding_window {window!r}: expected a positive number of tokens")
+    if rule == "none":
+        return (None,) * layers
+    if rule == "every_layer":
+        return (window,) * layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None:  # create_masks_for_generate: without the list, sliding_window applies to every layer
+        return (window,) * layers
+    if len(types) != layers:
+        raise UnsupportedLayers(f"layer_types names {len(types)} layers, the model has {layers}")
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise UnsupportedLayers(
+            f"layer types {unknown}: batchq's attention computes {sorted(LAYER_TYPES)} only"
+        )
+    if window is None and "sliding_attention" in types:
+        raise UnsupportedLayers(
+            "layer_types has sliding_attention layers but the config sets no sliding_window"
+        )
+    return tuple(window if LAYER_TYPES[t] else None for t in types)
 
 
 @dataclass(frozen=True)
@@ -33,6 +77,21 @@ class DecoderSpec:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None  # None: head_dim ** -0.5
     logits_scaling: float = 1.0
+    # Per layer: its sliding window (keys a query sees, its own included) or None (full attention); empty:
+    # no layer slides. attention_softcap: scores = softcap * tanh(scores / softcap) before the softmax, in
+    # every layer (Gemma 2's attn_logit_softcapping); None: none.
+    layer_windows: tuple[int | None, ...] = ()
+    attention_softcap: float | None = None
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def widest_window(self) -> int | None:
+        """The largest window where every layer has one (what a sequence's cache must keep), else None."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        return None if not windows or None in windows else max(w for w in windows if w is not None)
 
     @classmethod
     def from_hf_config(
@@ -43,7 +102,9 @@ class DecoderSpec:
         o_bias: bool,
         qk_norm_over_projection: bool = False,
         post_norms: bool = False,
+        windows: WindowRule = "none",
     ) -> DecoderSpec:
+        """Raises UnsupportedLayers where sliding_windows does."""
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return cls(
@@ -66,4 +127,6 @@ class DecoderSpec:
             residual_multiplier=float(getattr(cfg, "residual_multiplier", 1.0)),
             attention_multiplier=getattr(cfg, "attention_multiplier", None),
             logits_scaling=float(getattr(cfg, "logits_scaling", 1.0)),
+            layer_windows=sliding_windows(cfg, windows),
+            attention_softcap=getattr(cfg, "attn_logit_softcapping", None),
         )

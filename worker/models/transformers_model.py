@@ -10,10 +10,15 @@ calls our own decoder makes). No mask is built: transformers creates none for an
 not know, and ours needs none, since the step's metadata says where each sequence starts. So prefix caching,
 chunked prefill and mixed decode/prefill steps hold as for a native family, and the outputs are exact.
 
-What our attention cannot compute is refused at load: attention-logit softcapping, attention sinks, a model
-whose attention does not go through the interface (`check_exact` then finds layers that never called it or
-logits that differ from Hugging Face's). A sliding window narrower than the context caps the context at the
-window (loader.context_length), within which full causal attention is the window's.
+Each module's sliding window and attention-logit softcap arrive as the interface's keywords (`sliding_window`,
+`softcap`: what transformers' own kernels are given) and go to the kernels as they are, so Gemma 2's capped
+and interleaved local/global layers, Gemma 3's, Mistral's and Qwen2's windows run exactly over the full
+context. The windows the modules pass are recorded on the first pass (`layer_windows`, what the engine's
+block manager reads) and checked against what the config's mask says (spec.sliding_windows): a layer the mask
+windows but whose module passes no such window would attend to what Hugging Face hides, and is refused.
+What our attention cannot compute is refused at load: attention sinks, layer types other than full and
+sliding attention, a model whose attention does not go through the interface (`check_exact` then finds
+layers that never called it or logits that differ from Hugging Face's).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import Tensor, nn
 from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata, KVCache, paged_attention
 from worker.models.llama import LlamaFamilyModel
+from worker.models.spec import UnsupportedLayers, sliding_windows
 
 ATTN_NAME = "batchq_paged"
 STEP_KWARG = "batchq_step"  # the keyword that carries a step's _Step from forward() to paged_hf_attention
@@ -50,10 +56,11 @@ class _Step:
     scales: list[tuple[float, float]]  # per layer (k_scale, v_scale)
     absmax: list[tuple[float, float]] | None  # receives each layer's largest |K|, |V| (FP8 calibration)
     calls: list[int]  # the layers that attended, in order
+    windows: list[int | None]  # the sliding window each of them passed (None: full attention)
 
 
 class UnsupportedAttention(ValueError):
-    """The model asked our attention for something it does not compute (softcapping, sinks)."""
+    """The model asked our attention for something it does not compute (sinks, a window below one key)."""
 
 
 def paged_hf_attention(
@@ -71,10 +78,13 @@ def paged_hf_attention(
     step = kwargs.get(STEP_KWARG)
     if not isinstance(step, _Step):
         raise RuntimeError(f"{ATTN_NAME} attention runs only inside batchq's forward pass (no step metadata)")
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedAttention("batchq's paged attention has no attention-logit softcapping")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise UnsupportedAttention("batchq's paged attention has no attention sinks")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise UnsupportedAttention(
+            f"sliding_window {window!r}: batchq's attention takes a positive token count"
+        )
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     q = query[0].transpose(0, 1).contiguous()  # [T, heads, head_dim]
     k = key[0].transpose(0, 1).contiguous()  # [T, kv_heads, head_dim]
@@ -83,8 +93,12 @@ def paged_hf_attention(
         step.absmax.append((float(k.abs().max()), float(v.abs().max())))
     scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
     k_scale, v_scale = step.scales[layer]
-    o = paged_attention(q, k, v, step.kv_caches[layer], step.meta, step.backend, scale, k_scale, v_scale)
+    o = paged_attention(
+        q, k, v, step.kv_caches[layer], step.meta, step.backend, scale, k_scale, v_scale, window,
+        None if softcap is None else float(softcap),
+    )  # fmt: skip
     step.calls.append(layer)
+    step.windows.append(window)
     return o.unsqueeze(0), None
 
 
@@ -119,6 +133,8 @@ class TransformersModel(nn.Module):
         self.logits_scaling = float(getattr(cfg, "logits_scaling", None) or 1.0)  # Granite
         self.final_softcap: float | None = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2
         self._scales = [(1.0, 1.0)] * self.spec.num_layers
+        # each layer's sliding window as its module passed it on the first pass (fallback_model runs one)
+        self.layer_windows: tuple[int | None, ...] = ()
 
     decode_stack_unsupported = "Hugging Face's layers: the transformers fallback"
     """Why neither decode_stack.c nor linear.c runs this model (Backend.for_model)."""
@@ -153,7 +169,7 @@ class TransformersModel(nn.Module):
         backend: Backend,
     ) -> Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden] after the final norm
-        return self._run(input_ids, positions, _Step(meta, kv_caches, backend, self._scales, None, []))
+        return self._run(input_ids, positions, _Step(meta, kv_caches, backend, self._scales, None, [], []))
 
     @torch.inference_mode()
     def kv_absmax(
@@ -165,7 +181,7 @@ class TransformersModel(nn.Module):
         backend: Backend,
     ) -> list[tuple[float, float]]:
         """Each layer's largest |K| and |V| before the cache's scales (FP8 calibration), from one pass."""
-        step = _Step(meta, kv_caches, backend, self._scales, [], [])
+        step = _Step(meta, kv_caches, backend, self._scales, [], [], [])
         self._run(input_ids, positions, step)
         assert step.absmax is not None
         return step.absmax
@@ -182,6 +198,10 @@ class TransformersModel(nn.Module):
                 f"transformers fallback: layers {step.calls} attended through batchq's cache, expected every "
                 f"one of {self.spec.num_layers} once"
             )
+        windows = tuple(step.windows)
+        if not self.layer_windows:
+            self.layer_windows = windows
+        assert windows == self.layer_windows, f"layer windows changed: {windows} after {self.layer_windows}"
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -215,7 +235,28 @@ def fallback_model(hf: Any, max_len: int) -> TransformersModel:
     why = check_exact(model, reference)
     if why is not None:
         raise ValueError(why)
+    why = check_windows(model, hf.config.get_text_config())
+    if why is not None:
+        raise ValueError(why)
     return model
+
+
+def check_windows(model: TransformersModel, cfg: Any) -> str | None:
+    """Why the windows the attention modules passed (model.layer_windows) are not the mask's, or None: each
+    layer the config's mask windows (spec.sliding_windows, as transformers' create_masks_for_generate reads
+    it) must pass that window. A module may pass a window the generic reading misses (Mistral's code windows
+    every layer and ignores layer_types): its own is what Hugging Face computes."""
+    try:
+        masked = sliding_windows(cfg, "layer_types")
+    except UnsupportedLayers as e:
+        return str(e)
+    for layer, (want, got) in enumerate(zip(masked, model.layer_windows, strict=True)):
+        if want is not None and got != want:
+            return (
+                f"layer {layer}'s mask has a sliding window of {want} tokens but its attention module passes "
+                f"{got!r} to the attention function"
+            )
+    return None
 
 
 @torch.inference_mode()
