@@ -18,8 +18,10 @@ import torch
 
 from tests.tiny_models import build_tiny_checkpoint
 from worker import cli
-from worker.models import loader
-from worker.models.loader import ModelLoadError, check_model_reference, load_model
+from worker.models import resolve
+from worker.models.errors import ModelLoadError
+from worker.models.loader import load_model
+from worker.models.resolve import check_model_reference
 
 DEAD_REDIS = "redis://127.0.0.1:1/0"  # never contacted: the model is refused first
 HF_VARS = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
@@ -210,4 +212,4 @@ def test_the_cli_exits_2_on_a_load_error_and_keeps_a_bug_a_traceback(
 
 
 def test_resolve_checkpoint_passes_a_local_folder_through(tiny: Path) -> None:
-    assert loader.resolve_checkpoint(str(tiny)) == str(tiny)
+    assert resolve.resolve_checkpoint(str(tiny)) == str(tiny)
