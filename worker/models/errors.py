@@ -18,6 +18,11 @@ class ModelLoadError(OSError, ValueError):
     ValueError for an unsupported architecture) still catch them."""
 
 
+class CheckpointError(ModelLoadError):
+    """A checkpoint's files or tensors are not what the model needs, said in one line that names the file
+    and the tensor; `reading` adds the model's name."""
+
+
 def one_line(e: BaseException) -> str:
     """The exception as one line: its type, and its message with the lines joined, cut at 300 chars."""
     text = " ".join(str(e).split())
@@ -39,6 +44,8 @@ def reading(model: str, what: str) -> Iterator[None]:
     """Turn what reading `what` of `model` raises into one ModelLoadError line."""
     try:
         yield
+    except CheckpointError as e:
+        raise ModelLoadError(f"model {model!r}: cannot load {what}: {e}") from e
     except ModelLoadError:
         raise
     except _read_errors() as e:

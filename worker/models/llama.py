@@ -3,19 +3,19 @@ tokens with paged KV.
 
 Fused QKV and gate/up projections; optional QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), QK RMSNorm over
 the whole projections and norms after each sublayer instead of before (OLMo 2), Granite's multipliers.
-Weights are copied from a loaded Hugging Face model, so configs, rope variants and checkpoints
-all come from transformers.
+Configs and rope variants come from transformers; the weights stream from the checkpoint into the
+parameters (load_weights, under Hugging Face's names).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.kernels.backend import Backend, DecodeStack, StackLayer, StackLinear
+from worker.kernels.backend import TORCH_LINEAR, Backend, DecodeStack, StackLayer, StackLinear
 from worker.models.layers import (
     AttentionMetadata,
     KVCache,
@@ -26,9 +26,14 @@ from worker.models.layers import (
     paged_attention,
 )
 from worker.models.spec import DecoderSpec
+from worker.models.weights import Slot, WeightSource, fill
 
 # DecoderSpec, KVCache: where callers have always found them
 __all__ = ["DecoderSpec", "KVCache", "LlamaFamilyModel"]
+
+# Tensors a checkpoint may hold that are not weights: older Llama checkpoints saved the rotary inv_freq
+# buffer, which the rotary table computes from the config (Hugging Face drops them too).
+IGNORED = ("rotary_emb.inv_freq",)
 
 
 class Attention(nn.Module):
@@ -300,35 +305,64 @@ class LlamaFamilyModel(nn.Module):
         logits = self.lm_head(hidden).float()
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
+    @classmethod
+    def empty(
+        cls, spec: DecoderSpec, rotary: RotaryTable, dtype: torch.dtype, device: torch.device
+    ) -> LlamaFamilyModel:
+        """The decoder on `device` with its parameters allocated in `dtype` and not initialised (no random
+        init, no second copy: load_weights fills them), and `rotary`, which keeps its own dtype."""
+        with torch.device("meta"):
+            model = cls(spec, RotaryTable(torch.ones(1), 1.0, 1))
+        model = model.to(dtype).to_empty(device=device)
+        model.rotary = rotary
+        return model
+
     @torch.no_grad()
-    def load_hf_state(self, sd: dict[str, Tensor]) -> None:
-        """Copy a Hugging Face Llama-family state dict, fusing q/k/v and gate/up (Phi-3's come fused).
+    def load_weights(
+        self, weights: Iterable[tuple[str, Tensor | WeightSource]], where: str = "the state dict"
+    ) -> None:
+        """Fill every parameter from tensors under Hugging Face's names, in any order, each exactly once:
+        q/k/v and gate/up into their rows of the fused projections (or whole, where the checkpoint has them
+        fused, as Phi-3's), a tied table under either of its names. Granite's residual multiplier is folded
+        into o_proj and down_proj (weights and biases), the last ops of the two sublayers, so that the decode
+        stack runs Granite as it runs Llama. A missing, unexpected, misshapen or doubled tensor raises
+        CheckpointError naming it and its file (`where`: what should have held a missing one)."""
+        fill(self._weight_slots(), ((n, w) for n, w in weights if not n.endswith(IGNORED)), where)
 
-        Granite's residual multiplier is folded into o_proj and down_proj (weights and biases), the last
-        ops of the two sublayers, so that the decode stack runs Granite as it runs Llama."""
-        self.norm.weight.copy_(sd["model.norm.weight"])
-        if self.embed_tokens is None:
-            self.lm_head.load(sd["model.embed_tokens.weight"])
+    def _weight_slots(self) -> dict[str, Slot]:
+        """Hugging Face's name of every tensor the decoder takes -> where it goes."""
+        slots: dict[str, Slot] = {}
+
+        def whole(name: str, param: str, t: Tensor, scale: float = 1.0) -> None:
+            slots[name] = Slot(param, t, 0, t.shape[0], scale)
+
+        def fused(prefix: str, fused_name: str, lin: Linear, parts: list[tuple[str, int]]) -> None:
+            # the parts' rows of the fused weight (and bias) first, then the fused name, which fills it whole
+            for suffix, t in (("weight", lin.weight), ("bias", lin.bias)):
+                if t is None:
+                    continue
+                start = 0
+                for part, rows in parts:
+                    slots[f"{prefix}{part}.{suffix}"] = Slot(
+                        f"{prefix}{fused_name}.{suffix}", t, start, start + rows
+                    )
+                    start += rows
+                whole(f"{prefix}{fused_name}.{suffix}", f"{prefix}{fused_name}.{suffix}", t)
+
+        def linear(name: str, lin: Linear, scale: float = 1.0) -> None:
+            whole(name + ".weight", name + ".weight", lin.weight, scale)
+            if lin.bias is not None:
+                whole(name + ".bias", name + ".bias", lin.bias, scale)
+
+        assert self.lm_head.method is TORCH_LINEAR, "weights load before use_backend packs them"
+        whole("model.norm.weight", "model.norm.weight", self.norm.weight)
+        if self.embed_tokens is None:  # tied: one table, which the checkpoint may give under either name
+            whole("model.embed_tokens.weight", "lm_head.weight", self.lm_head.weight)
+            whole("lm_head.weight", "lm_head.weight", self.lm_head.weight)
         else:
-            self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
-            self.lm_head.load(sd["lm_head.weight"])
+            whole("model.embed_tokens.weight", "model.embed_tokens.weight", self.embed_tokens.weight)
+            linear("lm_head", self.lm_head)
         r = self.spec.residual_multiplier
-
-        def weights(names: list[str]) -> Tensor:
-            return torch.cat([sd[n + ".weight"] for n in names])
-
-        def biases(names: list[str]) -> Tensor | None:  # None where the checkpoint has none, as sd.get
-            return torch.cat([sd[n + ".bias"] for n in names]) if names[0] + ".bias" in sd else None
-
-        def fused(name: str, parts: list[str]) -> tuple[Tensor, Tensor | None]:
-            if name + ".weight" in sd:  # fused in the checkpoint (Phi-3)
-                return sd[name + ".weight"], sd.get(name + ".bias")
-            return weights(parts), biases(parts)
-
-        def residual(name: str) -> tuple[Tensor, Tensor | None]:
-            w, b = sd[name + ".weight"], sd.get(name + ".bias")
-            return (w, b) if r == 1.0 else (w * r, None if b is None else b * r)
-
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
@@ -338,10 +372,15 @@ class LlamaFamilyModel(nn.Module):
                      ("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]  # fmt: skip
             for name, norm in norms:
                 if norm is not None:
-                    norm.weight.copy_(sd[p + name + ".weight"])
-            attn.qkv_proj.load(*fused(p + "self_attn.qkv_proj", [f"{p}self_attn.{n}_proj" for n in "qkv"]))
-            attn.o_proj.load(*residual(p + "self_attn.o_proj"))
-            mlp.gate_up_proj.load(
-                *fused(p + "mlp.gate_up_proj", [f"{p}mlp.{n}_proj" for n in ("gate", "up")])
+                    whole(f"{p}{name}.weight", f"{p}{name}.weight", norm.weight)
+            qkv = [("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)]
+            fused(p + "self_attn.", "qkv_proj", attn.qkv_proj, qkv)
+            linear(p + "self_attn.o_proj", attn.o_proj, r)
+            fused(
+                p + "mlp.",
+                "gate_up_proj",
+                mlp.gate_up_proj,
+                [("gate_proj", mlp.inter), ("up_proj", mlp.inter)],
             )
-            mlp.down_proj.load(*residual(p + "mlp.down_proj"))
+            linear(p + "mlp.down_proj", mlp.down_proj, r)
+        return slots

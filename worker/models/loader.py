@@ -1,5 +1,7 @@
-"""Model loading: a resolved checkpoint (resolve.py) loaded with transformers, our decoder built from it
-(families.py says which path runs it).
+"""Model loading: a resolved checkpoint (resolve.py) on the path families.py picks. The native path builds
+our decoder empty on the target device and streams the checkpoint's tensors into it (weights.py); no
+Hugging Face model is built. The transformers fallback loads Hugging Face's model, whose modules it runs.
+Config, tokenizer and generation config come from transformers either way.
 
 A checkpoint that cannot be read raises ModelLoadError with one line that says what was tried. torch and the
 decoder are imported where they are used: `worker` imports this module's neighbours before torch.
@@ -7,18 +9,29 @@ decoder are imported where they are used: `worker` imports this module's neighbo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from worker.models.errors import ModelLoadError, reading
-from worker.models.families import SUPPORTED, check_architecture, check_causal_lm, implementation
-from worker.models.resolve import resolve_checkpoint
+from worker.models.families import (
+    SUPPORTED,
+    causal_lm_class,
+    check_architecture,
+    check_causal_lm,
+    implementation,
+)
+from worker.models.resolve import resolve_checkpoint, weights_folder
 
 if TYPE_CHECKING:
     import torch
 
+    from worker.models.layers import RotaryTable
     from worker.models.llama import LlamaFamilyModel
+    from worker.models.spec import DecoderSpec
     from worker.models.transformers_model import TransformersModel
 
 log = logging.getLogger(__name__)
@@ -88,7 +101,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     """Load `model` (see check_model_reference for what it may name) on the path `implementation` picks
     (model_impl: auto | native | transformers). A reference or checkpoint that cannot be loaded, or a model
     neither path runs exactly, raises ModelLoadError."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     ckpt = resolve_checkpoint(model)
     with reading(model, "its config.json"):
@@ -107,29 +120,17 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
         check_causal_lm(model, hf_config)
     with reading(model, "its tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    # Load straight in the serving dtype: peak memory is then about two copies of the weights in that
-    # dtype (HF's and ours), not two float32 copies.
-    with reading(model, "its weights"):
-        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
     try:
         gen_config = GenerationConfig.from_pretrained(ckpt)
-    except OSError:
-        gen_config = hf.generation_config
+    except OSError:  # no generation_config.json: what transformers derives from the config
+        gen_config = GenerationConfig.from_model_config(hf_config)
     max_len = context_length(hf_config)
     ours: LlamaFamilyModel | TransformersModel
     if path == "native":
-        ours = _native(hf, str(model_type), max_len, dtype, device)
+        with reading(model, "its weights"):
+            ours = _native(model, weights_folder(ckpt), hf_config, max_len, dtype, device)
     else:
-        from worker.models.transformers_model import fallback_model
-
-        moved: Any = hf.to(device)  # type: ignore[arg-type]  # transformers' stub for .to() takes a model
-        try:
-            ours = fallback_model(moved.eval(), max_len)
-        except ValueError as e:
-            raise ModelLoadError(
-                f"model {model!r}: the transformers fallback cannot run it exactly: {e}"
-            ) from None
-        log.info("transformers fallback: %s", model_type)
+        ours = _fallback(model, ckpt, max_len, dtype, device)
     return LoadedModel(
         name=model,
         model=ours,
@@ -142,18 +143,46 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     )
 
 
-def _native(
-    hf: Any, model_type: str, max_len: int, dtype: torch.dtype, device: torch.device
-) -> LlamaFamilyModel:
-    """Our decoder with `hf`'s weights (`hf` is left to be freed)."""
-    import torch
+def _fallback(
+    model: str, ckpt: str, max_len: int, dtype: torch.dtype, device: torch.device
+) -> TransformersModel:
+    """The transformers fallback runs Hugging Face's own modules, so it loads Hugging Face's model."""
+    from transformers import AutoModelForCausalLM
 
-    from worker.models.layers import RotaryTable
+    from worker.models.transformers_model import fallback_model
+
+    with reading(model, "its weights"):
+        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+    moved: Any = hf.to(device)  # type: ignore[arg-type]  # transformers' stub for .to() takes a model
+    try:
+        ours = fallback_model(moved.eval(), max_len)
+    except ValueError as e:
+        raise ModelLoadError(
+            f"model {model!r}: the transformers fallback cannot run it exactly: {e}"
+        ) from None
+    log.info("transformers fallback: %s", hf.config.model_type)
+    return ours
+
+
+def _native(
+    model: str, folder: Path, hf_config: Any, max_len: int, dtype: torch.dtype, device: torch.device
+) -> LlamaFamilyModel:
+    """Our decoder, built empty on `device` in `dtype`, its weights streamed from the checkpoint's files
+    (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most)."""
     from worker.models.llama import LlamaFamilyModel
+    from worker.models.weights import Checkpoint
+
+    with Checkpoint(folder) as checkpoint:
+        spec = _spec(hf_config, checkpoint.names)
+        ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
+        ours.load_weights(checkpoint.tensors(), checkpoint.where)
+    return ours.eval()
+
+
+def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
     from worker.models.spec import DecoderSpec
 
-    hf_config = hf.config
-    family = SUPPORTED[model_type]
+    family = SUPPORTED[str(hf_config.model_type)]
     attn_bias = bool(getattr(hf_config, "attention_bias", False))
     spec = DecoderSpec.from_hf_config(
         hf_config,
@@ -163,11 +192,28 @@ def _native(
         qk_norm_over_projection=family.qk_norm == "projection",
         post_norms=family.post_norms,
     )
-    # A fresh HF rotary module computes inv_freq in float32 for whatever rope type the config names,
-    # whatever dtype the weights were loaded in.
-    rotary_hf = type(hf.model.rotary_emb)(config=hf.config)
+    if spec.tie_embeddings and {"lm_head.weight", "model.embed_tokens.weight"} <= names:
+        # Both tables in a checkpoint whose config ties them (every pytorch_model.bin holds both): Hugging
+        # Face ties them only where they are equal, so two tables serve either case exactly.
+        log.info("tied embeddings, but the checkpoint holds lm_head.weight too: loading both tables")
+        spec = dataclasses.replace(spec, tie_embeddings=False)
+    return spec
+
+
+def _rotary(model: str, hf_config: Any, max_len: int, device: torch.device) -> RotaryTable:
+    """The cos/sin table, from a fresh Hugging Face rotary module of the model's own class: it computes
+    inv_freq in float32 for whatever rope type the config names, without any weights."""
+    import torch
+
+    from worker.models.layers import RotaryTable
+
+    cls = causal_lm_class(model, hf_config)
+    rotary_cls = getattr(
+        sys.modules[cls.__module__], cls.__name__.removesuffix("ForCausalLM") + "RotaryEmbedding"
+    )
+    rotary_hf = rotary_cls(config=hf_config)
     inv_freq = rotary_hf.inv_freq.to(device)
-    long_rope = _long_rope(hf.config, device)
+    long_rope = _long_rope(hf_config, device)
     if long_rope is not None and max_len > long_rope[1]:
         log.warning(
             "LongRoPE: exact for sequences of up to %d tokens; a longer one keeps the short factors' rotation "
@@ -175,9 +221,5 @@ def _native(
             "%d serves only exact ones)",
             long_rope[1], long_rope[1], long_rope[1],
         )  # fmt: skip
-    with torch.device(device):
-        ours = LlamaFamilyModel(spec, RotaryTable(inv_freq, 1.0, 1)).to(dtype)
-        # Attached after the dtype cast: the cos/sin table stays float32 (exact), cast per step.
-        ours.rotary = RotaryTable(inv_freq, float(rotary_hf.attention_scaling), max_len, long_rope)
-    ours.load_hf_state(hf.state_dict())
-    return ours.eval()
+    with torch.device(device):  # float32 (exact), cast per step
+        return RotaryTable(inv_freq, float(rotary_hf.attention_scaling), max_len, long_rope)

@@ -229,3 +229,50 @@ def resolve_checkpoint(model: str) -> str:
     if path.is_dir():
         return str(path)
     return model
+
+
+def weights_folder(ckpt: str) -> Path:
+    """The local folder of `ckpt`'s weight files (ckpt as resolve_checkpoint returns it): a checkpoint folder
+    itself; for a hub id its snapshot in the Hugging Face cache, the weight files it lacks downloaded."""
+    path = Path(ckpt)
+    if path.is_dir():
+        return path
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    from worker.models.checkpoint import WEIGHT_FILES  # torch: only where a model loads
+
+    uncached = False
+    for name in WEIGHT_FILES:
+        try:
+            with _quiet("huggingface_hub"):
+                local = Path(hf_hub_download(ckpt, name))
+                if name.endswith(".index.json"):
+                    with reading(ckpt, name):
+                        shards = set(json.loads(local.read_text(encoding="utf-8"))["weight_map"].values())
+                    for shard in sorted(shards):
+                        hf_hub_download(ckpt, shard)
+            return local.parent
+        except LocalEntryNotFoundError:  # not cached, and not downloadable now (offline)
+            uncached = True
+        except EntryNotFoundError:  # the repository has no such file
+            continue
+        except (KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"model {ckpt!r}: its {name} has no weight_map of names to files") from None
+        except OSError as e:
+            raise ModelLoadError(
+                f"model {ckpt!r}: cannot fetch its {name} from the hub: {one_line(e)}"
+            ) from None
+    if uncached:
+        offline = (
+            "HF_HUB_OFFLINE=1 forbids downloading them"
+            if constants.HF_HUB_OFFLINE
+            else "the hub is out of reach"
+        )
+        raise ModelLoadError(
+            f"model {ckpt!r}: its weights are not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"{offline}; pre-fetch them with `hf download {ckpt}`"
+        )
+    raise ModelLoadError(
+        f"model {ckpt!r}: the hub repository holds no weights (none of {', '.join(WEIGHT_FILES)})"
+    )
