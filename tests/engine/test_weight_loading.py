@@ -18,6 +18,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from tests.tiny_models import build_tiny_checkpoint
+from worker.models import weights
 from worker.models.layers import RotaryTable
 from worker.models.llama import LlamaFamilyModel
 from worker.models.loader import _long_rope, load_model
@@ -144,10 +145,10 @@ def test_a_bfloat16_checkpoint_served_in_float32_and_back(tmp_path: Path) -> Non
     assert_same_as_former_path(f32, torch.bfloat16)  # rounded as Hugging Face rounds
 
 
-def to_bin(folder: Path, parts: int) -> None:
+def to_bin(folder: Path, parts: int, dtype: torch.dtype | None = None) -> None:
     """Rewrite the checkpoint as pytorch_model.bin (parts > 1: shards with an index), tied tables included
-    under both names, as torch.save writes a tied model's state dict."""
-    sd = load_file(folder / "model.safetensors")
+    under both names, as torch.save writes a tied model's state dict; optionally in another dtype."""
+    sd = {n: t if dtype is None else t.to(dtype) for n, t in load_file(folder / "model.safetensors").items()}
     (folder / "model.safetensors").unlink()
     cfg = json.loads((folder / "config.json").read_text())
     if cfg.get("tie_word_embeddings"):
@@ -173,3 +174,68 @@ def test_pytorch_model_bin_loads_as_the_former_path(parts: int, tmp_path: Path) 
     ours = assert_same_as_former_path(folder, torch.float32)
     # both tables in the file: loaded as two (Hugging Face ties them only where they are equal)
     assert not ours.spec.tie_embeddings
+
+
+@pytest.mark.parametrize("disk", [torch.float32, torch.bfloat16])
+def test_tensors_read_in_chunks_on_several_threads_load_as_the_former_path(
+    disk: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks of a few KB split every tiny tensor into many preads across the reading threads, as a large
+    # model's tensors are split; a float32 file is read straight into the parameters, a bfloat16 one
+    # through the threads' staging buffers.
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(weights, "STAGE_BYTES", 3 * 1024)
+    folder = build_tiny_checkpoint(tmp_path, "granite", **GRANITE, attention_bias=True)
+    reshard(folder, 2, disk)
+    assert_same_as_former_path(folder, torch.float32)
+
+
+RSS_CHILD = """
+import gc, json, re, sys
+from pathlib import Path
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # imported before the peak is reset
+import transformers.models.llama.modeling_llama
+from worker.models.loader import load_model
+
+def status():
+    text = Path("/proc/self/status").read_text()
+    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmHWM|VmRSS):\\s+(\\d+) kB", text, re.M)}
+
+out = []
+for dtype in (torch.bfloat16, torch.float32):
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+    before = status()
+    model = load_model(sys.argv[1], dtype, torch.device("cpu")).model
+    after = status()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    out.append({"above": after["VmHWM"] - before["VmRSS"] - weights})
+    del model
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_loading_holds_the_weights_and_less_than_a_tensor_more(fmt: str, tmp_path: Path) -> None:
+    """Peak RSS of a load (its own: the child resets the peak first) above the final weights stays within
+    the largest tensor + 10%: a whole shard mapped and copied out, or Hugging Face's copy beside ours,
+    would add the checkpoint's size, three times the largest tensor here."""
+    import subprocess
+    import sys
+
+    vocab, hidden = 131072, 256  # the two tables: 64 MiB each in bfloat16, 128 MiB served in float32
+    folder = build_tiny_checkpoint(tmp_path, "llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=512,
+                                   num_attention_heads=4, num_hidden_layers=2)  # fmt: skip
+    if fmt == "bin":
+        to_bin(folder, 1, torch.bfloat16)
+    else:
+        reshard(folder, 1, torch.bfloat16)
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", RSS_CHILD, str(folder)], cwd=root, capture_output=True,
+                         text=True, check=True, timeout=300)  # fmt: skip
+    bf16, f32 = json.loads(run.stdout.splitlines()[-1])
+    largest = vocab * hidden * 2
+    assert bf16["above"] <= 1.1 * largest, bf16  # straight into the parameters, or a mapped chunk at a time
+    assert f32["above"] <= 1.1 * 2 * largest, f32  # widened through the staging buffers, or chunk by chunk

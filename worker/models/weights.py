@@ -8,16 +8,17 @@ parameter was filled exactly once. Every fault raises CheckpointError, one line 
 
 Why reads rather than a mapping: the pages of a mapped file that a process touches count in its RSS
 (RssFile) until they are unmapped, so copying a mapped shard out puts the whole shard in RSS beside the
-weights. A safetensors tensor is read with pread from the offsets of its file's header: on the CPU, in the
-file's dtype, straight into the destination's memory; otherwise (another dtype, or a GPU) in chunks of at
-most STAGE_BYTES through a staging buffer, converted and copied to the device as they arrive. Loading then
-holds the final weights plus at most one staging buffer (two on a GPU, one filling while one is copied).
-The file's pages stay in the page cache, which the kernel reclaims as it needs; they are not the process's.
+weights. A safetensors tensor is read with pread from the offsets of its file's header, in chunks that
+READ_THREADS threads read at once: on the CPU, in the file's dtype, straight into the destination's memory;
+otherwise (another dtype, or a GPU) through each thread's staging buffer of STAGE_BYTES, converted and
+copied to the device as they arrive. Loading then holds the final weights plus READ_THREADS staging
+buffers at most (64 MiB: less than the largest tensor of any model of a billion parameters or more). The
+file's pages stay in the page cache, which the kernel reclaims as it needs; they are not the process's.
 
 pytorch_model.bin has no header to read offsets from: its shards are mapped by torch.load(mmap=True), and
-once a tensor is copied, the pages wholly within its bytes are handed back (madvise MADV_DONTNEED: clean
-pages of a private file mapping, read again from the file if anything touches them), so it stays within
-about one tensor above the weights too.
+a tensor is copied in chunks of STAGE_BYTES, each chunk's pages handed back once it is copied (madvise
+MADV_DONTNEED on the pages wholly within it: clean pages of a private file mapping, read again from the
+file if anything touches them), so the mapping adds a chunk to the RSS, not the shard.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,7 +40,11 @@ from torch import Tensor
 from worker.models.checkpoint import TensorEntry, list_tensors, map_bin
 from worker.models.errors import CheckpointError
 
-STAGE_BYTES = 32 << 20  # one staging buffer: conversions and device copies go through it in chunks
+# Preads in flight: the page faults of fresh parameter memory and the copy out of the page cache run on
+# several cores, and the disk sees more than one request at a time.
+READ_THREADS = 4
+CHUNK_BYTES = 64 << 20  # one pread of a tensor read straight into its parameter
+STAGE_BYTES = 16 << 20  # one thread's staging buffer: conversions and device copies go through it in chunks
 _READ_MAX = 1 << 30  # bytes per pread call (Linux returns at most about 2 GiB from one)
 
 
@@ -82,6 +89,7 @@ class Checkpoint:
         self.where, self.entries = list_tensors(folder)
         self._fd: tuple[Path, int] | None = None
         self._shard: tuple[Path, dict[str, Tensor]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._stage = _Stage()
 
     @property
@@ -107,28 +115,42 @@ class Checkpoint:
     def _read_safetensors(self, e: TensorEntry, dest: Tensor) -> None:
         fd = self._open(e.file)
         flat = dest.detach().view(-1)
-        if dest.device.type == "cpu" and dest.dtype == e.dtype:
-            _pread_into(fd, e, e.offset, _bytes_of(flat))
-            return
+        direct = dest.device.type == "cpu" and dest.dtype == e.dtype
         size = e.dtype.itemsize
-        per_chunk = STAGE_BYTES // size
-        for start in range(0, flat.numel(), per_chunk):
-            count = min(per_chunk, flat.numel() - start)
-            buf = self._stage.take(count * size, dest.device)
-            _pread_into(fd, e, e.offset + start * size, _bytes_of(buf))
-            if dest.dtype == e.dtype:  # a device copy of the bytes as they are
-                flat.view(torch.uint8)[start * size : (start + count) * size].copy_(buf, non_blocking=True)
+        per = (CHUNK_BYTES if direct else STAGE_BYTES) // size
+        chunks = [(start, min(per, flat.numel() - start)) for start in range(0, flat.numel(), per)]
+
+        def read(chunk: tuple[int, int]) -> None:
+            start, count = chunk
+            part = flat[start : start + count]
+            if direct:
+                _pread_into(fd, e, e.offset + start * size, _bytes_of(part))
             else:
-                flat[start : start + count].copy_(buf.view(e.dtype), non_blocking=True)
-            self._stage.copied(dest.device)
+                self._stage.read(fd, e, e.offset + start * size, part)
+
+        if len(chunks) == 1 and direct:
+            read(chunks[0])
+        else:  # staged reads only on the pool's threads: READ_THREADS staging buffers in all
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="batchq-read")
+            list(self._pool.map(read, chunks))  # raises the first chunk's error
+        if dest.device.type == "cuda":  # the tensor is whole when this returns, whatever stream reads it
+            torch.cuda.synchronize(dest.device)
 
     def _read_bin(self, e: TensorEntry, dest: Tensor) -> None:
         if self._shard is None or self._shard[0] != e.file:
             self._shard = None  # the last shard's mapping goes before the next is mapped
             self._shard = (e.file, map_bin(e.file))
         t = self._shard[1][e.name]
-        dest.copy_(t)
-        _release_pages(t)
+        if not t.is_contiguous():
+            dest.copy_(t)
+            _release_pages(t)
+            return
+        src, flat = t.view(-1), dest.detach().view(-1)
+        per = STAGE_BYTES // t.element_size()
+        for start in range(0, flat.numel(), per):  # in chunks: a chunk's pages are mapped while it is copied
+            flat[start : start + per].copy_(src[start : start + per])
+            _release_pages(src[start : start + per])
 
     def _open(self, file: Path) -> int:
         if self._fd is None or self._fd[0] != file:
@@ -145,7 +167,9 @@ class Checkpoint:
             self._fd = None
 
     def close(self) -> None:
-        self._stage.finish()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self._close_fd()
         self._shard = None
 
@@ -173,39 +197,31 @@ class _Source:
         self.checkpoint.read_into(self.entry, dest)
 
 
-class _Stage:
-    """Host staging buffers of STAGE_BYTES: one on the CPU; on a GPU two pinned ones, so the next chunk is
-    read while the last is copied (each waits for its previous copy before it is refilled)."""
+class _Stage(threading.local):
+    """Each reading thread's staging buffer of STAGE_BYTES, pinned for a GPU. A thread refills it only once
+    the device has copied it out (its event), while the other threads' buffers keep the disk busy."""
 
     def __init__(self) -> None:
-        self.buffers: list[Tensor] = []
-        self.events: list[Any] = []
-        self.next = 0
+        self.buffer: Tensor | None = None
+        self.event: Any = None
 
-    def take(self, nbytes: int, device: torch.device) -> Tensor:
-        cuda = device.type == "cuda"
-        if not self.buffers:
-            for _ in range(2 if cuda else 1):
-                self.buffers.append(torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=cuda))
-                self.events.append(None)
-        i = self.next % len(self.buffers)
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-            self.events[i] = None
-        return self.buffers[i][:nbytes]
-
-    def copied(self, device: torch.device) -> None:
-        i = self.next % len(self.buffers)
-        if device.type == "cuda":
-            self.events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self.events[i].record()
-        self.next += 1
-
-    def finish(self) -> None:
-        for ev in self.events:
-            if ev is not None:
-                ev.synchronize()
-        self.buffers, self.events = [], []
+    def read(self, fd: int, e: TensorEntry, offset: int, dest: Tensor) -> None:
+        # dest: [n] of the destination (any dtype, any device) <- n values of e.dtype at `offset`
+        cuda = dest.device.type == "cuda"
+        if self.buffer is None or self.buffer.is_pinned() != cuda:
+            self.buffer = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=cuda)
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        buf = self.buffer[: dest.numel() * e.dtype.itemsize]
+        _pread_into(fd, e, offset, _bytes_of(buf))
+        if dest.dtype == e.dtype:  # the bytes as they are, to the device
+            dest.view(torch.uint8).copy_(buf, non_blocking=cuda)
+        else:
+            dest.copy_(buf.view(e.dtype), non_blocking=cuda)
+        if cuda:
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.event.record()
 
 
 def _bytes_of(t: Tensor) -> memoryview:
