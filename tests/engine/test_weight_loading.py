@@ -183,8 +183,7 @@ def test_tensors_read_in_chunks_on_several_threads_load_as_the_former_path(
     # Chunks of a few KB split every tiny tensor into many preads across the reading threads, as a large
     # model's tensors are split; a float32 file is read straight into the parameters, a bfloat16 one
     # through the threads' staging buffers.
-    monkeypatch.setattr(weights, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(weights, "STAGE_BYTES", 3 * 1024)
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 3 * 1024)
     folder = build_tiny_checkpoint(tmp_path, "granite", **GRANITE, attention_bias=True)
     reshard(folder, 2, disk)
     assert_same_as_former_path(folder, torch.float32)

@@ -10,13 +10,13 @@ Why reads rather than a mapping: the pages of a mapped file that a process touch
 (RssFile) until they are unmapped, so copying a mapped shard out puts the whole shard in RSS beside the
 weights. A safetensors tensor is read with pread from the offsets of its file's header, in chunks that
 READ_THREADS threads read at once: on the CPU, in the file's dtype, straight into the destination's memory;
-otherwise (another dtype, or a GPU) through each thread's staging buffer of STAGE_BYTES, converted and
+otherwise (another dtype, or a GPU) through each thread's staging buffer of CHUNK_BYTES, converted and
 copied to the device as they arrive. Loading then holds the final weights plus READ_THREADS staging
 buffers at most (64 MiB: less than the largest tensor of any model of a billion parameters or more). The
 file's pages stay in the page cache, which the kernel reclaims as it needs; they are not the process's.
 
 pytorch_model.bin has no header to read offsets from: its shards are mapped by torch.load(mmap=True), and
-a tensor is copied in chunks of STAGE_BYTES, each chunk's pages handed back once it is copied (madvise
+a tensor is copied in chunks of CHUNK_BYTES, each chunk's pages handed back once it is copied (madvise
 MADV_DONTNEED on the pages wholly within it: clean pages of a private file mapping, read again from the
 file if anything touches them), so the mapping adds a chunk to the RSS, not the shard.
 """
@@ -43,8 +43,7 @@ from worker.models.errors import CheckpointError
 # Preads in flight: the page faults of fresh parameter memory and the copy out of the page cache run on
 # several cores, and the disk sees more than one request at a time.
 READ_THREADS = 4
-CHUNK_BYTES = 64 << 20  # one pread of a tensor read straight into its parameter
-STAGE_BYTES = 16 << 20  # one thread's staging buffer: conversions and device copies go through it in chunks
+CHUNK_BYTES = 16 << 20  # one pread, and a reading thread's staging buffer (conversions, device copies)
 _READ_MAX = 1 << 30  # bytes per pread call (Linux returns at most about 2 GiB from one)
 
 
@@ -117,7 +116,7 @@ class Checkpoint:
         flat = dest.detach().view(-1)
         direct = dest.device.type == "cpu" and dest.dtype == e.dtype
         size = e.dtype.itemsize
-        per = (CHUNK_BYTES if direct else STAGE_BYTES) // size
+        per = CHUNK_BYTES // size
         chunks = [(start, min(per, flat.numel() - start)) for start in range(0, flat.numel(), per)]
 
         def read(chunk: tuple[int, int]) -> None:
@@ -147,7 +146,7 @@ class Checkpoint:
             _release_pages(t)
             return
         src, flat = t.view(-1), dest.detach().view(-1)
-        per = STAGE_BYTES // t.element_size()
+        per = CHUNK_BYTES // t.element_size()
         for start in range(0, flat.numel(), per):  # in chunks: a chunk's pages are mapped while it is copied
             flat[start : start + per].copy_(src[start : start + per])
             _release_pages(src[start : start + per])
@@ -198,7 +197,7 @@ class _Source:
 
 
 class _Stage(threading.local):
-    """Each reading thread's staging buffer of STAGE_BYTES, pinned for a GPU. A thread refills it only once
+    """Each reading thread's staging buffer of CHUNK_BYTES, pinned for a GPU. A thread refills it only once
     the device has copied it out (its event), while the other threads' buffers keep the disk busy."""
 
     def __init__(self) -> None:
@@ -209,7 +208,7 @@ class _Stage(threading.local):
         # dest: [n] of the destination (any dtype, any device) <- n values of e.dtype at `offset`
         cuda = dest.device.type == "cuda"
         if self.buffer is None or self.buffer.is_pinned() != cuda:
-            self.buffer = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=cuda)
+            self.buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=cuda)
         if self.event is not None:
             self.event.synchronize()
             self.event = None
