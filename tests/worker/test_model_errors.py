@@ -315,3 +315,39 @@ def test_a_legacy_pytorch_model_bin_is_refused_in_one_line(tmp_path: Path, tiny:
         f"model {str(folder)!r}: cannot load its weights: {folder / 'pytorch_model.bin'}: cannot map it"
     )
     assert str(e.value).endswith("a checkpoint in torch.save's legacy format: convert it to safetensors")
+
+
+def test_a_hub_id_in_the_cache_loads_its_weights_from_the_snapshot(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny: Path
+) -> None:
+    from huggingface_hub import constants
+    from safetensors.torch import load_file, save_file
+
+    snapshot = tmp_path / "models--someorg--tiny" / "snapshots" / ("0" * 40)
+    snapshot.parent.mkdir(parents=True)
+    copy_of(tiny, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    sd = load_file(snapshot / "model.safetensors")  # sharded, so the index's shards are found too
+    (snapshot / "model.safetensors").unlink()
+    names = sorted(sd)
+    save_file({n: sd[n] for n in names[::2]}, snapshot / "a.safetensors")
+    save_file({n: sd[n] for n in names[1::2]}, snapshot / "b.safetensors")
+    weight_map = {n: "a.safetensors" if i % 2 == 0 else "b.safetensors" for i, n in enumerate(names)}
+    (snapshot / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve.weights_folder("someorg/tiny") == snapshot
+    loaded = load_model("someorg/tiny", torch.float32, torch.device("cpu"))
+    ours = dict(loaded.model.named_parameters())
+    assert torch.equal(ours["norm.weight"], sd["model.norm.weight"])
+    (snapshot / "b.safetensors").unlink()  # a shard the cache lacks, with no hub to fetch it from
+    with pytest.raises(ModelLoadError) as e:
+        resolve.weights_folder("someorg/tiny")
+    assert str(e.value) == (
+        f"model 'someorg/tiny': its weights are not in the local Hugging Face cache ({tmp_path}) and "
+        "HF_HUB_OFFLINE=1 forbids downloading them; pre-fetch them with `hf download someorg/tiny`"
+    )
