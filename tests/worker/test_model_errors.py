@@ -248,13 +248,13 @@ TENSOR_FAULTS: dict[str, tuple[Callable[[dict[str, torch.Tensor]], None], str]] 
     ),
     "wrong-shape": (
         lambda sd: sd.update({f"{L0}mlp.up_proj.weight": sd[f"{L0}mlp.up_proj.weight"][:100].clone()}),
-        f"tensor '{L0}mlp.up_proj.weight' in {{file}}: shape [100, 64], expected [128, 64] (for "
-        f"{L0}mlp.gate_up_proj.weight rows 128:256)",
+        f"tensor '{L0}mlp.up_proj.weight' in {{file}}: shape [100, 64], expected [128, 64] (for rows 128:256 "
+        "of the decoder's layers.0.mlp.gate_up_proj.weight)",
     ),
     "fused-and-split": (
         lambda sd: sd.update({f"{L0}mlp.gate_up_proj.weight": torch.zeros(256, 64)}),
-        f"tensor '{L0}mlp.gate_up_proj.weight' in {{file}}: {L0}mlp.gate_up_proj.weight holds "
-        f"'{L0}mlp.gate_proj.weight' already",
+        f"tensor '{L0}mlp.gate_up_proj.weight' in {{file}}: overlaps '{L0}mlp.gate_proj.weight' in the decoder's "
+        "layers.0.mlp.gate_up_proj.weight",
     ),
     "quantised": (
         lambda sd: sd.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}),

@@ -330,57 +330,24 @@ class LlamaFamilyModel(nn.Module):
         fill(self._weight_slots(), ((n, w) for n, w in weights if not n.endswith(IGNORED)), where)
 
     def _weight_slots(self) -> dict[str, Slot]:
-        """Hugging Face's name of every tensor the decoder takes -> where it goes."""
-        slots: dict[str, Slot] = {}
-
-        def whole(name: str, param: str, t: Tensor, scale: float = 1.0) -> None:
-            slots[name] = Slot(param, t, 0, t.shape[0], scale)
-
-        def fused(prefix: str, fused_name: str, lin: Linear, parts: list[tuple[str, int]]) -> None:
-            # the parts' rows of the fused weight (and bias) first, then the fused name, which fills it whole
-            for suffix, t in (("weight", lin.weight), ("bias", lin.bias)):
-                if t is None:
-                    continue
-                start = 0
-                for part, rows in parts:
-                    slots[f"{prefix}{part}.{suffix}"] = Slot(
-                        f"{prefix}{fused_name}.{suffix}", t, start, start + rows
-                    )
-                    start += rows
-                whole(f"{prefix}{fused_name}.{suffix}", f"{prefix}{fused_name}.{suffix}", t)
-
-        def linear(name: str, lin: Linear, scale: float = 1.0) -> None:
-            whole(name + ".weight", name + ".weight", lin.weight, scale)
-            if lin.bias is not None:
-                whole(name + ".bias", name + ".bias", lin.bias, scale)
-
+        """Hugging Face's name of every tensor the decoder takes -> where it goes. Our parameters carry
+        Hugging Face's names less its "model." prefix; a fused projection also takes its parts' rows, and a
+        tied table its embed_tokens name."""
         assert self.lm_head.method is TORCH_LINEAR, "weights load before use_backend packs them"
-        whole("model.norm.weight", "model.norm.weight", self.norm.weight)
+        s, r = self.spec, self.spec.residual_multiplier
+        kv = s.num_kv_heads * s.head_dim
+        parts = {"qkv_proj": [("q_proj", s.num_heads * s.head_dim), ("k_proj", kv), ("v_proj", kv)],
+                 "gate_up_proj": [("gate_proj", s.intermediate_size), ("up_proj", s.intermediate_size)]}  # fmt: skip
+        slots: dict[str, Slot] = {}
         if self.embed_tokens is None:  # tied: one table, which the checkpoint may give under either name
-            whole("model.embed_tokens.weight", "lm_head.weight", self.lm_head.weight)
-            whole("lm_head.weight", "lm_head.weight", self.lm_head.weight)
-        else:
-            whole("model.embed_tokens.weight", "model.embed_tokens.weight", self.embed_tokens.weight)
-            linear("lm_head", self.lm_head)
-        r = self.spec.residual_multiplier
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)
-            p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = [("input_layernorm", layer.input_layernorm), ("post_attention_layernorm",
-                     layer.post_attention_layernorm), ("post_feedforward_layernorm", layer.post_feedforward_layernorm),
-                     ("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]  # fmt: skip
-            for name, norm in norms:
-                if norm is not None:
-                    whole(f"{p}{name}.weight", f"{p}{name}.weight", norm.weight)
-            qkv = [("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)]
-            fused(p + "self_attn.", "qkv_proj", attn.qkv_proj, qkv)
-            linear(p + "self_attn.o_proj", attn.o_proj, r)
-            fused(
-                p + "mlp.",
-                "gate_up_proj",
-                mlp.gate_up_proj,
-                [("gate_proj", mlp.inter), ("up_proj", mlp.inter)],
-            )
-            linear(p + "mlp.down_proj", mlp.down_proj, r)
+            slots["model.embed_tokens.weight"] = Slot("lm_head.weight", self.lm_head.weight, 0, s.vocab_size)
+        for name, t in self.named_parameters():
+            hf = name if name.startswith("lm_head.") else "model." + name
+            module = name.split(".")[-2]
+            start = 0
+            for part, rows in parts.get(module, []):  # before the fused name: a missing part is named first
+                slots[hf.replace(module, part)] = Slot(name, t, start, start + rows)
+                start += rows
+            scale = r if module in ("o_proj", "down_proj") else 1.0  # Granite's, folded (load_weights)
+            slots[hf] = Slot(name, t, 0, t.shape[0], scale)
         return slots

@@ -95,10 +95,6 @@ class Checkpoint:
     def names(self) -> set[str]:
         return {e.name for e in self.entries}
 
-    @property
-    def largest_bytes(self) -> int:
-        return max((e.nbytes for e in self.entries), default=0)
-
     def tensors(self) -> Iterator[tuple[str, WeightSource]]:
         """Every tensor, in file order (each file read front to back once)."""
         for e in sorted(self.entries, key=lambda e: (str(e.file), e.offset)):
@@ -298,17 +294,17 @@ def fill(slots: dict[str, Slot], weights: Iterable[tuple[str, Tensor | WeightSou
         if slot is None:
             raise CheckpointError(f"tensor {name!r} in {src.where}: the model has no weight of that name")
         want = (slot.stop - slot.start, *slot.tensor.shape[1:])
-        rows = "" if want[0] == slot.tensor.shape[0] else f" rows {slot.start}:{slot.stop}"
+        rows = "" if want[0] == slot.tensor.shape[0] else f"rows {slot.start}:{slot.stop} of "
         if tuple(src.shape) != want:
             raise CheckpointError(
                 f"tensor {name!r} in {src.where}: shape {list(src.shape)}, expected {list(want)} (for "
-                f"{slot.param}{rows})"
+                f"{rows}the decoder's {slot.param})"
             )
         spans = filled[slot.param].spans
         clash = next((n for a, b, n in spans if a < slot.stop and slot.start < b), None)
         if clash is not None:
             raise CheckpointError(
-                f"tensor {name!r} in {src.where}: {slot.param}{rows} holds {clash!r} already"
+                f"tensor {name!r} in {src.where}: overlaps {clash!r} in {rows}the decoder's {slot.param}"
             )
         dest = slot.dest
         src.read_into(dest)
