@@ -84,7 +84,6 @@ class Checkpoint:
     Use as a context manager: the open file (and a .bin shard's mapping) is closed on exit."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = folder
         self.where, self.entries = list_tensors(folder)
         self._fd: tuple[Path, int] | None = None
         self._shard: tuple[Path, dict[str, Tensor]] | None = None
