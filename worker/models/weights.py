@@ -10,8 +10,8 @@ Why reads rather than a mapping: the pages of a mapped file that a process touch
 (RssFile) until they are unmapped, so copying a mapped shard out puts the whole shard in RSS beside the
 weights. A safetensors tensor is read with pread from the offsets of its file's header, in chunks that
 READ_THREADS threads read at once: on the CPU, in the file's dtype, straight into the destination's memory;
-otherwise (another dtype, or a GPU) through each thread's staging buffer of CHUNK_BYTES, converted and
-copied to the device as they arrive. Loading then holds the final weights plus READ_THREADS staging
+otherwise (another dtype, or a GPU) into READ_THREADS staging buffers of CHUNK_BYTES, each converted (or
+copied to the device) as it arrives while the others fill. Loading then holds the final weights plus those
 buffers at most (64 MiB: less than the largest tensor of any model of a billion parameters or more). The
 file's pages stay in the page cache, which the kernel reclaims as it needs; they are not the process's.
 
@@ -27,9 +27,9 @@ import ctypes
 import mmap
 import os
 import sys
-import threading
+from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,7 +88,7 @@ class Checkpoint:
         self._fd: tuple[Path, int] | None = None
         self._shard: tuple[Path, dict[str, Tensor]] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._stage = _Stage()
+        self._buffers: list[Tensor] = []  # the staging buffers of conversions and device copies
 
     @property
     def names(self) -> set[str]:
@@ -109,27 +109,64 @@ class Checkpoint:
     def _read_safetensors(self, e: TensorEntry, dest: Tensor) -> None:
         fd = self._open(e.file)
         flat = dest.detach().view(-1)
-        direct = dest.device.type == "cpu" and dest.dtype == e.dtype
         size = e.dtype.itemsize
         per = CHUNK_BYTES // size
         chunks = [(start, min(per, flat.numel() - start)) for start in range(0, flat.numel(), per)]
+        if dest.device.type != "cpu" or dest.dtype != e.dtype:
+            self._read_staged(fd, e, flat, chunks)
+        elif len(chunks) == 1:
+            _pread_into(fd, e, e.offset, _bytes_of(flat))
+        else:  # straight into the parameter, the chunks on the reading threads
+            parts = [(e.offset + start * size, _bytes_of(flat[start : start + n])) for start, n in chunks]
+            for future in [self._threads().submit(_pread_into, fd, e, o, b) for o, b in parts]:
+                future.result()  # raises the first chunk's error
 
-        def read(chunk: tuple[int, int]) -> None:
-            start, count = chunk
-            part = flat[start : start + count]
-            if direct:
-                _pread_into(fd, e, e.offset + start * size, _bytes_of(part))
+    def _read_staged(self, fd: int, e: TensorEntry, flat: Tensor, chunks: list[tuple[int, int]]) -> None:
+        """Chunks read by the threads into READ_THREADS staging buffers, each converted (or copied to the
+        device) by this thread as it arrives, with torch's own threads, then refilled with the next chunk."""
+        cuda = flat.device.type == "cuda"
+        if not self._buffers or self._buffers[0].is_pinned() != cuda:
+            self._buffers = [
+                torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=cuda) for _ in range(READ_THREADS)
+            ]
+        size = e.dtype.itemsize
+        pending: deque[tuple[int, Tensor, Future[None]]] = deque()
+
+        def submit(k: int, buffer: Tensor) -> None:
+            start, n = chunks[k]
+            buf = buffer[: n * size]
+            pending.append(
+                (
+                    k,
+                    buffer,
+                    self._threads().submit(_pread_into, fd, e, e.offset + start * size, _bytes_of(buf)),
+                )
+            )
+
+        for k, buffer in zip(range(len(chunks)), self._buffers, strict=False):
+            submit(k, buffer)
+        upcoming = len(pending)
+        while pending:
+            k, buffer, future = pending.popleft()
+            future.result()
+            start, n = chunks[k]
+            buf = buffer[: n * size]
+            if flat.dtype == e.dtype:  # the bytes as they are, to the device
+                flat.view(torch.uint8)[start * size : (start + n) * size].copy_(buf, non_blocking=cuda)
             else:
-                self._stage.read(fd, e, e.offset + start * size, part)
+                flat[start : start + n].copy_(buf.view(e.dtype), non_blocking=cuda)
+            if upcoming < len(chunks):
+                if cuda:  # the device has the buffer's bytes before it is refilled
+                    torch.cuda.current_stream(flat.device).synchronize()
+                submit(upcoming, buffer)
+                upcoming += 1
+        if cuda:  # the tensor is whole when this returns
+            torch.cuda.current_stream(flat.device).synchronize()
 
-        if len(chunks) == 1 and direct:
-            read(chunks[0])
-        else:  # staged reads only on the pool's threads: READ_THREADS staging buffers in all
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="batchq-read")
-            list(self._pool.map(read, chunks))  # raises the first chunk's error
-        if dest.device.type == "cuda":  # the tensor is whole when this returns, whatever stream reads it
-            torch.cuda.synchronize(dest.device)
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="batchq-read")
+        return self._pool
 
     def _read_bin(self, e: TensorEntry, dest: Tensor) -> None:
         if self._shard is None or self._shard[0] != e.file:
@@ -164,6 +201,7 @@ class Checkpoint:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        self._buffers = []
         self._close_fd()
         self._shard = None
 
@@ -189,33 +227,6 @@ class _Source:
 
     def read_into(self, dest: Tensor) -> None:
         self.checkpoint.read_into(self.entry, dest)
-
-
-class _Stage(threading.local):
-    """Each reading thread's staging buffer of CHUNK_BYTES, pinned for a GPU. A thread refills it only once
-    the device has copied it out (its event), while the other threads' buffers keep the disk busy."""
-
-    def __init__(self) -> None:
-        self.buffer: Tensor | None = None
-        self.event: Any = None
-
-    def read(self, fd: int, e: TensorEntry, offset: int, dest: Tensor) -> None:
-        # dest: [n] of the destination (any dtype, any device) <- n values of e.dtype at `offset`
-        cuda = dest.device.type == "cuda"
-        if self.buffer is None or self.buffer.is_pinned() != cuda:
-            self.buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=cuda)
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-        buf = self.buffer[: dest.numel() * e.dtype.itemsize]
-        _pread_into(fd, e, offset, _bytes_of(buf))
-        if dest.dtype == e.dtype:  # the bytes as they are, to the device
-            dest.view(torch.uint8).copy_(buf, non_blocking=cuda)
-        else:
-            dest.copy_(buf.view(e.dtype), non_blocking=cuda)
-        if cuda:
-            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self.event.record()
 
 
 def _bytes_of(t: Tensor) -> memoryview:
