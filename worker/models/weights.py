@@ -134,14 +134,10 @@ class Checkpoint:
 
         def submit(k: int, buffer: Tensor) -> None:
             start, n = chunks[k]
-            buf = buffer[: n * size]
-            pending.append(
-                (
-                    k,
-                    buffer,
-                    self._threads().submit(_pread_into, fd, e, e.offset + start * size, _bytes_of(buf)),
-                )
+            read = self._threads().submit(
+                _pread_into, fd, e, e.offset + start * size, _bytes_of(buffer[: n * size])
             )
+            pending.append((k, buffer, read))
 
         for k, buffer in zip(range(len(chunks)), self._buffers, strict=False):
             submit(k, buffer)
