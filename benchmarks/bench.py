@@ -356,7 +356,7 @@ def main() -> int:
         ns.dtype = str(cpu_auto_dtype("auto")).removeprefix("torch.")
         print(f"  dtype auto -> {ns.dtype}", file=sys.stderr, flush=True)
 
-    from worker.models.loader import resolve_checkpoint
+    from worker.models.resolve import resolve_checkpoint
 
     info: dict[str, Any] = {"machine": machine(), "dtype": ns.dtype, "requests": ns.n, "seed": ns.seed}
     with tempfile.TemporaryDirectory() as d:

@@ -214,7 +214,7 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-    from worker.models.loader import resolve_checkpoint
+    from worker.models.resolve import resolve_checkpoint
 
     ckpt = resolve_checkpoint(MODEL)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype))
@@ -332,7 +332,7 @@ def run_llamacpp(lines: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
-    from worker.models.loader import resolve_checkpoint, smollm2_gguf_path
+    from worker.models.resolve import resolve_checkpoint, smollm2_gguf_path
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint(MODEL))
     threads = torch.get_num_threads()

@@ -39,7 +39,7 @@ MODEL = "smollm2-135m"
 def prompt_tokens(lines: list[dict[str, Any]]) -> int:
     from transformers import AutoTokenizer
 
-    from worker.models.loader import resolve_checkpoint
+    from worker.models.resolve import resolve_checkpoint
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint(MODEL))
     texts = [
@@ -145,7 +145,7 @@ def run_hf(lines: list[dict[str, Any]], dtype: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.models.loader import resolve_checkpoint
+    from worker.models.resolve import resolve_checkpoint
 
     ckpt = resolve_checkpoint(MODEL)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()

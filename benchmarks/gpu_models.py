@@ -85,13 +85,11 @@ def engine_from_hf(hf: Any, cfg: EngineConfig) -> Engine:
     device, dtype = hf.device, hf.dtype
     hcfg = hf.config
     spec = DecoderSpec.from_hf_config(hcfg, qk_norm=False, qkv_bias=False, o_bias=False)
-    with torch.device("meta"):
-        model = LlamaFamilyModel(spec, RotaryTable(torch.ones(1), 1.0, 1)).to(dtype)
-    model = model.to_empty(device=device)
-    model.load_hf_state(hf.state_dict())
     rope = hf.model.rotary_emb
     max_len = int(hcfg.max_position_embeddings)
-    model.rotary = RotaryTable(rope.inv_freq.float().cpu(), float(rope.attention_scaling), max_len).to(device)
+    rotary = RotaryTable(rope.inv_freq.float().cpu(), float(rope.attention_scaling), max_len).to(device)
+    model = LlamaFamilyModel.empty(spec, rotary, dtype, device)
+    model.load_weights(hf.state_dict().items())
     model.eval()
     loaded = LoadedModel("random-" + str(spec.hidden_size), model, byte_tokenizer(), hcfg, [2], max_len, "")
     backend = select_backend(cfg, device, dtype)

@@ -162,7 +162,7 @@ def main() -> int:
     ns = p.parse_args()
     from transformers import AutoTokenizer
 
-    from worker.models.loader import resolve_checkpoint
+    from worker.models.resolve import resolve_checkpoint
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
     vocab = 49152

@@ -84,7 +84,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from tests.tiny_models import tiny_config
-    from worker.models.loader import resolve_checkpoint
+    from worker.models.resolve import resolve_checkpoint
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
     cfg = tiny_config(

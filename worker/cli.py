@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    from worker.models.loader import ModelLoadError, check_model_reference  # imports no torch
+    from worker.models.errors import ModelLoadError  # neither imports torch
+    from worker.models.resolve import check_model_reference
 
     try:
         # Before torch, the model and Redis: a --model that names nothing loadable is refused at once.
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(cfg: WorkerConfig) -> int:
-    from worker.models.loader import ModelLoadError
+    from worker.models.errors import ModelLoadError
     from worker.service import QueueBindingError, serve  # torch loads here, not for --help/--check
 
     try:

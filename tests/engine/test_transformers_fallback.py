@@ -24,7 +24,8 @@ from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
-from worker.models.loader import ModelLoadError, check_model_reference
+from worker.models.errors import ModelLoadError
+from worker.models.resolve import check_model_reference
 from worker.models.transformers_model import TransformersModel
 
 # Cohere: LayerNorm without bias, interleaved rotary, parallel attention and MLP, logits times logit_scale,

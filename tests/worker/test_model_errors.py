@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,10 @@ import torch
 
 from tests.tiny_models import build_tiny_checkpoint
 from worker import cli
-from worker.models import loader
-from worker.models.loader import ModelLoadError, check_model_reference, load_model
+from worker.models import resolve
+from worker.models.errors import ModelLoadError
+from worker.models.loader import load_model
+from worker.models.resolve import check_model_reference
 
 DEAD_REDIS = "redis://127.0.0.1:1/0"  # never contacted: the model is refused first
 HF_VARS = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
@@ -172,12 +175,16 @@ def test_a_checkpoint_that_cannot_be_read_raises_one_line_at_load(tmp_path: Path
     torn = copy_of(tiny, tmp_path / "torn")
     weights = torn / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(ModelLoadError, match=r"'.*torn': cannot load its weights: SafetensorError: ") as e:
+    with pytest.raises(ModelLoadError) as e:
         load_model(str(torn), torch.float32, cpu)
-    assert "\n" not in str(e.value)
+    assert str(e.value) == (
+        f"model {str(torn)!r}: cannot load its weights: {weights}: not a safetensors file (its header would "
+        "run past the file's end)"
+    )
     no_weights = copy_of(tiny, tmp_path / "no-weights")
     (no_weights / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match=r"'.*no-weights': cannot load its weights: OSError: "):
+    with pytest.raises(ModelLoadError, match=r"'.*no-weights': cannot load its weights: .*no-weights: no weights: "
+                       r"none of model.safetensors, model.safetensors.index.json, pytorch_model.bin"):  # fmt: skip
         load_model(str(no_weights), torch.float32, cpu)
     bad_tok = copy_of(tiny, tmp_path / "bad-tokenizer")
     (bad_tok / "tokenizer.json").write_text("{oops")
@@ -210,4 +217,137 @@ def test_the_cli_exits_2_on_a_load_error_and_keeps_a_bug_a_traceback(
 
 
 def test_resolve_checkpoint_passes_a_local_folder_through(tiny: Path) -> None:
-    assert loader.resolve_checkpoint(str(tiny)) == str(tiny)
+    assert resolve.resolve_checkpoint(str(tiny)) == str(tiny)
+
+
+def rewritten(tiny: Path, dest: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of the tiny checkpoint whose model.safetensors `change` has edited."""
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_of(tiny, dest)
+    sd = load_file(folder / "model.safetensors")
+    change(sd)
+    save_file(sd, folder / "model.safetensors")
+    return folder
+
+
+L0 = "model.layers.0."
+TENSOR_FAULTS: dict[str, tuple[Callable[[dict[str, torch.Tensor]], None], str]] = {
+    "missing": (
+        lambda sd: sd.pop("model.layers.1.self_attn.k_proj.weight"),
+        "tensor 'model.layers.1.self_attn.k_proj.weight' is not in the checkpoint ({file})",
+    ),
+    "missing-qkv": (
+        lambda sd: [sd.pop(f"{L0}self_attn.{n}_proj.weight") for n in "qkv"],
+        f"tensor '{L0}self_attn.q_proj.weight' is not in the checkpoint ({{file}}), nor is "
+        f"'{L0}self_attn.qkv_proj.weight'",
+    ),
+    "unexpected": (
+        lambda sd: sd.update({"model.layers.2.mlp.up_proj.weight": sd[f"{L0}mlp.up_proj.weight"].clone()}),
+        "tensor 'model.layers.2.mlp.up_proj.weight' in {file}: the model has no weight of that name",
+    ),
+    "wrong-shape": (
+        lambda sd: sd.update({f"{L0}mlp.up_proj.weight": sd[f"{L0}mlp.up_proj.weight"][:100].clone()}),
+        f"tensor '{L0}mlp.up_proj.weight' in {{file}}: shape [100, 64], expected [128, 64] (for rows 128:256 "
+        "of the decoder's layers.0.mlp.gate_up_proj.weight)",
+    ),
+    "fused-and-split": (
+        lambda sd: sd.update({f"{L0}mlp.gate_up_proj.weight": torch.zeros(256, 64)}),
+        f"tensor '{L0}mlp.gate_up_proj.weight' in {{file}}: overlaps '{L0}mlp.gate_proj.weight' in the decoder's "
+        "layers.0.mlp.gate_up_proj.weight",
+    ),
+    "quantised": (
+        lambda sd: sd.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}),
+        "tensor 'model.norm.weight' in {file}: dtype I8, not one of F64, F32, F16, BF16 (quantised checkpoints "
+        "are not loaded natively)",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(TENSOR_FAULTS))
+def test_a_tensor_the_model_cannot_take_is_one_line_naming_tensor_and_file(
+    tmp_path: Path, tiny: Path, fault: str
+) -> None:
+    change, expected = TENSOR_FAULTS[fault]
+    folder = rewritten(tiny, tmp_path / fault, change)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(folder), torch.float32, torch.device("cpu"))
+    file = folder / "model.safetensors"
+    assert str(e.value) == f"model {str(folder)!r}: cannot load its weights: " + expected.format(file=file)
+
+
+def test_shards_that_do_not_fit_their_index_are_one_line(tmp_path: Path, tiny: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_of(tiny, tmp_path / "sharded")
+    sd = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    save_file(sd, folder / "a.safetensors")
+    save_file({"model.norm.weight": sd["model.norm.weight"]}, folder / "b.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "b.safetensors", "x": "a.safetensors"}}))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(folder), torch.float32, torch.device("cpu"))
+    assert str(e.value) == (
+        f"model {str(folder)!r}: cannot load its weights: tensor 'model.norm.weight' is in both "
+        f"{folder / 'a.safetensors'} and {folder / 'b.safetensors'}"
+    )
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "c.safetensors"}}))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(folder), torch.float32, torch.device("cpu"))
+    assert (
+        str(e.value)
+        == f"model {str(folder)!r}: cannot load its weights: {index} names c.safetensors, which is not in {folder}"
+    )
+
+
+def test_a_legacy_pytorch_model_bin_is_refused_in_one_line(tmp_path: Path, tiny: Path) -> None:
+    from safetensors.torch import load_file
+
+    folder = copy_of(tiny, tmp_path / "legacy")
+    sd = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(sd, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(folder), torch.float32, torch.device("cpu"))
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith(
+        f"model {str(folder)!r}: cannot load its weights: {folder / 'pytorch_model.bin'}: cannot map it"
+    )
+    assert str(e.value).endswith("a checkpoint in torch.save's legacy format: convert it to safetensors")
+
+
+def test_a_hub_id_in_the_cache_loads_its_weights_from_the_snapshot(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny: Path
+) -> None:
+    from huggingface_hub import constants
+    from safetensors.torch import load_file, save_file
+
+    snapshot = tmp_path / "models--someorg--tiny" / "snapshots" / ("0" * 40)
+    snapshot.parent.mkdir(parents=True)
+    copy_of(tiny, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    sd = load_file(snapshot / "model.safetensors")  # sharded, so the index's shards are found too
+    (snapshot / "model.safetensors").unlink()
+    names = sorted(sd)
+    save_file({n: sd[n] for n in names[::2]}, snapshot / "a.safetensors")
+    save_file({n: sd[n] for n in names[1::2]}, snapshot / "b.safetensors")
+    weight_map = {n: "a.safetensors" if i % 2 == 0 else "b.safetensors" for i, n in enumerate(names)}
+    (snapshot / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve.weights_folder("someorg/tiny") == snapshot
+    loaded = load_model("someorg/tiny", torch.float32, torch.device("cpu"))
+    ours = dict(loaded.model.named_parameters())
+    assert torch.equal(ours["norm.weight"], sd["model.norm.weight"])
+    (snapshot / "b.safetensors").unlink()  # a shard the cache lacks, with no hub to fetch it from
+    with pytest.raises(ModelLoadError) as e:
+        resolve.weights_folder("someorg/tiny")
+    assert str(e.value) == (
+        f"model 'someorg/tiny': its weights are not in the local Hugging Face cache ({tmp_path}) and "
+        "HF_HUB_OFFLINE=1 forbids downloading them; pre-fetch them with `hf download someorg/tiny`"
+    )

@@ -135,7 +135,7 @@ class Engine:
         weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device)
         loaded = load_model(cfg.model, dtype, device, cfg.model_impl)
         if device.type == "cpu":
-            keep_freed_memory()  # after loading: the checkpoint's copy of the weights goes back to the OS
+            keep_freed_memory()  # after loading, so what the load freed (staging buffers) went back to the OS
         backend = select_backend(
             cfg,
             device,

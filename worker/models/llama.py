@@ -3,19 +3,19 @@ tokens with paged KV.
 
 Fused QKV and gate/up projections; optional QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), QK RMSNorm over
 the whole projections and norms after each sublayer instead of before (OLMo 2), Granite's multipliers.
-Weights are copied from a loaded Hugging Face model, so configs, rope variants and checkpoints
-all come from transformers.
+Configs and rope variants come from transformers; the weights stream from the checkpoint into the
+parameters (load_weights, under Hugging Face's names).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from worker.kernels.backend import Backend, DecodeStack, StackLayer, StackLinear
+from worker.kernels.backend import TORCH_LINEAR, Backend, DecodeStack, StackLayer, StackLinear
 from worker.models.layers import (
     AttentionMetadata,
     KVCache,
@@ -26,9 +26,14 @@ from worker.models.layers import (
     paged_attention,
 )
 from worker.models.spec import DecoderSpec
+from worker.models.weights import Slot, WeightSource, fill
 
 # DecoderSpec, KVCache: where callers have always found them
 __all__ = ["DecoderSpec", "KVCache", "LlamaFamilyModel"]
+
+# Tensors a checkpoint may hold that are not weights: older Llama checkpoints saved the rotary inv_freq
+# buffer, which the rotary table computes from the config (Hugging Face drops them too).
+IGNORED = ("rotary_emb.inv_freq",)
 
 
 class Attention(nn.Module):
@@ -313,48 +318,49 @@ class LlamaFamilyModel(nn.Module):
         logits = self.lm_head(hidden).float()
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
+    @classmethod
+    def empty(
+        cls, spec: DecoderSpec, rotary: RotaryTable, dtype: torch.dtype, device: torch.device
+    ) -> LlamaFamilyModel:
+        """The decoder on `device` with its parameters allocated in `dtype` and not initialised (no random
+        init, no second copy: load_weights fills them), and `rotary`, which keeps its own dtype."""
+        with torch.device("meta"):
+            model = cls(spec, RotaryTable(torch.ones(1), 1.0, 1))
+        model = model.to(dtype).to_empty(device=device)
+        model.rotary = rotary
+        return model
+
     @torch.no_grad()
-    def load_hf_state(self, sd: dict[str, Tensor]) -> None:
-        """Copy a Hugging Face Llama-family state dict, fusing q/k/v and gate/up (Phi-3's come fused).
+    def load_weights(
+        self, weights: Iterable[tuple[str, Tensor | WeightSource]], where: str = "the state dict"
+    ) -> None:
+        """Fill every parameter from tensors under Hugging Face's names, in any order, each exactly once:
+        q/k/v and gate/up into their rows of the fused projections (or whole, where the checkpoint has them
+        fused, as Phi-3's), a tied table under either of its names. Granite's residual multiplier is folded
+        into o_proj and down_proj (weights and biases), the last ops of the two sublayers, so that the decode
+        stack runs Granite as it runs Llama. A missing, unexpected, misshapen or doubled tensor raises
+        CheckpointError naming it and its file (`where`: what should have held a missing one)."""
+        fill(self._weight_slots(), ((n, w) for n, w in weights if not n.endswith(IGNORED)), where)
 
-        Granite's residual multiplier is folded into o_proj and down_proj (weights and biases), the last
-        ops of the two sublayers, so that the decode stack runs Granite as it runs Llama."""
-        self.norm.weight.copy_(sd["model.norm.weight"])
-        if self.embed_tokens is None:
-            self.lm_head.load(sd["model.embed_tokens.weight"])
-        else:
-            self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
-            self.lm_head.load(sd["lm_head.weight"])
-        r = self.spec.residual_multiplier
-
-        def weights(names: list[str]) -> Tensor:
-            return torch.cat([sd[n + ".weight"] for n in names])
-
-        def biases(names: list[str]) -> Tensor | None:  # None where the checkpoint has none, as sd.get
-            return torch.cat([sd[n + ".bias"] for n in names]) if names[0] + ".bias" in sd else None
-
-        def fused(name: str, parts: list[str]) -> tuple[Tensor, Tensor | None]:
-            if name + ".weight" in sd:  # fused in the checkpoint (Phi-3)
-                return sd[name + ".weight"], sd.get(name + ".bias")
-            return weights(parts), biases(parts)
-
-        def residual(name: str) -> tuple[Tensor, Tensor | None]:
-            w, b = sd[name + ".weight"], sd.get(name + ".bias")
-            return (w, b) if r == 1.0 else (w * r, None if b is None else b * r)
-
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)
-            p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = [("input_layernorm", layer.input_layernorm), ("post_attention_layernorm",
-                     layer.post_attention_layernorm), ("post_feedforward_layernorm", layer.post_feedforward_layernorm),
-                     ("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]  # fmt: skip
-            for name, norm in norms:
-                if norm is not None:
-                    norm.weight.copy_(sd[p + name + ".weight"])
-            attn.qkv_proj.load(*fused(p + "self_attn.qkv_proj", [f"{p}self_attn.{n}_proj" for n in "qkv"]))
-            attn.o_proj.load(*residual(p + "self_attn.o_proj"))
-            mlp.gate_up_proj.load(
-                *fused(p + "mlp.gate_up_proj", [f"{p}mlp.{n}_proj" for n in ("gate", "up")])
-            )
-            mlp.down_proj.load(*residual(p + "mlp.down_proj"))
+    def _weight_slots(self) -> dict[str, Slot]:
+        """Hugging Face's name of every tensor the decoder takes -> where it goes. Our parameters carry
+        Hugging Face's names less its "model." prefix; a fused projection also takes its parts' rows, and a
+        tied table its embed_tokens name."""
+        assert self.lm_head.method is TORCH_LINEAR, "weights load before use_backend packs them"
+        s, r = self.spec, self.spec.residual_multiplier
+        kv = s.num_kv_heads * s.head_dim
+        parts = {"qkv_proj": [("q_proj", s.num_heads * s.head_dim), ("k_proj", kv), ("v_proj", kv)],
+                 "gate_up_proj": [("gate_proj", s.intermediate_size), ("up_proj", s.intermediate_size)]}  # fmt: skip
+        slots: dict[str, Slot] = {}
+        if self.embed_tokens is None:  # tied: one table, which the checkpoint may give under either name
+            slots["model.embed_tokens.weight"] = Slot("lm_head.weight", self.lm_head.weight, 0, s.vocab_size)
+        for name, t in self.named_parameters():
+            hf = name if name.startswith("lm_head.") else "model." + name
+            module = name.split(".")[-2]
+            start = 0
+            for part, rows in parts.get(module, []):  # before the fused name: a missing part is named first
+                slots[hf.replace(module, part)] = Slot(name, t, start, start + rows)
+                start += rows
+            scale = r if module in ("o_proj", "down_proj") else 1.0  # Granite's, folded (load_weights)
+            slots[hf] = Slot(name, t, 0, t.shape[0], scale)
+        return slots

@@ -1,7 +1,7 @@
 """DecoderSpec: the shape and the variants of one decoder, read from a Hugging Face config; and each layer's
 sliding window as transformers decides it (`sliding_windows`).
 
-Plain data, no torch: the loader fills it from the config and its family (loader.SUPPORTED), the decoder
+Plain data, no torch: the loader fills it from the config and its family (families.SUPPORTED), the decoder
 (llama.py) is built from it.
 """
 

@@ -1,0 +1,98 @@
+"""The native families and which path runs a model.
+
+SUPPORTED: the model types our decoder runs (with silu), and what each changes in it beyond what its config
+says; `implementation`: the native decoder or the transformers fallback (EngineConfig.model_impl: auto,
+native, transformers); the checks that refuse what neither path runs. No torch here: `worker` runs the
+architecture check before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from worker.models.errors import ModelLoadError
+from worker.models.spec import WindowRule
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model_type changes in our decoder beyond what its config says: Granite's multipliers are
+    config fields (spec.py), Phi-3's fused projections show in its checkpoint, its partial rotary factor and
+    LongRoPE in the rotary table (loader._long_rope)."""
+
+    qk_norm: Literal["none", "head", "projection"] = "none"  # Qwen3: per head; OLMo 2: over all of q / k
+    qkv_bias: bool | None = None  # None: from config.attention_bias
+    post_norms: bool = False  # OLMo 2: each sublayer's output normed before the residual, no pre-norm
+    windows: WindowRule = "none"  # which layers slide, as the family's Hugging Face mask decides (spec.py)
+
+
+SUPPORTED: dict[str, Family] = {
+    "granite": Family(),
+    "llama": Family(),
+    "mistral": Family(windows="every_layer"),
+    "olmo2": Family(qk_norm="projection", post_norms=True),
+    "phi3": Family(windows="every_layer"),
+    "qwen2": Family(qkv_bias=True, windows="layer_types"),
+    "qwen3": Family(qk_norm="head", windows="layer_types"),
+}
+
+
+def check_architecture(
+    model: str, model_type: Any, architectures: Any, hidden_act: Any, encoder_decoder: Any = False
+) -> None:
+    """A native family (SUPPORTED, silu), or a decoder-only `*ForCausalLM` for the transformers fallback.
+    Without an architectures list the load decides (which AutoModelForCausalLM class the config maps to)."""
+    if model_type in SUPPORTED and hidden_act == "silu":
+        return
+    native = ", ".join(sorted(SUPPORTED))
+    if encoder_decoder:
+        raise ModelLoadError(
+            f"model {model!r}: unsupported architecture {model_type!r} ({architectures}): an encoder-decoder; "
+            f"batchq runs decoder-only models (native: {native}; others through transformers)"
+        )
+    if isinstance(architectures, list) and not any(str(a).endswith("ForCausalLM") for a in architectures):
+        raise ModelLoadError(
+            f"model {model!r}: unsupported architecture {model_type!r} ({architectures}): not a decoder-only "
+            f"*ForCausalLM; supported: {native}, and other *ForCausalLM models through transformers"
+        )
+
+
+def implementation(model_type: Any, hidden_act: Any, model_impl: str) -> Literal["native", "transformers"]:
+    """Which path runs a model: its native family where it has one (model_impl auto | native), else the
+    transformers fallback. model_impl 'native' for a model without a native path raises ModelLoadError."""
+    native = model_type in SUPPORTED and hidden_act == "silu"
+    if model_impl == "transformers" or (model_impl == "auto" and not native):
+        return "transformers"
+    if not native:
+        why = (
+            "activation " + repr(hidden_act) if model_type in SUPPORTED else "model_type " + repr(model_type)
+        )
+        raise ModelLoadError(
+            f"model_impl 'native': no native path for {why} (native: {', '.join(sorted(SUPPORTED))}, silu); "
+            "use model_impl 'auto' or 'transformers'"
+        )
+    return "native"
+
+
+def check_causal_lm(model: str, hf_config: Any) -> None:
+    """The fallback's precondition: AutoModelForCausalLM builds a `*ForCausalLM` for this config (not a
+    multimodal `*ForConditionalGeneration`)."""
+    cls = causal_lm_class(model, hf_config)
+    if not cls.__name__.endswith("ForCausalLM"):
+        raise ModelLoadError(
+            f"model {model!r}: unsupported architecture {getattr(hf_config, 'model_type', None)!r}: transformers "
+            f"builds {cls.__name__}, not a decoder-only *ForCausalLM (multimodal models are not served)"
+        )
+
+
+def causal_lm_class(model: str, hf_config: Any) -> Any:
+    """The class AutoModelForCausalLM builds for this config (the class only: no model is built)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelLoadError(
+            f"model {model!r}: unsupported architecture {getattr(hf_config, 'model_type', None)!r}: "
+            "transformers has no causal LM for it"
+        )
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
