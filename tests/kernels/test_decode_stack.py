@@ -290,3 +290,39 @@ def test_a_shared_prefix_beyond_every_window_keeps_the_stack(tmp_path: Path) -> 
     runner.model._stack = None
     runner.compute_logits(batch)
     assert runner.model._stack is not None and runner.model._stack[1] is not None
+
+
+def quantize_in_place(engine: Engine, kind: str) -> None:
+    """Every linear layer of the loaded model kept quantised, as a checkpoint would ship it: 4-bit or 8-bit
+    groups of 32 input rows (min-max, float16 or float32 scales and offsets), or FP8 E4M3 with a scale per
+    output."""
+    model = engine.model_runner.model
+    for lin in model.linears():
+        w = lin.dequantized(torch.float32)
+        n, k = w.shape
+        if kind == "fp8":
+            scale = w.abs().amax(1).clamp_min(1e-8) / 448.0
+            lin.load((w / scale[:, None]).to(torch.float8_e4m3fn), lin.bias, scale=scale)
+            continue
+        bits, table = (4, torch.float16) if kind == "q4" else (8, torch.float32)
+        wg = w.view(n, k // 32, 32)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        top = (1 << bits) - 1
+        s = ((hi - lo) / top).clamp_min(1e-8)
+        z = torch.round(-lo / s)
+        q = torch.clamp(torch.round(wg / s[..., None]) + z[..., None], 0, top).view(n, k)
+        q = q.to(torch.uint8) if bits == 4 else (q - 128).to(torch.int8)
+        o = s * (z if bits == 4 else z - 128)
+        lin.load_groups(q, s.to(table), o.to(table), 32, bits)
+    model._stack = None
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "fp8"])
+def test_stack_computes_the_layer_by_layer_step_on_quantised_weights(checkpoint: Path, kind: str) -> None:
+    engine = load(checkpoint)
+    quantize_in_place(engine, kind)
+    batch = decode_batch(engine, PROMPTS)
+    stacked, layered, _, _ = both_paths(engine, batch)
+    assert engine.model_runner.model.lm_head.bits == (0 if kind == "fp8" else int(kind[1]))
+    torch.testing.assert_close(stacked, layered, rtol=1e-4, atol=1e-4)
+    assert stacked.argmax(-1).tolist() == layered.argmax(-1).tolist()

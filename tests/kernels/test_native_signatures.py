@@ -156,6 +156,7 @@ def c_structs(source: str) -> dict[str, list[tuple[str, Any]]]:
 
 def test_the_stack_structs_match_decode_stack_c() -> None:
     structs = c_structs((native_build.KERNELS / "decode_stack.c").read_text())
+    structs.update(c_structs((native_build.KERNELS / "linear.h").read_text()))
     assert set(native_stack.STRUCTS) <= set(structs)
     for name, cls in native_stack.STRUCTS.items():
         declared = [

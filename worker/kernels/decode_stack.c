@@ -1,7 +1,7 @@
 /* A whole decode step of a Llama-family decoder on the CPU, every layer in one call.
 
    Built by worker/kernels/native_build.py together with linear.c and paged_decode.c, whose per-thread
-   pieces it calls (batchq_linear_part, batchq_paged_decode_task, the RMSNorm and rotary rows), and bound
+   pieces it calls (batchq_linear_part_w, batchq_paged_decode_task, the RMSNorm and rotary rows), and bound
    by native_stack.py: the arithmetic is theirs, so a step computes what the layer-by-layer path computes,
    in the same order (the SiLU excepted, see silu_mul).
 
@@ -31,14 +31,15 @@
 #include <string.h>
 
 #include "cpu_math.h"
+#include "linear.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 /* linear.c */
-void batchq_linear_part(const float *x, const void *w, const float *wscale, const float *bias, float *y, int M,
-                        int K, int N, int elem, int t, int nt, int accumulate);
+int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M, int K, int N, int t, int nt,
+                         int accumulate);
 void batchq_rmsnorm_row(const float *x, const float *w, float *y, int D, float eps);
 void batchq_rotary_head(float *v, const float *c, const float *s, int D);
 /* paged_decode.c */
@@ -47,15 +48,9 @@ void batchq_paged_decode_task(const float *q, const void *k, const void *v, floa
                               int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
                               int elem, int window, float softcap, int i, float *scores);
 
-typedef struct {
-    const void *w;       /* [n, k]: float32, bfloat16 or int8 (elem 0, 1, 2: linear.c's) */
-    const float *scale;  /* [n] for int8, else NULL */
-    const float *bias;   /* [n] or NULL */
-    int elem;
-} Lin;
 
 typedef struct {
-    Lin qkv, o, gate_up, down;
+    LinearWeight qkv, o, gate_up, down; /* linear.h: any weight linear.c reads */
     const float *ln1, *ln2;       /* input_layernorm, post_attention_layernorm: [hidden] */
     const float *q_norm, *k_norm; /* [head_dim] (Qwen3) or NULL */
     void *k_cache, *v_cache;
@@ -196,7 +191,7 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
             const Layer *L = layers + l;
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, L->ln1, xn + (size_t)m * hid, hid, s->eps);
-            batchq_linear_part(xn, L->qkv.w, L->qkv.scale, L->qkv.bias, qkv, M, hid, nqkv, L->qkv.elem, t, nt, 0);
+            batchq_linear_part_w(xn, &L->qkv, qkv, M, hid, nqkv, t, nt, 0);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) {
@@ -226,12 +221,11 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
                     for (int j = 0; j < (H / KVH) * D; j++) o[j] *= L->v_scale;
                 }
             }
-            batchq_linear_part(att, L->o.w, L->o.scale, L->o.bias, h, M, q_size, hid, L->o.elem, t, nt, 1);
+            batchq_linear_part_w(att, &L->o, h, M, q_size, hid, t, nt, 1);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, L->ln2, xn + (size_t)m * hid, hid, s->eps);
-            batchq_linear_part(xn, L->gate_up.w, L->gate_up.scale, L->gate_up.bias, gu, M, hid, 2 * I,
-                               L->gate_up.elem, t, nt, 0);
+            batchq_linear_part_w(xn, &L->gate_up, gu, M, hid, 2 * I, t, nt, 0);
 #pragma omp barrier
             {
                 /* every thread an equal share of the M * I products */
@@ -243,7 +237,7 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
                 }
             }
 #pragma omp barrier
-            batchq_linear_part(act, L->down.w, L->down.scale, L->down.bias, h, M, I, hid, L->down.elem, t, nt, 1);
+            batchq_linear_part_w(act, &L->down, h, M, I, hid, t, nt, 1);
 #pragma omp barrier
         }
 #pragma omp for schedule(static)

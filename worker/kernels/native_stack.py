@@ -17,9 +17,19 @@ import torch
 from torch import Tensor
 
 from worker.kernels import native_attention, native_linear
+from worker.kernels.linear_methods import Groups
 from worker.kernels.native_attention import ELEMENT_TYPES, MAX_D, MAX_G
 from worker.kernels.native_build import KERNELS, Signature, cached, load
-from worker.kernels.native_linear import WEIGHT_TYPES, is_packed
+from worker.kernels.native_linear import (
+    FP8,
+    GROUP_TYPES,
+    PANEL,
+    Q4,
+    Q8,
+    WEIGHT_TYPES,
+    LinearWeightStruct,
+    is_packed,
+)
 
 # decode_stack.c calls into the other two: the three are linked into one library
 SOURCES = (KERNELS / "decode_stack.c", *native_linear.SOURCES, *native_attention.SOURCES)
@@ -38,22 +48,13 @@ def library() -> SimpleNamespace | None:
     return load(SOURCES, "the decode stack", SIGNATURES)
 
 
-# decode_stack.c's structs, field for field
-class _Lin(ctypes.Structure):
-    _fields_ = [
-        ("w", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("elem", ctypes.c_int),
-    ]
-
-
+# decode_stack.c's structs, field for field (a layer's linears are linear.h's LinearWeight)
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("qkv", _Lin),
-        ("o", _Lin),
-        ("gate_up", _Lin),
-        ("down", _Lin),
+        ("qkv", LinearWeightStruct),
+        ("o", LinearWeightStruct),
+        ("gate_up", LinearWeightStruct),
+        ("down", LinearWeightStruct),
         *((name, ctypes.c_void_p) for name in ("ln1", "ln2", "q_norm", "k_norm", "k_cache", "v_cache")),
         *((name, ctypes.c_float) for name in ("q_scale", "k_scale", "v_scale")),
         ("window", ctypes.c_int),
@@ -73,16 +74,47 @@ class _Spec(ctypes.Structure):
     ]
 
 
-STRUCTS = {"Lin": _Lin, "Layer": _Layer, "Spec": _Spec}  # by their C names (the signature test reads them)
+STRUCTS = {
+    "LinearWeight": LinearWeightStruct,
+    "Layer": _Layer,
+    "Spec": _Spec,
+}  # by their C names (the signature test reads them)
 
 STACK_CACHE_TYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)  # decode_stack.c writes these
 
 
 @dataclass
 class StackLinear:
-    weight: Tensor  # packed [out, in] (pack)
-    scale: Tensor | None  # [out] float32, int8 weights only
+    weight: Tensor  # packed [out, in] (pack); q of a group-quantised weight (pack_q4, pack)
+    scale: Tensor | None  # [out] float32, int8 and FP8 weights only
     bias: Tensor | None  # [out] float32
+    groups: Groups | None = None  # a group-quantised weight's (s, o) table (pack_groups) and shape
+
+    def struct(self) -> LinearWeightStruct:
+        """linear.h's LinearWeight of this weight (its tensors must outlive the struct)."""
+
+        def opt(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        if self.groups is not None:
+            elem, table = (Q4 if self.groups.bits == 4 else Q8), self.groups.table
+            return LinearWeightStruct(self.weight.data_ptr(), None, table.data_ptr(), opt(self.bias), elem,
+                                      self.groups.group, GROUP_TYPES[table.dtype])  # fmt: skip
+        elem = FP8 if self.weight.dtype == torch.float8_e4m3fn else WEIGHT_TYPES[self.weight.dtype]
+        return LinearWeightStruct(self.weight.data_ptr(), opt(self.scale), None, opt(self.bias), elem, 0, 0)
+
+    def packed_as(self, n: int, k: int) -> bool:
+        """Whether this is an [n, k] weight in linear.c's layout, with what its element type needs."""
+        w, g = self.weight, self.groups
+        panels = -(-n // PANEL)
+        if g is not None:
+            q_shape = (panels, k, PANEL // 2 if g.bits == 4 else PANEL)
+            table_ok = g.table.shape == (panels, k // g.group, 2, PANEL) and g.table.dtype in GROUP_TYPES
+            return (w.shape == q_shape and w.is_contiguous() and self.scale is None and table_ok
+                    and g.table.is_contiguous() and k % g.group == 0)  # fmt: skip
+        if w.dtype == torch.float8_e4m3fn:
+            return w.shape == (panels, k, PANEL) and w.is_contiguous() and self.scale is not None
+        return is_packed(w, n, k) and (self.scale is not None) == (w.dtype == torch.int8)
 
 
 @dataclass
@@ -132,8 +164,8 @@ class DecodeStack:
         def opt(t: Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        def lin(x: StackLinear) -> _Lin:
-            return _Lin(x.weight.data_ptr(), opt(x.scale), opt(x.bias), WEIGHT_TYPES[x.weight.dtype])
+        def lin(x: StackLinear) -> LinearWeightStruct:
+            return x.struct()
 
         self.layers = (_Layer * len(layers))(
             *(
@@ -201,7 +233,7 @@ def stack_supported(layers: list[StackLayer], heads: int, kv_heads: int, head_di
 
     for x in layers:
         for lin, (n, k) in zip((x.qkv, x.o, x.gate_up, x.down), shapes, strict=True):
-            if not is_packed(lin.weight, n, k) or (lin.scale is not None) != (lin.weight.dtype == torch.int8):
+            if lin.weight.device.type != "cpu" or not lin.packed_as(n, k):
                 return False
             if not (vector(lin.scale, n) and vector(lin.bias, n)):
                 return False

@@ -144,8 +144,8 @@ class LlamaFamilyModel(nn.Module):
             return "OLMo 2's norms: after each sublayer, and over whole q / k projections"
         if self.rotary.dim != self.spec.head_dim:
             return "a partial rotary factor"
-        if any(lin.bits or lin.weight.dtype == torch.float8_e4m3fn for lin in self.linears()):
-            return "weights kept quantised as the checkpoint ships them (FP8, 4-bit or 8-bit groups)"
+        if any(lin.in_perm is not None for lin in self.linears()):
+            return "an input permutation (GPTQ act-order)"
         return None
 
     @property
@@ -289,7 +289,9 @@ class LlamaFamilyModel(nn.Module):
             assert isinstance(layer, DecoderLayer) and layer.input_layernorm is not None
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            qkv, o, gate_up, down = (StackLinear(lin.weight, lin.scale, lin.bias) for lin in projections)
+            qkv, o, gate_up, down = (
+                StackLinear(lin.weight, lin.scale, lin.bias, lin.groups()) for lin in projections
+            )
             layers.append(
                 StackLayer(
                     qkv,
