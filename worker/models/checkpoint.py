@@ -23,9 +23,17 @@ BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_FILES = (SAFETENSORS, SAFETENSORS_INDEX, BIN, BIN_INDEX)  # the order transformers prefers them in
 
-# The dtypes of safetensors' header that a decoder's weights come in (quantised formats need their scales,
-# which our decoder does not read).
+# The dtypes of safetensors' header that a decoder's weights come in; a quantised checkpoint's packed
+# integers and FP8 weights besides (read only where its quantization_config says how: quant_loading.py).
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+QUANT_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
 _HEADER_MAX = 100 << 20  # a safetensors header longer than this is a corrupt file, not a header
 
 
@@ -41,14 +49,14 @@ class TensorEntry:
     nbytes: int
 
 
-def list_tensors(folder: Path) -> tuple[str, list[TensorEntry]]:
+def list_tensors(folder: Path, quantized: bool = False) -> tuple[str, list[TensorEntry]]:
     """(what lists the tensors: the index or the single file, for messages; every tensor) of a checkpoint
     folder."""
     where, files = _weight_files(folder)
     entries: list[TensorEntry] = []
     seen: dict[str, Path] = {}
     for f in files:
-        for e in _bin_entries(f) if f.suffix == ".bin" else _safetensors_entries(f):
+        for e in _bin_entries(f, quantized) if f.suffix == ".bin" else _safetensors_entries(f, quantized):
             if e.name in seen:
                 raise CheckpointError(f"tensor {e.name!r} is in both {seen[e.name]} and {f}")
             seen[e.name] = f
@@ -79,7 +87,7 @@ def _weight_files(folder: Path) -> tuple[str, list[Path]]:
     raise CheckpointError(f"{folder}: no weights: none of {', '.join(WEIGHT_FILES)}")
 
 
-def _safetensors_entries(file: Path) -> list[TensorEntry]:
+def _safetensors_entries(file: Path, quantized: bool) -> list[TensorEntry]:
     """The tensors of a safetensors file from its header: 8 bytes of header length, the header (JSON: name
     -> dtype, shape, data_offsets from the end of the header), then the data."""
     try:
@@ -108,7 +116,7 @@ def _safetensors_entries(file: Path) -> list[TensorEntry]:
             dtype_name = str(info["dtype"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"tensor {name!r} in {file}: its header entry is malformed") from None
-        dtype = DTYPES.get(dtype_name)
+        dtype = DTYPES.get(dtype_name) or (QUANT_DTYPES.get(dtype_name) if quantized else None)
         if dtype is None:
             raise CheckpointError(
                 f"tensor {name!r} in {file}: dtype {dtype_name}, not one of {', '.join(DTYPES)} (quantised "
@@ -149,10 +157,10 @@ def map_bin(file: Path) -> dict[str, Tensor]:
     return sd
 
 
-def _bin_entries(file: Path) -> list[TensorEntry]:
+def _bin_entries(file: Path, quantized: bool) -> list[TensorEntry]:
     out = []
     for name, t in map_bin(file).items():
-        if t.dtype not in DTYPES.values():
+        if t.dtype not in DTYPES.values() and not (quantized and t.dtype in QUANT_DTYPES.values()):
             raise CheckpointError(
                 f"tensor {name!r} in {file}: dtype {t.dtype}, not a floating type batchq loads"
             )

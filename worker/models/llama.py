@@ -9,13 +9,14 @@ parameters (load_weights, under Hugging Face's names).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker.kernels.backend import TORCH_LINEAR, Backend, DecodeStack, StackLayer, StackLinear
+from worker.models.errors import CheckpointError
 from worker.models.layers import (
     AttentionMetadata,
     KVCache,
@@ -25,6 +26,7 @@ from worker.models.layers import (
     apply_rotary,
     paged_attention,
 )
+from worker.models.quant_loading import QuantizedModule
 from worker.models.spec import DecoderSpec
 from worker.models.weights import Slot, WeightSource, fill
 
@@ -34,6 +36,7 @@ __all__ = ["DecoderSpec", "KVCache", "LlamaFamilyModel"]
 # Tensors a checkpoint may hold that are not weights: older Llama checkpoints saved the rotary inv_freq
 # buffer, which the rotary table computes from the config (Hugging Face drops them too).
 IGNORED = ("rotary_emb.inv_freq",)
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class Attention(nn.Module):
@@ -342,7 +345,70 @@ class LlamaFamilyModel(nn.Module):
         into o_proj and down_proj (weights and biases), the last ops of the two sublayers, so that the decode
         stack runs Granite as it runs Llama. A missing, unexpected, misshapen or doubled tensor raises
         CheckpointError naming it and its file (`where`: what should have held a missing one)."""
-        fill(self._weight_slots(), ((n, w) for n, w in weights if not n.endswith(IGNORED)), where)
+        perms: dict[str, tuple[str, Tensor]] = {}  # our linear -> (its first part's name, act-order's order)
+
+        def kept(
+            pairs: Iterable[tuple[str, Tensor | WeightSource]],
+        ) -> Iterator[tuple[str, Tensor | WeightSource]]:
+            for n, w in pairs:
+                if n.endswith(IGNORED):
+                    continue
+                if n.endswith(".in_perm") and isinstance(w, Tensor):
+                    self._take_perm(n, w, perms)
+                    continue
+                yield n, w
+
+        fill(self._weight_slots(), kept(weights), where)
+        for name, lin in self._linears_by_name().items():
+            if lin.in_perm is not None and name not in perms:
+                raise CheckpointError(
+                    f"quantised module {name!r}: its act-order g_idx is not in the checkpoint ({where})"
+                )
+
+    def prepare_quantized(self, modules: dict[str, QuantizedModule]) -> None:
+        """Room in each linear for the weights a quantised checkpoint keeps quantised (`modules`: Hugging
+        Face's module name -> how it is stored, quant_loading.quantised_linears). A fused projection's
+        parts must be stored alike."""
+        for name, lin in self._linears_by_name().items():
+            names = self._hf_parts(name)
+            parts = [m for m in names if m in modules]
+            if not parts:
+                continue
+            kinds = {modules[m] for m in parts}
+            alike = parts == names[:-1] or parts == names[-1:]  # every part, or the checkpoint's fused one
+            if len(kinds) > 1 or not alike:
+                raise CheckpointError(
+                    f"quantised modules {parts}: the parts of batchq's fused {name} must be quantised alike"
+                )
+            q = kinds.pop()
+            try:
+                lin.empty_groups(q.group, q.bits, q.act_order) if q.kind == "groups" else lin.empty_fp8()
+            except ValueError as e:
+                raise CheckpointError(f"quantised module {parts[0]!r}: {e}") from None
+
+    def _linears_by_name(self) -> dict[str, Linear]:
+        return {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
+
+    def _hf_parts(self, name: str) -> list[str]:
+        """Hugging Face's module names for our linear `name` (its parts, then itself where fused)."""
+        hf = name if name.startswith("lm_head") else "model." + name
+        module = name.rsplit(".", 1)[-1]
+        return [hf.replace(module, part) for part in FUSED_PARTS.get(module, ())] + [hf]
+
+    def _take_perm(self, name: str, perm: Tensor, perms: dict[str, tuple[str, Tensor]]) -> None:
+        """Act-order's input order of a quantised module: a fused projection's parts must share one."""
+        module = name.removesuffix(".in_perm")
+        for ours, lin in self._linears_by_name().items():
+            if module in self._hf_parts(ours) and lin.in_perm is not None:
+                if ours in perms and not torch.equal(perms[ours][1], perm):
+                    raise CheckpointError(
+                        f"quantised modules {perms[ours][0]!r} and {module!r} order their inputs differently "
+                        f"(act-order), but batchq runs them as one fused {ours}"
+                    )
+                perms.setdefault(ours, (module, perm))
+                lin.in_perm.copy_(perm)
+                return
+        raise CheckpointError(f"tensor {name!r}: the model has no act-order linear of that name")
 
     def _weight_slots(self) -> dict[str, Slot]:
         """Hugging Face's name of every tensor the decoder takes -> where it goes. Our parameters carry
@@ -356,13 +422,18 @@ class LlamaFamilyModel(nn.Module):
         slots: dict[str, Slot] = {}
         if self.embed_tokens is None:  # tied: one table, which the checkpoint may give under either name
             slots["model.embed_tokens.weight"] = Slot("lm_head.weight", self.lm_head.weight, 0, s.vocab_size)
-        for name, t in self.named_parameters():
+        # a quantised linear's (s, o) table or FP8 scales beside its parameters (quant_loading names them)
+        quantised = [(f"{n}.{b}", t) for n, lin in self._linears_by_name().items()
+                     for b, t in (("group_table", lin.group_table), ("scale", lin.scale)) if t is not None]  # fmt: skip
+        for name, t in [*self.named_parameters(), *quantised]:
             hf = name if name.startswith("lm_head.") else "model." + name
             module = name.split(".")[-2]
             start = 0
             for part, rows in parts.get(module, []):  # before the fused name: a missing part is named first
                 slots[hf.replace(module, part)] = Slot(name, t, start, start + rows)
                 start += rows
-            scale = r if module in ("o_proj", "down_proj") else 1.0  # Granite's, folded (load_weights)
-            slots[hf] = Slot(name, t, 0, t.shape[0], scale)
+            # Granite's residual multiplier, folded (load_weights): into the scales of a quantised weight
+            # (s, o) or FP8 scale, not into its integer or FP8 q
+            folded = module in ("o_proj", "down_proj") and t.is_floating_point() and t.element_size() > 1
+            slots[hf] = Slot(name, t, 0, t.shape[0], r if folded else 1.0)
         return slots

@@ -24,11 +24,15 @@ from worker.models.families import (
     check_causal_lm,
     implementation,
 )
+from worker.models.quant_formats import QuantFormatError, quant_config
 from worker.models.resolve import resolve_checkpoint, weights_folder
 from worker.models.spec import UnsupportedLayers
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
+    from torch import Tensor
 
     from worker.models.layers import RotaryTable
     from worker.models.llama import LlamaFamilyModel
@@ -179,15 +183,26 @@ def _native(
     """Our decoder, built empty on `device` in `dtype`, its weights streamed from the checkpoint's files
     (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most)."""
     from worker.models.llama import LlamaFamilyModel
-    from worker.models.weights import Checkpoint
+    from worker.models.quant_loading import assemble, quantised_linears
+    from worker.models.weights import Checkpoint, WeightSource
 
-    with Checkpoint(folder) as checkpoint:
+    try:
+        quant = quant_config(hf_config)
+    except QuantFormatError as e:
+        raise ModelLoadError(f"model {model!r}: {e}") from None
+    with Checkpoint(folder, quantized=quant is not None) as checkpoint:
         try:
             spec = _spec(hf_config, checkpoint.names)
         except UnsupportedLayers as e:
             raise ModelLoadError(f"model {model!r}: {e}") from None
         ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
-        ours.load_weights(checkpoint.tensors(), checkpoint.where)
+        tensors: Iterator[tuple[str, Tensor | WeightSource]] = checkpoint.tensors()
+        if quant is not None:  # its linears stay quantised as the checkpoint ships them
+            modules = quantised_linears(quant, checkpoint.names)
+            ours.prepare_quantized(modules)
+            tensors = assemble(quant, modules, tensors)
+            log.info("%s checkpoint: %d linear layers kept quantised", quant.method, len(modules))
+        ours.load_weights(tensors, checkpoint.where)
     return ours.eval()
 
 

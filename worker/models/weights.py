@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from worker.models.checkpoint import TensorEntry, list_tensors, map_bin
+from worker.models.checkpoint import DTYPES, TensorEntry, list_tensors, map_bin
 from worker.models.errors import CheckpointError
 
 # Preads in flight: the page faults of fresh parameter memory and the copy out of the page cache run on
@@ -45,6 +45,7 @@ from worker.models.errors import CheckpointError
 READ_THREADS = 4
 CHUNK_BYTES = 16 << 20  # one pread, and a reading thread's staging buffer (conversions, device copies)
 _READ_MAX = 1 << 30  # bytes per pread call (Linux returns at most about 2 GiB from one)
+FLOAT_DTYPES = set(DTYPES.values())  # converted to whatever the destination takes
 
 
 class WeightSource(Protocol):
@@ -52,6 +53,11 @@ class WeightSource(Protocol):
 
     @property
     def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Its dtype in the file."""
+        ...
 
     @property
     def where(self) -> str:
@@ -74,6 +80,10 @@ class InMemory:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
     def read_into(self, dest: Tensor) -> None:
         dest.copy_(self.tensor)
 
@@ -83,8 +93,10 @@ class Checkpoint:
 
     Use as a context manager: the open file (and a .bin shard's mapping) is closed on exit."""
 
-    def __init__(self, folder: Path) -> None:
-        self.where, self.entries = list_tensors(folder)
+    def __init__(self, folder: Path, quantized: bool = False) -> None:
+        """quantized: list a quantised checkpoint's integer and FP8 tensors too (each still reads only into a
+        destination of its own dtype)."""
+        self.where, self.entries = list_tensors(folder, quantized)
         self._fd: tuple[Path, int] | None = None
         self._shard: tuple[Path, dict[str, Tensor]] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -101,6 +113,11 @@ class Checkpoint:
 
     def read_into(self, e: TensorEntry, dest: Tensor) -> None:
         assert tuple(dest.shape) == e.shape and dest.is_contiguous(), (e.name, dest.shape)
+        if e.dtype != dest.dtype and e.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {e.name!r} in {e.file}: dtype {str(e.dtype).removeprefix('torch.')}, where the model "
+                f"takes {str(dest.dtype).removeprefix('torch.')} (a quantised tensor its config does not describe)"
+            )
         if e.file.suffix == ".bin":
             self._read_bin(e, dest)
         else:
@@ -216,6 +233,10 @@ class _Source:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.entry.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entry.dtype
 
     @property
     def where(self) -> str:
