@@ -109,3 +109,12 @@ def test_a_quantised_module_missing_a_part_names_it(tmp_path: Path) -> None:
         f"model {str(dest)!r}: cannot load its weights: quantised module 'model.layers.1.self_attn.o_proj': the "
         "checkpoint holds only its ['g_idx', 'qweight', 'scales']"
     )
+
+
+def test_a_quantised_checkpoint_is_not_quantised_again(tmp_path: Path) -> None:
+    src = build_tiny_checkpoint(tmp_path / "float", "llama", seed=2)
+    dest = tmp_path / "awq"
+    quantise_checkpoint(src, dest, "awq", 4, 32)
+    cfg = EngineConfig(dtype="float32", model=str(dest), kv_cache_gb=0.01, weight_dtype="int8")
+    with pytest.raises(ValueError, match="quantised already"):
+        Engine.load(cfg)

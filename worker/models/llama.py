@@ -192,7 +192,13 @@ class LlamaFamilyModel(nn.Module):
         self._stack = None
 
     def quantize_weights(self, dtype: torch.dtype) -> None:
-        """Store every linear weight (the LM head and a tied embedding included) as `dtype`."""
+        """Store every linear weight (the LM head and a tied embedding included) as `dtype`. A checkpoint's
+        own quantisation is not quantised again: ValueError."""
+        if any(lin.bits or lin.weight.dtype == torch.float8_e4m3fn for lin in self.linears()):
+            raise ValueError(
+                f"weight_dtype {str(dtype).removeprefix('torch.')}: the checkpoint's weights are quantised already "
+                "and are kept as it ships them; use weight_dtype = 'auto'"
+            )
         for lin in self.linears():
             lin.quantize(dtype)
         self._stack = None
