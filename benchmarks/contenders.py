@@ -214,9 +214,9 @@ def run_hf(lines: list[dict[str, Any]], dtype: str, sweep_s: float) -> dict[str,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-    from worker.models.resolve import resolve_checkpoint
+    from worker.models.resolve import hf_checkpoint
 
-    ckpt = resolve_checkpoint(MODEL)
+    ckpt = hf_checkpoint(MODEL)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype))
     tok = AutoTokenizer.from_pretrained(ckpt)
     model.eval()

@@ -145,9 +145,9 @@ def run_hf(lines: list[dict[str, Any]], dtype: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.models.resolve import resolve_checkpoint
+    from worker.models.resolve import hf_checkpoint
 
-    ckpt = resolve_checkpoint(MODEL)
+    ckpt = hf_checkpoint(MODEL)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
     tok.padding_side = "left"

@@ -23,4 +23,6 @@ def smol_engine() -> Engine:
 def smol_hf(smol_engine: Engine):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smol_engine.checkpoint_dir, dtype=torch.float32).eval()
+    from worker.models.resolve import hf_checkpoint
+
+    return AutoModelForCausalLM.from_pretrained(hf_checkpoint("smollm2-135m"), dtype=torch.float32).eval()

@@ -154,6 +154,11 @@ class Engine:
                 )
             loaded.model.quantize_weights(weight_dtype)
             log.info("linear weights stored as %s", weight_dtype)
+        quantised = loaded.model.quantised_linears()
+        if quantised and backend.linear.name == "torch":
+            loaded.model.dequantize_weights(dtype)  # torch's F.linear would dequantise them every step
+            log.info("%d quantised linear layers dequantised to %s (no kernel here runs them as stored)",
+                     len(quantised), str(dtype).removeprefix("torch."))  # fmt: skip
         loaded.model.use_backend(backend)
         kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype)
         if backend.name == "triton" and kv_dtype != dtype:

@@ -156,8 +156,9 @@ def dequantized(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Ten
 def dequantized_groups(q: Tensor, s: Tensor, o: Tensor, group: int) -> Tensor:
     """The float32 [out, in] weight s * q - o of a group-quantised one (q [out, in], s and o [out, in /
     group]): the reference formula, each weight rounded once in float32 as linear.c computes it."""
-    s32, o32 = s.float().repeat_interleave(group, dim=1), o.float().repeat_interleave(group, dim=1)
-    return torch.addcmul(-o32, q.float(), s32)
+    n, k = q.shape
+    qg = q.float().view(n, k // group, group)
+    return torch.addcmul(-o.float()[..., None], qg, s.float()[..., None]).view(n, k)
 
 
 class PackedLinear:

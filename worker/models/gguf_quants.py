@@ -44,6 +44,9 @@ BLOCKS = {
 }
 
 
+F16_GROUPS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # whose s and o are float16 values in the file
+
+
 def supported(type_name: str) -> bool:
     return type_name in BLOCKS
 

@@ -123,17 +123,27 @@ class Linear(nn.Module):
             assert bias is not None, "a biased layer needs its bias"
             self.bias.copy_(bias)
 
-    def empty_groups(self, group: int, bits: int, act_order: bool) -> None:
+    def empty_groups(
+        self, group: int, bits: int, act_order: bool, table_dtype: torch.dtype = torch.float32
+    ) -> None:
         """Room for a group-quantised weight (torch's layout, before the backend's), filled by load_weights:
-        q in `weight`, (s, o) in `group_table` (float32), act-order's input order in `in_perm`."""
+        q in `weight`, (s, o) in `group_table` (of table_dtype), act-order's input order in `in_perm`."""
         n, k, device = self.out_features, self.in_features, self.weight.device
         if k % group:
             raise ValueError(f"{k} input rows do not split into groups of {group}")
         dtype = torch.uint8 if bits == 4 else torch.int8
         self.weight = nn.Parameter(torch.empty(n, k, dtype=dtype, device=device), requires_grad=False)
-        self.group_table = torch.empty(n, k // group, 2, device=device)
+        self.group_table = torch.empty(n, k // group, 2, dtype=table_dtype, device=device)
         self.in_perm = torch.empty(k, dtype=torch.int64, device=device) if act_order else None
         self.group, self.bits, self.scale = group, bits, None
+
+    @torch.no_grad()
+    def dequantize(self, dtype: torch.dtype) -> None:
+        """Store the weight dense in `dtype` (its reference dequantisation), in the method's layout."""
+        w = self.dequantized(dtype)
+        self.weight = nn.Parameter(self.method.store(w), requires_grad=False)
+        self.group_table = self.in_perm = self.scale = None
+        self.group = self.bits = 0
 
     def empty_fp8(self) -> None:
         """Room for an FP8 E4M3 weight and its float32 scale per output, filled by load_weights."""

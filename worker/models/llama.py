@@ -194,13 +194,24 @@ class LlamaFamilyModel(nn.Module):
     def quantize_weights(self, dtype: torch.dtype) -> None:
         """Store every linear weight (the LM head and a tied embedding included) as `dtype`. A checkpoint's
         own quantisation is not quantised again: ValueError."""
-        if any(lin.bits or lin.weight.dtype == torch.float8_e4m3fn for lin in self.linears()):
+        if self.quantised_linears():
             raise ValueError(
                 f"weight_dtype {str(dtype).removeprefix('torch.')}: the checkpoint's weights are quantised already "
                 "and are kept as it ships them; use weight_dtype = 'auto'"
             )
         for lin in self.linears():
             lin.quantize(dtype)
+        self._stack = None
+
+    def quantised_linears(self) -> list[Linear]:
+        """The linears holding a checkpoint's own quantisation (FP8, or 4/8-bit groups)."""
+        return [lin for lin in self.linears() if lin.bits or lin.weight.dtype == torch.float8_e4m3fn]
+
+    def dequantize_weights(self, dtype: torch.dtype) -> None:
+        """Every quantised linear stored dense in `dtype`: where no kernel of the backend runs them as they
+        are (torch's ops would dequantise them at every call)."""
+        for lin in self.quantised_linears():
+            lin.dequantize(dtype)
         self._stack = None
 
     def set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
@@ -388,9 +399,17 @@ class LlamaFamilyModel(nn.Module):
                 )
             q = kinds.pop()
             try:
-                lin.empty_groups(q.group, q.bits, q.act_order) if q.kind == "groups" else lin.empty_fp8()
+                if q.kind == "groups":
+                    table = torch.float16 if q.table == "f16" else torch.float32
+                    lin.empty_groups(q.group, q.bits, q.act_order, table)
+                else:
+                    lin.empty_fp8()
             except ValueError as e:
                 raise CheckpointError(f"quantised module {parts[0]!r}: {e}") from None
+
+    def hf_linear_modules(self) -> set[str]:
+        """Hugging Face's module names that the decoder's linears take (fused projections' parts too)."""
+        return {m for name in self._linears_by_name() for m in self._hf_parts(name)}
 
     def _linears_by_name(self) -> dict[str, Linear]:
         return {n: m for n, m in self.named_modules() if isinstance(m, Linear)}

@@ -25,7 +25,7 @@ from worker.models.families import (
     implementation,
 )
 from worker.models.quant_formats import QuantFormatError, quant_config
-from worker.models.resolve import resolve_checkpoint, weights_folder
+from worker.models.resolve import gguf_checkpoint, gguf_source, resolve_checkpoint, weights_folder
 from worker.models.spec import UnsupportedLayers
 
 if TYPE_CHECKING:
@@ -139,11 +139,15 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
         gen_config = GenerationConfig.from_model_config(hf_config)
     max_len = context_length(hf_config)
     ours: LlamaFamilyModel | TransformersModel
-    if path == "native":
+    gguf = gguf_source(ckpt)  # a GGUF's metadata folder: its weights are in the file
+    if path == "native" and gguf is not None:
+        with reading(model, "its weights"):
+            ours = _native_gguf(model, gguf, hf_config, max_len, dtype, device)
+    elif path == "native":
         with reading(model, "its weights"):
             ours = _native(model, weights_folder(ckpt), hf_config, max_len, dtype, device)
-    else:
-        ours = _fallback(model, ckpt, max_len, dtype, device)
+    else:  # Hugging Face's model, from the dequantised checkpoint of a GGUF
+        ours = _fallback(model, str(gguf_checkpoint(gguf)) if gguf else ckpt, max_len, dtype, device)
     return LoadedModel(
         name=model,
         model=ours,
@@ -203,6 +207,26 @@ def _native(
             tensors = assemble(quant, modules, tensors)
             log.info("%s checkpoint: %d linear layers kept quantised", quant.method, len(modules))
         ours.load_weights(tensors, checkpoint.where)
+    return ours.eval()
+
+
+def _native_gguf(
+    model: str, gguf: Path, hf_config: Any, max_len: int, dtype: torch.dtype, device: torch.device
+) -> LlamaFamilyModel:
+    """Our decoder with a GGUF file's weights, its linears kept in the file's quantisation (gguf_weights)."""
+    from worker.models.gguf_weights import GGUFCheckpoint
+    from worker.models.llama import FUSED_PARTS, LlamaFamilyModel
+
+    checkpoint = GGUFCheckpoint(gguf, hf_config)
+    try:
+        spec = _spec(hf_config, checkpoint.names)
+    except UnsupportedLayers as e:
+        raise ModelLoadError(f"model {model!r}: {e}") from None
+    ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
+    modules = checkpoint.keep_quantised(ours.hf_linear_modules(), FUSED_PARTS)
+    ours.prepare_quantized(modules)
+    log.info("GGUF %s: %d linear layers kept quantised", gguf.name, len(modules))
+    ours.load_weights(checkpoint.tensors(), checkpoint.where)
     return ours.eval()
 
 

@@ -38,6 +38,7 @@ class QuantizedModule:
     bits: int = 0
     group: int = 0
     act_order: bool = False
+    table: str = "f32"  # the (s, o) table's float type: "f32", or "f16" where the values are float16 (GGUF's)
 
 
 def quantised_linears(cfg: QuantConfig, names: set[str]) -> dict[str, QuantizedModule]:

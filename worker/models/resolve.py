@@ -217,18 +217,70 @@ def gguf_checkpoint(gguf: Path) -> Path:
     return target
 
 
+GGUF_SOURCE = "gguf_source.json"  # in a GGUF's metadata folder: the file its weights come from
+
+
+def gguf_metadata(gguf: Path) -> Path:
+    """A folder with `gguf`'s config, tokenizer and generation config as transformers reads them from the
+    file, and no weights (those stream from the GGUF itself: gguf_weights.py), built and cached on first
+    use; GGUF_SOURCE names the file."""
+    st = gguf.stat()
+    target = cache_dir() / "gguf-meta" / f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}"
+    if (target / GGUF_SOURCE).exists():
+        return target
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    with reading(str(gguf), "the GGUF file"):
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        source = {"path": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        (tmp / GGUF_SOURCE).write_text(json.dumps(source))
+        os.replace(tmp, target)  # atomic: concurrent workers see a complete folder or none
+    except OSError:
+        if not (target / GGUF_SOURCE).exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def gguf_source(ckpt: str) -> Path | None:
+    """The GGUF file whose metadata folder `ckpt` is (gguf_metadata), or None."""
+    marker = Path(ckpt) / GGUF_SOURCE
+    if not marker.is_file():
+        return None
+    return Path(json.loads(marker.read_text(encoding="utf-8"))["path"])
+
+
 def resolve_checkpoint(model: str) -> str:
-    """What transformers loads for `model`: a local checkpoint folder, or the hub id (whose config.json
-    `check_model_reference` has found in, or brought into, the Hugging Face cache)."""
+    """Where transformers reads `model`'s config and tokenizer: a local checkpoint folder, the hub id (whose
+    config.json `check_model_reference` has found in, or brought into, the Hugging Face cache), or for a
+    GGUF file its metadata folder (gguf_metadata)."""
     check_model_reference(model)
     if model == SMOLLM2_ALIAS:
-        return str(gguf_checkpoint(smollm2_gguf_path()))
+        return str(gguf_metadata(smollm2_gguf_path()))
     path = Path(model).expanduser()
     if path.is_file():
-        return str(gguf_checkpoint(path.resolve()))
+        return str(gguf_metadata(path.resolve()))
     if path.is_dir():
         return str(path)
     return model
+
+
+def hf_checkpoint(model: str) -> str:
+    """What Hugging Face's from_pretrained loads for `model` with its weights: resolve_checkpoint's answer,
+    or for a GGUF file its dequantised checkpoint (gguf_checkpoint), as transformers would read the file."""
+    ckpt = resolve_checkpoint(model)
+    source = gguf_source(ckpt)
+    return ckpt if source is None else str(gguf_checkpoint(source))
 
 
 def weights_folder(ckpt: str) -> Path:

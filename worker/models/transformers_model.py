@@ -149,6 +149,13 @@ class TransformersModel(nn.Module):
     def use_backend(self, backend: Backend) -> None:
         """Nothing to move: Hugging Face's layers run as they are; attention takes the backend per step."""
 
+    def quantised_linears(self) -> list[nn.Module]:
+        """None: Hugging Face's own layers hold whatever the checkpoint held, in the compute dtype."""
+        return []
+
+    def dequantize_weights(self, dtype: torch.dtype) -> None:
+        pass
+
     def quantize_weights(self, dtype: torch.dtype) -> None:
         raise ValueError(
             f"weight_dtype {dtype}: the transformers fallback runs Hugging Face's own linear layers in the compute "
