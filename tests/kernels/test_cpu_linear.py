@@ -170,7 +170,9 @@ def test_narrower_instruction_sets_give_the_same_answers(
     lib = _load_for(flags)
     gen = torch.Generator().manual_seed(11)
     k, n = 96, 37
-    for m, dtype in itertools.product((1, 2, 3, 4, 9), (torch.float32, torch.bfloat16, torch.int8)):
+    for m, dtype in itertools.product(
+        (1, 2, 3, 4, 9, 16, 33, 70), (torch.float32, torch.bfloat16, torch.int8)
+    ):
         x = torch.randn(m, k, generator=gen)
         lin = Linear(k, n, bias=True)
         lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))

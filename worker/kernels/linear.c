@@ -91,13 +91,16 @@ static inline size_t row_bytes(const int elem) {
 #ifndef KBLOCK
 #define KBLOCK 64
 #endif
-/* Decode-sized steps (M <= KB_ROWS) of the weights linear.c dequantises (and with KB_DIRECT of every weight)
-   go through the panel a KBLOCK at a time (linear_part_kb). */
+/* Decode-sized steps (M <= KB_ROWS) of the weights linear.c dequantises, and with 8-float vectors of every
+   weight (KB_DIRECT), go through the panel a KBLOCK at a time (linear_part_kb): a tile there covers half a
+   panel, so the two halves and every tile of rows then reread the block from L1 rather than the panel from
+   L2. With 16-float vectors one tile holds a whole panel and up to MR rows, and the panel-at-a-time tiles
+   do better. */
 #ifndef KB_ROWS
 #define KB_ROWS 64
 #endif
 #ifndef KB_DIRECT
-#define KB_DIRECT 0
+#define KB_DIRECT (VL == 8)
 #endif
 
 /* VL weights widened to float32. The widenings are intrinsics on x86: GCC 12 turns the generic
