@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # Stage budgets in seconds (hard timeouts); GPU total 480 s + start-up leaves room under 9.5 min.
-GPU_STAGES = [("kernels", 110), ("parity", 60), ("bench:llama-1b", 120), ("bench:llama-8b", 190)]
-TINY_STAGES = [("parity", 40), ("bench:tiny", 40)]
+GPU_STAGES = [("kernels", 110), ("parity", 60), ("quant:llama-1b", 80), ("bench:llama-1b", 110),
+              ("bench:llama-8b", 150)]  # fmt: skip
+TINY_STAGES = [("parity", 40), ("quant:tiny", 30), ("bench:tiny", 40)]
 
 
 def hardware() -> dict[str, Any]:
@@ -158,11 +159,59 @@ def stage_bench(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     return res
 
 
+def stage_quant(args: argparse.Namespace, shape: str) -> dict[str, Any]:
+    """Weights kept 4-bit on the GPU (every projection, groups of 128, through Triton's quantised GEMM)
+    against the same engine holding those weights dequantised (bf16, F.linear): greedy agreement and
+    output tok/s of each on the same jobs."""
+    import torch
+
+    from benchmarks import gpu_models as gm
+    from worker.engine.config import EngineConfig
+    from worker.engine.params import GenerationParams
+    from worker.engine.request import EngineRequest
+
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tiny = shape == "tiny"
+    jobs = gm.workload(16 if tiny else 128, gm.SHAPES[shape]["vocab_size"])
+    jobs = [gm.Job(j.prompt_ids[:200], min(j.max_new_tokens, 12 if tiny else 64)) for j in jobs]
+    hf = gm.hf_model(shape, dtype, device)
+    cfg = EngineConfig(model=shape, device=args.device, dtype=str(dtype).removeprefix("torch."),
+                       kv_cache_gb=0.05 if tiny else 16, max_num_seqs=128, max_model_len=1024)  # fmt: skip
+    res: dict[str, Any] = {"model": shape, "bits": 4, "group": 128 if not tiny else 32}
+    engines = {}
+    for name in ("q4", "dequantised"):
+        e = gm.engine_from_hf(hf, cfg)
+        res["layers"] = gm.quantize_rtn(e, 4, res["group"])
+        if name == "dequantised":
+            e.model_runner.model.dequantize_weights(dtype)  # type: ignore[operator]
+        engines[name] = e
+    params = GenerationParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    outs = {}
+    for name, e in engines.items():
+        reqs = [
+            EngineRequest(f"p{i}", params, prompt_token_ids=j.prompt_ids) for i, j in enumerate(jobs[:16])
+        ]
+        outs[name] = [r.token_ids for r in e.generate(reqs)]
+    res["identical"] = f"{sum(a == b for a, b in zip(outs['q4'], outs['dequantised'], strict=True))}/16"
+    for name, e in engines.items():
+        left = args.budget - (time.perf_counter() - t_start) - 5
+        res[name] = gm.run_engine(e, jobs, max(5.0, left / (2 if name == "q4" else 1)))
+        print(f"  {shape} quant {name}: {res[name]}", flush=True)
+        if args.result:
+            Path(args.result).write_text(json.dumps(res, default=str))
+    res["ok"] = res["identical"].startswith(("16", "15", "14"))  # bf16 near-ties may flip a few
+    return res
+
+
 def run_stage(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if name == "kernels":
         return stage_kernels(args)
     if name == "parity":
         return stage_parity(args)
+    if name.startswith("quant:"):
+        return stage_quant(args, name.split(":", 1)[1])
     return stage_bench(args, name.split(":", 1)[1])
 
 
@@ -190,6 +239,15 @@ def spawn(name: str, budget: int, args: argparse.Namespace, out_dir: Path) -> di
 
 def report(hw: dict[str, Any], results: dict[str, Any]) -> None:
     print("\n== hardware:", ", ".join(f"{k}={v}" for k, v in hw.items()))
+    for name in [n for n in results if n.startswith("quant:")]:
+        r = results[name]
+        tok = {
+            k: round(r[k]["tok_s"])
+            for k in ("q4", "dequantised")
+            if isinstance(r.get(k), dict) and "tok_s" in r[k]
+        }
+        print(f"== {name}: {'PASS' if r.get('ok') else 'FAIL'} ({r.get('wall_s')}s) greedy identical "
+              f"{r.get('identical')}, tok/s {tok} {r.get('error', '')}")  # fmt: skip
     for name in ("kernels", "parity"):
         if name in results:
             r = results[name]

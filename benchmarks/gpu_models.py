@@ -103,6 +103,29 @@ def engine_from_hf(hf: Any, cfg: EngineConfig) -> Engine:
     return Engine(cfg, loaded, runner, num_blocks, context)
 
 
+@torch.inference_mode()
+def quantize_rtn(engine: Engine, bits: int = 4, group: int = 128) -> int:
+    """Every projection of the engine's model (the LM head stays) kept quantised in place, min-max per group
+    of `group` input rows (float16 s and o), as a GPTQ/AWQ checkpoint would be held. Returns the layers."""
+    model = engine.model_runner.model
+    assert isinstance(model, LlamaFamilyModel)
+    layers = [lin for lin in model.linears() if lin is not model.lm_head]
+    top = (1 << bits) - 1
+    for lin in layers:
+        w = lin.dequantized(torch.float32)
+        n, k = w.shape
+        wg = w.view(n, k // group, group)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        sc = ((hi - lo) / top).clamp_min(1e-8)
+        z = torch.round(-lo / sc)
+        q = torch.clamp(torch.round(wg / sc[..., None]) + z[..., None], 0, top).view(n, k)
+        q = q.to(torch.uint8) if bits == 4 else (q - 128).to(torch.int8)
+        off = sc * (z if bits == 4 else z - 128)
+        lin.load_groups(q, sc.half(), off.half(), group, bits)
+    model._stack = None
+    return len(layers)
+
+
 def run_engine(engine: Engine, jobs: list[Job], budget_s: float) -> dict[str, Any]:
     """Continuous batching over every job; stops early (partial=True) when the budget runs out."""
 
