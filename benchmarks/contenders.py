@@ -1,6 +1,6 @@
 """The contenders of bench.py, each run in its own process so peak RSS and threads are its own.
 
-python benchmarks/contenders.py engine WORKLOAD.jsonl OUT.json --dtype float32 [--weight-dtype int8]
+python benchmarks/contenders.py engine WORKLOAD.jsonl OUT.json --dtype float32 [--dequantised [--weight-dtype int8]]
 python benchmarks/contenders.py hf WORKLOAD.jsonl OUT.json --dtype float32
 python benchmarks/contenders.py queue WORKLOAD.jsonl OUT.json --dtype float32
 python benchmarks/contenders.py llamacpp WORKLOAD.jsonl OUT.json   # optional: pip install llama-cpp-python
@@ -87,18 +87,23 @@ def run_engine(
     full_batch: int,
     kv_cache_dtype: str = "auto",
     weight_dtype: str = "auto",
+    dequantised: bool = False,
 ) -> dict[str, Any]:
+    """dequantised: the model from Hugging Face's float32 dequantisation of its GGUF (what weight_dtype
+    narrows; the default keeps the file's Q4_1 / Q8_0 weights as they ship)."""
     from benchmarks.bench import memory_bandwidth
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.kv_pool import kv_bytes_per_token
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.models.resolve import hf_checkpoint
 
+    model_ref = hf_checkpoint(MODEL) if dequantised else MODEL
     t0 = time.perf_counter()
     engine = Engine.load(
         EngineConfig(
-            model=MODEL,
+            model=model_ref,
             device="cpu",
             dtype=dtype,
             max_num_seqs=max_num_seqs,
@@ -137,7 +142,10 @@ def run_engine(
     # packed weights hold padding columns: count the model's own parameters, and the bytes a step streams
     params = sum(p.numel() for p in model.parameters()) - sum(lin.weight.numel() for lin in linears)
     params += sum(lin.in_features * lin.out_features for lin in linears)
-    weight_bytes = sum(lin.weight.nbytes + (0 if lin.scale is None else lin.scale.nbytes) for lin in linears)
+    weight_bytes = sum(
+        lin.weight.nbytes + sum(0 if t is None else t.nbytes for t in (lin.scale, lin.group_table))
+        for lin in linears
+    )
     flops = workload_flops(engine.model_runner.model, results)
     kv_blocks = engine.stats().kv_blocks_total
     del engine
@@ -146,6 +154,8 @@ def run_engine(
         name += f", {kv_cache_dtype} KV cache"
     if weight_dtype != "auto":
         name += f", {weight_dtype} weights"
+    elif dequantised:
+        name += ", float32 weights (dequantised GGUF)"
     summary = _summary(
         name,
         wall,
@@ -173,7 +183,7 @@ def run_engine(
     need = full_batch * (prompt_len + 48 + 16) * kv_bytes
     big = Engine.load(
         EngineConfig(
-            model=MODEL,
+            model=model_ref,
             device="cpu",
             dtype=dtype,
             max_num_seqs=full_batch,
@@ -455,10 +465,21 @@ def main() -> int:
     )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--weight-dtype", default="auto")
+    p.add_argument(
+        "--dequantised", action="store_true", help="the GGUF's float32 dequantisation (weight_dtype's source)"
+    )
     ns = p.parse_args()
     lines = load_lines(ns.workload)
     if ns.mode == "engine":
-        res = run_engine(lines, ns.dtype, ns.max_num_seqs, ns.full_batch, ns.kv_cache_dtype, ns.weight_dtype)
+        res = run_engine(
+            lines,
+            ns.dtype,
+            ns.max_num_seqs,
+            ns.full_batch,
+            ns.kv_cache_dtype,
+            ns.weight_dtype,
+            ns.dequantised,
+        )
     elif ns.mode == "llamacpp":
         res = run_llamacpp(lines)
     elif ns.mode == "hf":
