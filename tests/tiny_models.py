@@ -41,6 +41,29 @@ def byte_tokenizer(chat_template: bool = True) -> Any:
     return fast
 
 
+# A reasoning model's tokenizer: the byte tokenizer plus <think> and </think> (ids THINK, END_THINK; a
+# model for it needs vocab_size=THINK_VOCAB_SIZE). Its template opens thinking in the prompt where
+# `open_thinking` is set (DeepSeek-R1's), closes it there with enable_thinking=false (Qwen3's), else
+# leaves it to the model; reasoning_effort, where given, lands in the prompt.
+THINK, END_THINK = VOCAB_SIZE, VOCAB_SIZE + 1
+THINK_VOCAB_SIZE = VOCAB_SIZE + 2
+THINK_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<s>system\nReasoning: {{ reasoning_effort }}</s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% elif open_thinking is defined and open_thinking %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def think_tokenizer() -> Any:
+    fast = byte_tokenizer(chat_template=False)
+    fast.add_special_tokens({"additional_special_tokens": ["<unk>", "<s>", "</s>", "<think>", "</think>"]})
+    assert fast.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK, END_THINK]
+    fast.chat_template = THINK_TEMPLATE
+    return fast
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenisation emits)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

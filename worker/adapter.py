@@ -31,8 +31,9 @@ from worker.engine.request import EngineRequest, EngineResult, TokenLogprob
 # Contract fields with another type in the engine; every other field keeps its name and value.
 _TUPLES = ("stop", "stop_token_ids", "choices")
 _CONSTRAINT = ("response_format", "regex")  # -> the engine's one `constraint`
-# n is checked by the contract (n=1 only); structured_outputs is folded into the constraint fields there.
-_NOT_PARAMS = ("n", "structured_outputs")
+# n is checked by the contract (n=1 only); structured_outputs is folded into the constraint fields there;
+# the template's variables go with the request (chat_template_kwargs, reasoning_effort among them).
+_NOT_PARAMS = ("n", "structured_outputs", "chat_template_kwargs", "reasoning_effort")
 
 
 def generation_params(params: SamplingParams) -> GenerationParams:
@@ -70,7 +71,17 @@ def engine_request(req: Request, request_id: str) -> EngineRequest:
         prompt=req.prompt,
         messages=[m.model_dump(exclude_none=True) for m in req.messages] if req.messages else None,
         started_at=time.monotonic(),
+        chat_template_kwargs=template_kwargs(req.params),
     )
+
+
+def template_kwargs(params: SamplingParams) -> dict[str, Any] | None:
+    """The chat template's extra variables: chat_template_kwargs, and reasoning_effort by that name (a
+    variable of its own set in chat_template_kwargs wins, as the more specific)."""
+    given = dict(params.chat_template_kwargs or {})
+    if params.reasoning_effort is not None:
+        given.setdefault("reasoning_effort", params.reasoning_effort)
+    return given or None
 
 
 def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id: str, model: str) -> Result:
@@ -80,8 +91,14 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         id=req.id,
         index=req.index,
         text=res.text,
+        reasoning_content=res.reasoning_content,
         finish_reason=res.finish_reason,
-        usage=Usage.counted(res.prompt_tokens, res.completion_tokens, res.cached_tokens),
+        usage=Usage.counted(
+            res.prompt_tokens,
+            res.completion_tokens,
+            res.cached_tokens,
+            None if res.reasoning_content is None else res.reasoning_tokens,
+        ),
         timing=Timing(queued_s=queued_s, ttft_s=res.ttft_s, total_s=res.total_s),
         error=error,
         metadata=req.metadata,

@@ -78,12 +78,16 @@ def openai_line(
     content = result.logprobs.content if result.logprobs is not None else None
     if chat:
         choice["message"] = {"role": "assistant", "content": result.text}
+        if result.reasoning_content is not None:  # vLLM's field for a reasoning model's thinking
+            choice["message"]["reasoning_content"] = result.reasoning_content
         choice["logprobs"] = None if content is None else {"content": [t.model_dump() for t in content]}
     else:
         choice["text"] = result.text
         choice["logprobs"] = None if content is None else _completion_logprobs(content)
     choice["finish_reason"] = _FINISH[result.finish_reason]
     usage = result.usage
+    details = usage.completion_tokens_details
+    reasoning_tokens = details.reasoning_tokens if details is not None else 0
     line["response"] = {
         "status_code": 200,
         "request_id": request_id,
@@ -98,6 +102,7 @@ def openai_line(
                 "completion_tokens": usage.completion_tokens,
                 "total_tokens": usage.total_tokens or usage.prompt_tokens + usage.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
             },
         },
     }

@@ -232,7 +232,7 @@ class ModelRunner:
         # Raw log-probabilities: before penalties, temperature, filtering and grammar masks.
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs]
         raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
-        masked = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        masked = [i for i, s in enumerate(seqs) if s.constrained]
         if masked:
             mask_logits(logits, masked, [seqs[i].matcher for i in masked])
         sampling = SamplingBatch(
@@ -268,7 +268,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[ScoredLabels]:
-        """Each label's log-probability after its sequence's prompt: the sum over its tokens, then the
+        """Each label's log-probability after its sequence's prompt (and thinking): the sum over its tokens, then the
         first EOS, of log p(token | prompt, label tokens before it), in one packed forward pass.
 
         A label row reads the prompt's full blocks in place and recomputes the prompt's tail after them
@@ -289,9 +289,11 @@ class ModelRunner:
         top_rows: list[int] = []  # targets whose sequence asks for top alternatives (ascending)
         for seq, table in zip(seqs, tables, strict=True):
             assert seq.labels is not None
-            full = (seq.prompt_len - 1) // bs
-            tail = seq.prompt_ids[full * bs :]
-            scratch = -(-seq.prompt_len // bs)  # the scratch blocks follow the prompt's own
+            # the context: the prompt, and a reasoning model's thinking before the answer
+            context_ids = seq.prefill_ids
+            full = (len(context_ids) - 1) // bs
+            tail = context_ids[full * bs :]
+            scratch = -(-len(context_ids) // bs)  # the scratch blocks follow the context's own
             for label in seq.labels:
                 new = tail + label
                 k = -(-len(new) // bs)
