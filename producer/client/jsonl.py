@@ -107,6 +107,16 @@ def _json_error(raw: bytes, line_no: int, e: orjson.JSONDecodeError) -> LineErro
     return LineError(line_no, "", f"invalid JSON at column {at + 1}: {e.msg}")
 
 
+# Line fields that only a chat request can honour (a batch default of them leaves prompt lines alone)
+CHAT_ONLY = ("chat_template_kwargs", "reasoning_effort", "max_reasoning_tokens")
+
+
+def _chat_only_fields(line: PromptLine | OpenAIBody) -> list[str]:
+    """The CHAT_ONLY fields a line sets: a raw prompt has no chat template and no reasoning split (vLLM's
+    rule too), so it refuses them."""
+    return [name for name in CHAT_ONLY if getattr(line, name) is not None]
+
+
 def parse_line(
     raw: bytes | None,
     line_no: int,
@@ -154,6 +164,9 @@ def parse_line(
         return [LineError(line_no, "", "prompt must be non-empty", uid)]
     if messages == []:
         return [LineError(line_no, "", "messages must be a non-empty list", uid)]
+    if prompt is not None and (chat_only := _chat_only_fields(line)):
+        where = "body." if openai else ""
+        return [LineError(line_no, where + chat_only[0], "applies to chat requests (messages) only", uid)]
     asked = model
     if body_model is not None:
         asked = aliases.get(body_model, body_model) if aliases else body_model

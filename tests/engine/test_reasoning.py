@@ -1,10 +1,9 @@
 """Reasoning models against HF transformers in float32: the split at the think markers, the thinking budget,
 choices / grammar after thinking, stop rules inside thinking, template variables reaching the template.
 
-The tiny random Qwen3 model gets a tokenizer with <think> and </think> (tests/tiny_models.think_tokenizer),
-and its output rows of the markers copied (scaled up) from tokens its greedy path takes, so that greedy
-decoding opens and closes its thinking on its own. Every expectation comes from HF's greedy path over the
-same checkpoint, decoded and split at the markers.
+The tiny random Qwen3 model (tests/tiny_models.build_think_checkpoint) has a tokenizer with <think> and
+</think> and greedy decoding that opens and closes its thinking on its own. Every expectation comes from
+HF's greedy path over the same checkpoint, decoded and split at the markers.
 """
 
 from __future__ import annotations
@@ -20,9 +19,12 @@ from transformers import AutoModelForCausalLM
 from tests.tiny_models import (
     END_THINK,
     EOS_ID,
+    OPEN,
     THINK,
-    THINK_VOCAB_SIZE,
-    build_tiny_checkpoint,
+    THINK_ASK,
+    build_think_checkpoint,
+    hf_greedy,
+    think_prompt_ids,
     think_tokenizer,
 )
 from worker.engine.config import EngineConfig
@@ -30,23 +32,7 @@ from worker.engine.engine import Engine
 from worker.engine.params import Constraint, GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
 
-ASK = [{"role": "user", "content": "Is the food good?"}]
 LABELS = ("positive", "negative", "neutral")
-OPEN = {"open_thinking": True}  # the prompt opens the thinking (DeepSeek-R1's template)
-
-
-@torch.no_grad()
-def hf_greedy(hf, ids: list[int], n: int, forced: dict[int, int] | None = None) -> list[int]:  # type: ignore[no-untyped-def]
-    """HF's greedy continuation (up to EOS, included), with `forced` tokens {output index: id} in place of
-    what it would pick there."""
-    out: list[int] = []
-    while len(out) < n:
-        logits = hf(torch.tensor([ids + out])).logits[0, -1]
-        token = (forced or {}).get(len(out), int(logits.argmax()))
-        out.append(token)
-        if token == EOS_ID:
-            break
-    return out
 
 
 @torch.no_grad()
@@ -55,37 +41,17 @@ def hf_label_logprob(hf, context: list[int], label: list[int]) -> float:  # type
     return sum(float(lp[len(context) - 1 + i, t]) for i, t in enumerate([*label, EOS_ID]))
 
 
-def prompt_ids(tok, **kwargs: object) -> list[int]:  # type: ignore[no-untyped-def]
-    text = tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True, **kwargs)
-    return list(tok(text, add_special_tokens=False).input_ids)
-
-
 @pytest.fixture(scope="module")
 def reasoner(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, object, object]:
-    path: Path = build_tiny_checkpoint(
-        tmp_path_factory.mktemp("think"), "qwen3", seed=9, vocab_size=THINK_VOCAB_SIZE
-    )
-    tok = think_tokenizer()
-    tok.save_pretrained(path)
+    path = build_think_checkpoint(tmp_path_factory.mktemp("think"))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # Greedy decoding opens its thinking where it would have written its first token, and closes it where
-    # it would have written a token it first writes some steps later.
-    plain = hf_greedy(hf, prompt_ids(tok), 1)
-    head = hf.lm_head.weight
-    with torch.no_grad():
-        head[THINK] = head[plain[0]] * 1.05
-    opened = hf_greedy(hf, prompt_ids(tok, **OPEN), 24)
-    closer = next(t for i, t in enumerate(opened) if i >= 6 and t not in opened[:i] and t != plain[0])
-    with torch.no_grad():
-        head[END_THINK] = head[closer] * 1.05
-    hf.save_pretrained(path)
     engine = Engine.load(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.02, block_size=8))
-    return engine, hf, tok
+    return engine, hf, think_tokenizer()
 
 
 def chat(rid: str, kwargs: dict[str, object] | None = None, **params: object) -> EngineRequest:
     p = GenerationParams(**{"max_new_tokens": 40, "temperature": 0.0, **params})  # type: ignore[arg-type]
-    return EngineRequest(rid, p, messages=ASK, chat_template_kwargs=kwargs)
+    return EngineRequest(rid, p, messages=THINK_ASK, chat_template_kwargs=kwargs)
 
 
 def decode(tok, ids: list[int]) -> str:  # type: ignore[no-untyped-def]
@@ -113,8 +79,8 @@ def test_marker_detection(reasoner) -> None:  # type: ignore[no-untyped-def]
 def test_split_matches_hf_whether_the_prompt_or_the_model_opens_thinking(reasoner) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
     opened, plain = engine.generate([chat("opened", OPEN), chat("plain")])
-    check_split(tok, opened, hf_greedy(hf, prompt_ids(tok, **OPEN), 40), opened=True)
-    check_split(tok, plain, hf_greedy(hf, prompt_ids(tok), 40), opened=False)
+    check_split(tok, opened, hf_greedy(hf, think_prompt_ids(tok, **OPEN), 40), opened=True)
+    check_split(tok, plain, hf_greedy(hf, think_prompt_ids(tok), 40), opened=False)
     assert opened.reasoning_content and plain.reasoning_content  # both thought before answering
 
 
@@ -122,20 +88,20 @@ def test_template_variables_reach_the_template(reasoner) -> None:  # type: ignor
     """enable_thinking=false closes the thinking in the prompt: the whole output is the answer."""
     engine, hf, tok = reasoner
     (res,) = engine.generate([chat("off", {"enable_thinking": False})])
-    ids = prompt_ids(tok, enable_thinking=False)
-    assert res.prompt_tokens == len(ids) == len(prompt_ids(tok)) + 6  # <think>\n\n</think>\n\n
+    ids = think_prompt_ids(tok, enable_thinking=False)
+    assert res.prompt_tokens == len(ids) == len(think_prompt_ids(tok)) + 6  # <think>\n\n</think>\n\n
     ref = hf_greedy(hf, ids, 40)
     assert res.token_ids == ref and res.text == decode(tok, ref)
     assert res.reasoning_content == "" and res.reasoning_tokens == 0
     (effort,) = engine.generate([chat("effort", {"reasoning_effort": "low", "enable_thinking": False})])
-    assert effort.prompt_tokens == len(prompt_ids(tok, reasoning_effort="low", enable_thinking=False))
+    assert effort.prompt_tokens == len(think_prompt_ids(tok, reasoning_effort="low", enable_thinking=False))
     assert effort.prompt_tokens > res.prompt_tokens
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3])
 def test_budget_forces_the_end_of_thinking_at_exactly_max_reasoning_tokens(reasoner, budget: int) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
-    ids = prompt_ids(tok, **OPEN)
+    ids = think_prompt_ids(tok, **OPEN)
     assert hf_greedy(hf, ids, 40).index(END_THINK) > budget  # the model would think on
     (res,) = engine.generate([chat("budget", OPEN, max_reasoning_tokens=budget)])
     ref = hf_greedy(hf, ids, 40, forced={budget: END_THINK})
@@ -148,7 +114,7 @@ def test_budget_forces_the_end_of_thinking_at_exactly_max_reasoning_tokens(reaso
 def test_budget_where_the_model_opens_thinking(reasoner) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
     (res,) = engine.generate([chat("budget", max_reasoning_tokens=4)])
-    ref = hf_greedy(hf, prompt_ids(tok), 40, forced={4: END_THINK})
+    ref = hf_greedy(hf, think_prompt_ids(tok), 40, forced={4: END_THINK})
     assert ref[0] == THINK and res.token_ids == ref
     assert res.reasoning_content == decode(tok, ref[1:4]) and res.reasoning_tokens == 5
 
@@ -157,7 +123,7 @@ def test_budget_where_the_model_opens_thinking(reasoner) -> None:  # type: ignor
 def test_choices_after_thinking_score_at_the_answer_position(reasoner, budget: int | None) -> None:  # type: ignore[no-untyped-def]
     """Thinking first, unconstrained; then every label scored after the end marker, as HF scores it there."""
     engine, hf, tok = reasoner
-    ids = prompt_ids(tok, **OPEN)
+    ids = think_prompt_ids(tok, **OPEN)
     thought = hf_greedy(hf, ids, 40, forced=None if budget is None else {budget: END_THINK})
     thought = thought[: thought.index(END_THINK) + 1]
     (res,) = engine.generate([chat("label", OPEN, choices=LABELS, max_reasoning_tokens=budget)])
@@ -175,7 +141,7 @@ def test_choices_after_thinking_score_at_the_answer_position(reasoner, budget: i
 def test_choices_with_thinking_off_score_after_the_prompt(reasoner) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
     (res,) = engine.generate([chat("off", {"enable_thinking": False}, choices=LABELS)])
-    ids = prompt_ids(tok, enable_thinking=False)
+    ids = think_prompt_ids(tok, enable_thinking=False)
     assert res.label_scores is not None and res.reasoning_content == ""
     for score, label in zip(res.label_scores, LABELS, strict=True):
         assert abs(score.logprob - hf_label_logprob(hf, ids, engine.prompts.label_ids((label,))[0])) < 1e-4
@@ -183,7 +149,7 @@ def test_choices_with_thinking_off_score_after_the_prompt(reasoner) -> None:  # 
 
 def test_grammar_applies_to_the_answer_only(reasoner) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
-    ids = prompt_ids(tok, **OPEN)
+    ids = think_prompt_ids(tok, **OPEN)
     (res,) = engine.generate(
         [chat("re", OPEN, constraint=Constraint("regex", "(yes|no)"), max_reasoning_tokens=5)]
     )
@@ -195,7 +161,7 @@ def test_grammar_applies_to_the_answer_only(reasoner) -> None:  # type: ignore[n
 
 def test_stop_strings_skip_the_thinking_and_cut_the_answer(reasoner) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
-    ref = hf_greedy(hf, prompt_ids(tok, **OPEN), 40)
+    ref = hf_greedy(hf, think_prompt_ids(tok, **OPEN), 40)
     end = ref.index(END_THINK)
     thinking, answer = decode(tok, ref[:end]), decode(tok, ref[end + 1 :])
     in_thinking = thinking[2:4]
@@ -207,7 +173,7 @@ def test_stop_strings_skip_the_thinking_and_cut_the_answer(reasoner) -> None:  #
 
 def test_a_stop_token_inside_thinking_ends_with_the_thinking_so_far(reasoner) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
-    ref = hf_greedy(hf, prompt_ids(tok, **OPEN), 40)
+    ref = hf_greedy(hf, think_prompt_ids(tok, **OPEN), 40)
     stop_at = next(i for i in range(2, ref.index(END_THINK)) if ref[i] not in ref[:i])
     (res,) = engine.generate([chat("stop", OPEN, stop_token_ids=(ref[stop_at],))])
     assert res.finish_reason == "stop" and res.text == ""
@@ -220,10 +186,10 @@ def test_a_timeout_inside_thinking_ends_with_the_thinking_so_far(reasoner) -> No
     # the request's clock started long ago: it times out within its first steps, still thinking
     p = GenerationParams(max_new_tokens=200, temperature=0.0, timeout_s=30.0, ignore_eos=True)
     req = EngineRequest(
-        "slow", p, messages=ASK, chat_template_kwargs=OPEN, started_at=time.monotonic() - 29.99
+        "slow", p, messages=THINK_ASK, chat_template_kwargs=OPEN, started_at=time.monotonic() - 29.99
     )
     (res,) = engine.generate([req])
-    ref = hf_greedy(hf, prompt_ids(tok, **OPEN), 40)
+    ref = hf_greedy(hf, think_prompt_ids(tok, **OPEN), 40)
     assert res.finish_reason == "timeout" and res.text == ""
     assert res.token_ids == ref[: len(res.token_ids)] and len(res.token_ids) < ref.index(END_THINK)
     assert res.reasoning_content == decode(tok, res.token_ids)
@@ -232,7 +198,7 @@ def test_a_timeout_inside_thinking_ends_with_the_thinking_so_far(reasoner) -> No
 def test_raw_prompts_are_not_split(reasoner) -> None:  # type: ignore[no-untyped-def]
     """As vLLM: reasoning parsers serve chat requests; a raw prompt's output is its text."""
     engine, _, tok = reasoner
-    ids = prompt_ids(tok, **OPEN)
+    ids = think_prompt_ids(tok, **OPEN)
     p = GenerationParams(max_new_tokens=20, temperature=0.0)
     (res,) = engine.generate([EngineRequest("raw", p, prompt_token_ids=ids)])
     assert res.reasoning_content is None and res.reasoning_tokens == 0
