@@ -47,6 +47,10 @@ class ResultCache:
             label_scores=res.label_scores,
             logprobs=res.logprobs,
             model=res.model,
+            reasoning_content=res.reasoning_content,
+            reasoning_tokens=details.reasoning_tokens
+            if (details := res.usage.completion_tokens_details)
+            else None,
         )
         await done(self.redis.set(key, answer.to_json(), ex=self.ttl_s))
 

@@ -63,6 +63,10 @@ class CachedAnswer(BaseModel):
     label_scores: list[LabelScore] | None = None
     logprobs: ChoiceLogprobs | None = None
     model: str | None = None  # the model that computed it (None: stored before answers named it)
+    reasoning_content: str | None = (
+        None  # a reasoning model's thinking, and its tokens (of completion_tokens)
+    )
+    reasoning_tokens: int | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(exclude_none=True))
@@ -80,7 +84,10 @@ class CachedAnswer(BaseModel):
             index=index,
             text=self.text,
             finish_reason=self.finish_reason,
-            usage=Usage.counted(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
+            usage=Usage.counted(
+                self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.reasoning_tokens
+            ),
+            reasoning_content=self.reasoning_content,
             timing=timing,
             metadata=metadata,
             worker=worker,

@@ -214,3 +214,38 @@ def test_no_parser_keeps_the_thinking_in_the_text(reasoner, tmp_path: Path) -> N
     assert plain.reasoning is None and res.reasoning_content is None
     with pytest.raises(ValueError, match=re.escape("no <|channel|>")):
         Engine.load(cfg.model_copy(update={"reasoning_parser": "harmony"}))
+
+
+def test_reasoning_requests_are_batch_invariant_through_preemption(reasoner) -> None:  # type: ignore[no-untyped-def]
+    """A pool too small for the batch preempts sequences mid-thought, mid-close and before their labels; each
+    resumes by recomputation and ends as it does alone."""
+    engine, _, _ = reasoner
+    small = Engine.load(
+        EngineConfig(
+            model=engine.checkpoint_dir, dtype="float32", kv_cache_gb=0.0006, block_size=8, max_num_seqs=8
+        )
+    )
+    regex = Constraint("regex", "(yes|no)")
+    reqs = [
+        chat("a", OPEN, max_new_tokens=80),
+        chat("b", OPEN, max_reasoning_tokens=2),
+        chat("c", OPEN, choices=LABELS),
+        chat("d", OPEN, choices=LABELS, max_reasoning_tokens=1),
+        chat("e", OPEN, constraint=regex, max_reasoning_tokens=6),
+        chat("f", max_new_tokens=80),
+        chat("g", max_reasoning_tokens=3, choices=LABELS),
+        chat("h", {"enable_thinking": False}, choices=LABELS),
+    ]
+    small.scheduler.new_token_ratio = 0.1  # expect little growth: admit many, preempt when they grow
+    together = small.generate(reqs)
+    assert small.scheduler.preemptions > 0
+    for req, res in zip(reqs, together, strict=True):
+        (alone,) = engine.generate([req])
+        assert (res.token_ids, res.text, res.reasoning_content) == (
+            alone.token_ids,
+            alone.text,
+            alone.reasoning_content,
+        )
+        assert (res.label_scores is None) == (alone.label_scores is None)
+        for x, y in zip(res.label_scores or [], alone.label_scores or [], strict=True):
+            assert abs(x.logprob - y.logprob) < 1e-4

@@ -1,6 +1,7 @@
 """A reasoning model through the whole queue path: `producer submit` with the reasoning fields (as batch
 defaults and per line), a real worker on the tiny think model, and `producer results` in batchq JSONL and
-OpenAI format carrying reasoning_content and reasoning_tokens, equal to the engine's own results."""
+OpenAI format carrying reasoning_content and reasoning_tokens, equal to the engine's own results; the result
+cache answers them again whole."""
 
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def test_submit_to_results_with_reasoning_fields(tmp_path: Path) -> None:
             cli(server.url, "wait", bid, "--timeout", "120")
             mine = {r["id"]: r for r in results(server.url, bid)}
             openai = {r["custom_id"]: r for r in results(server.url, bid, "--format", "openai")}
+            again = submit(server.url, path, *flags)  # the same requests: the result cache answers them
+            cli(server.url, "wait", again, "--timeout", "120")
+            cached = {r["id"]: r for r in results(server.url, again)}
         finally:
             worker.stop()
 
@@ -93,6 +97,10 @@ def test_submit_to_results_with_reasoning_fields(tmp_path: Path) -> None:
         message = body["choices"][0]["message"]
         assert (message["content"], message["reasoning_content"]) == (w.text, w.reasoning_content)
         assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == w.reasoning_tokens
+    for rid, got in cached.items():
+        assert got["cached"] and {k: got[k] for k in ("text", "reasoning_content", "usage")} == {
+            k: mine[rid][k] for k in ("text", "reasoning_content", "usage")
+        }
     assert mine["think"]["reasoning_content"] and mine["off"]["reasoning_content"] == ""
     assert mine["budget"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
     assert [s["label"] for s in mine["budget"]["label_scores"]] == LABELS
