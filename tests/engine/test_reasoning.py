@@ -249,3 +249,42 @@ def test_reasoning_requests_are_batch_invariant_through_preemption(reasoner) -> 
         assert (res.label_scores is None) == (alone.label_scores is None)
         for x, y in zip(res.label_scores or [], alone.label_scores or [], strict=True):
             assert abs(x.logprob - y.logprob) < 1e-4
+
+
+def answering_at_once(engine: Engine, hf, tok) -> tuple[list[dict[str, str]], list[int]]:  # type: ignore[no-untyped-def]
+    """A question the model answers without opening its thinking (HF's greedy first token is not <think>)."""
+    for content in ("What?", "Say no.", "ok", "Tell me more about it", "1 + 1"):
+        ask = [{"role": "user", "content": content}]
+        text = tok.apply_chat_template(ask, tokenize=False, add_generation_prompt=True)
+        ids = list(tok(text, add_special_tokens=False).input_ids)
+        if hf_greedy(hf, ids, 1)[0] != THINK:
+            return ask, ids
+    raise AssertionError("every question opens the thinking")
+
+
+@torch.no_grad()
+def test_before_thinking_opens_labels_score_at_the_prompt_and_a_grammar_allows_the_opening(reasoner) -> None:  # type: ignore[no-untyped-def]
+    """Where the model may open its thinking or answer: a choices request that answers at once is scored at
+    the prompt's end; a constrained one samples among what its grammar allows and <think>, as HF would."""
+    engine, hf, tok = reasoner
+    ask, ids = answering_at_once(engine, hf, tok)
+    p = GenerationParams(max_new_tokens=20, temperature=0.0, choices=LABELS)
+    (res,) = engine.generate([EngineRequest("direct", p, messages=ask)])
+    assert res.reasoning_content == "" and res.reasoning_tokens == 0 and res.label_scores is not None
+    for score, label in zip(res.label_scores, LABELS, strict=True):
+        assert abs(score.logprob - hf_label_logprob(hf, ids, engine.prompts.label_ids((label,))[0])) < 1e-4
+    regex = Constraint("regex", "(yes|no)")
+    for question in (ask, THINK_ASK):
+        text = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+        q_ids = list(tok(text, add_special_tokens=False).input_ids)
+        p = GenerationParams(max_new_tokens=20, temperature=0.0, constraint=regex, max_reasoning_tokens=3)
+        (res,) = engine.generate([EngineRequest("re", p, messages=question)])
+        first = hf(torch.tensor([q_ids])).logits[0, -1]
+        allowed = [THINK, *tok("yn", add_special_tokens=False).input_ids]
+        assert res.token_ids[0] == max(allowed, key=lambda t: float(first[t]))
+        assert res.text in ("yes", "no")
+        if res.token_ids[0] == THINK:  # it thought (under its budget), then answered under the grammar
+            assert res.token_ids[:4] == hf_greedy(hf, q_ids, 4, forced={0: THINK, 3: END_THINK})
+            assert res.reasoning_tokens == 4
+        else:
+            assert res.reasoning_content == "" and res.reasoning_tokens == 0

@@ -288,9 +288,8 @@ class Engine:
             token = rs.next_token(token)  # a thinking budget's close replaces what was sampled
             if forced:
                 logprobs = None
-            elif rs.opens_answer(token) and (seq.matcher is not None or seq.pending_labels is not None):
-                # The model answers without thinking, but this token was sampled without the answer's
-                # grammar: drop it and sample this position again under it (or score the labels here).
+            elif rs.opens_answer(token) and seq.pending_labels is not None:
+                # The model answers without thinking: drop the token it sampled and score the labels here.
                 rs.answer_now()
                 self._answer_started(seq)
                 return None

@@ -234,7 +234,16 @@ class ModelRunner:
         raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         masked = [i for i, s in enumerate(seqs) if s.constrained]
         if masked:
+            # a reasoning model that has not opened its thinking may still open it instead of answering
+            opening: list[tuple[int, int]] = []
+            for i in masked:
+                reasoning = seqs[i].reasoning
+                if reasoning is not None and reasoning.opening_token is not None:
+                    opening.append((i, reasoning.opening_token))
+            kept = [logits[i, t].clone() for i, t in opening]
             mask_logits(logits, masked, [seqs[i].matcher for i in masked])
+            for (i, t), value in zip(opening, kept, strict=True):
+                logits[i, t] = value
         sampling = SamplingBatch(
             temperatures=[s.params.temperature for s in seqs],
             top_ks=[s.params.top_k for s in seqs],

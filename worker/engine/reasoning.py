@@ -118,18 +118,24 @@ class ReasoningState:
     def in_answer(self) -> bool:
         return self.phase == "answer"
 
+    @property
+    def opening_token(self) -> int | None:
+        """Before thinking opened (think markers): the token that opens it, which a grammar-constrained
+        request may sample beside what its grammar allows (the answer's first token, or thinking)."""
+        return self.markers.start if self.phase == "pre" and self.markers.kind == "think" else None
+
     def next_token(self, sampled: int) -> int:
         """The token the sequence takes: a forced one where the budget closes the thinking, else `sampled`."""
         return self.forced.pop(0) if self.forced else sampled
 
     def opens_answer(self, token: int) -> bool:
         """Whether `token`, sampled before thinking opened, is the answer's first token (think markers: any
-        token but <think>). Its request's answer rules (grammar, labels) were not applied to it."""
+        token but <think>)."""
         return self.phase == "pre" and self.markers.kind == "think" and token != self.markers.start
 
     def answer_now(self) -> None:
-        """The answer starts at the next token (an opens_answer token was dropped, to be sampled again
-        under the answer's rules)."""
+        """The answer starts here (a `choices` request whose model answers without thinking: the token it
+        sampled is dropped and the labels are scored at its position)."""
         self.phase = "answer"
 
     def feed(self, token: int) -> Role:

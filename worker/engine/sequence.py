@@ -83,8 +83,11 @@ class Sequence:
 
     @property
     def constrained(self) -> bool:
-        """Its next token is masked by its grammar (never inside a reasoning model's thinking)."""
-        return self.matcher is not None and self.in_answer
+        """Its next token is masked by its grammar: in the answer, and before a reasoning model's thinking
+        opened (its opening token is then allowed too: model_runner); never inside the thinking."""
+        if self.matcher is None:
+            return False
+        return self.in_answer or (self.reasoning is not None and self.reasoning.opening_token is not None)
 
     @property
     def scores_labels(self) -> bool:
