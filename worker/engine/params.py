@@ -57,7 +57,7 @@ class GenerationParams:
     constraint: Constraint = NO_CONSTRAINT  # the output follows this grammar
     logprobs: bool = False  # report each generated token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives
-    # A reasoning model's thinking budget: after this many tokens of thinking its close is forced
+    # A reasoning model's thinking budget: after this many generated tokens of thinking its close is forced
     # (reasoning.py); None: no budget of its own (max_new_tokens still bounds thinking and answer together)
     max_reasoning_tokens: int | None = None
 

@@ -109,7 +109,8 @@ class ReasoningState:
 
     markers: ReasoningMarkers
     phase: Phase
-    budget: int | None  # max_reasoning_tokens: thinking tokens before the close is forced (None: no limit)
+    budget: int | None  # max_reasoning_tokens: tokens generated (an opening <think> too) before the close is
+    # forced, so the close starts at that output index (None: no budget)
     tokens: int = 0  # generated before the answer (markers included): usage's reasoning_tokens
     forced: list[int] = field(default_factory=list)  # the next tokens, in place of what is sampled
     header: list[int] = field(default_factory=list)  # harmony: the header being written
