@@ -199,7 +199,8 @@ class JobHandler:
                 text=result.text, finish_reason=result.finish_reason, prompt_tokens=result.usage.prompt_tokens,
                 completion_tokens=result.usage.completion_tokens,
                 cached_tokens=result.usage.prompt_tokens_details.cached_tokens, label_scores=result.label_scores,
-                logprobs=result.logprobs, model=result.model,
+                logprobs=result.logprobs, model=result.model, reasoning_content=result.reasoning_content,
+                reasoning_tokens=d.reasoning_tokens if (d := result.usage.completion_tokens_details) else None,
             ).to_json()  # fmt: skip
         self._end_req(run.job_id, req, run.raw, result, res.completion_tokens - reported, cache_key, answer)
 
