@@ -195,3 +195,24 @@ def test_choices_draw_n_labels_and_best_of_keeps_the_likeliest(ckpt: Path) -> No
         key=lambda t: next(x.logprob for x in res.label_scores or [] if x.label == t),
     )
     assert best.text == top
+
+
+def test_samples_never_run_more_sequences_than_max_num_seqs(ckpt: Path) -> None:
+    engine = engine_with(ckpt, max_num_seqs=4)
+    reqs = [
+        EngineRequest(f"r{i}", params(max_new_tokens=6, n=3, seed=i), prompt_token_ids=PROMPT)
+        for i in range(3)
+    ]
+    for r in reqs:
+        engine.add_request(r)
+    done = []
+    while engine.has_work():
+        done += engine.step()
+        assert len(engine.scheduler.running) <= 4
+    assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"]
+    (wide,) = engine.generate(
+        [EngineRequest("w", params(max_new_tokens=6, n=2, best_of=5), prompt_token_ids=PROMPT)]
+    )
+    assert (
+        wide.error is not None and "5 samples" in wide.error.message and "max_num_seqs" in wide.error.message
+    )

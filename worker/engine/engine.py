@@ -369,6 +369,12 @@ class Engine:
             lambda: IncrementalDetokenizer(self.tokenizer),
             lambda: None if fresh_matcher is None else fresh_matcher(constraint),
         )
+        if len(forks) + 1 > self.scheduler.max_num_seqs:
+            raise RequestError(
+                "invalid_request",
+                f"request asks for {len(forks) + 1} samples (n / best_of), but the worker runs at most "
+                f"{self.scheduler.max_num_seqs} sequences at once (max_num_seqs)",
+            )
         if not self.scheduler.fits_pool_at_all(seq):
             need, bm = self.scheduler.blocks_needed(seq), self.block_manager
             raise RequestError(

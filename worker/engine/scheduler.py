@@ -279,8 +279,13 @@ class Scheduler:
                 computing.update(s.prompt_hashes[s.num_computed // bm.block_size :])
         optimistic = self.admission == "optimistic"
         growth = sum(self._expected_growth(s) for s in self.running) if optimistic else 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        # running sequences and the samples still to fork from them: max_num_seqs bounds the sum
+        seats = len(self.running) + sum(len(s.forks) for s in self.running)
+        while self.waiting:
             seq = self.waiting[0]
+            seats += 1 + len(seq.forks)
+            if seats > self.max_num_seqs:
+                break
             ids = seq.prefill_ids
             if seq.prompt_hashes is None:
                 seq.prompt_hashes = bm.prompt_hashes(ids)
