@@ -216,3 +216,20 @@ def test_samples_never_run_more_sequences_than_max_num_seqs(ckpt: Path) -> None:
     assert (
         wide.error is not None and "5 samples" in wide.error.message and "max_num_seqs" in wide.error.message
     )
+
+
+def test_samples_of_a_sliding_window_model_equal_their_single_requests(tmp_path: Path) -> None:
+    """Mistral windowed in every layer, a prompt past the window: forks share what the window still holds
+    and each sample's tokens are those of the n=1 request with its seed."""
+    path = build_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8)
+    engine = engine_with(path, admission="optimistic")
+    assert engine.block_manager.window is not None
+    prompt = [3 + (11 * k) % 200 for k in range(21)]
+    p = sampled(n=3, ignore_eos=True, max_new_tokens=12)
+    (res,) = run_checked(engine, [EngineRequest("w", p, prompt_token_ids=prompt)])
+    assert engine.stats().prefill_tokens == len(prompt)
+    single = run_checked(engine_with(path), [
+        EngineRequest(f"s{i}", dataclasses.replace(p, n=1, seed=sample_seed(p.seed, i)), prompt_token_ids=prompt)
+        for i in range(3)
+    ])  # fmt: skip
+    assert tokens_of(res) == [r.token_ids for r in single]

@@ -4,6 +4,7 @@ with a choice per sample in OpenAI's types, and a file with best_of < n is refus
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import openai
 import orjson
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow
 __all__ = ["stack"]  # the module's API stack (Redis, a worker, two servers) for the tests here
 
 
-def test_n_and_best_of_lines_answer_with_a_choice_per_sample(stack):
+def test_n_and_best_of_lines_answer_with_a_choice_per_sample(stack: dict[str, Any]) -> None:
     tag = uuid.uuid4().hex
     lines = [
         chat_line("chat", f"hello {tag}", n=3, temperature=0.8, seed=1),
@@ -46,7 +47,7 @@ def test_n_and_best_of_lines_answer_with_a_choice_per_sample(stack):
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
 
 
-def test_a_file_with_best_of_below_n_is_refused_naming_line_and_field(stack):
+def test_a_file_with_best_of_below_n_is_refused_naming_line_and_field(stack: dict[str, Any]) -> None:
     bad = jsonl([chat_line("ok", "fine"), chat_line("b", "x", n=4, best_of=2)])
     with client(stack) as c, pytest.raises(openai.BadRequestError) as e:
         c.files.create(file=("bad.jsonl", bad), purpose="batch")

@@ -38,10 +38,12 @@ def results(url: str, bid: str, *args: str) -> list[dict[str, Any]]:
     return [orjson.loads(x) for x in out.stdout.splitlines()]
 
 
-def test_samples_run_return_as_choices_and_a_rerun_is_answered_with_all_of_them(shared_worker, tmp_path):
+def test_samples_run_return_as_choices_and_a_rerun_is_answered_with_all_of_them(
+    shared_worker: Any, tmp_path: Path
+) -> None:
     server, _worker = shared_worker
     tag = uuid.uuid4().hex[:8]  # prompts of this test alone: nothing cached before it
-    lines = [
+    lines: list[dict[str, Any]] = [
         {"id": "story", "prompt": f"Once upon a time {tag}", "max_new_tokens": 8, "temperature": 0.9, "seed": 4,
          "n": 3},
         {"id": "label", "prompt": f"Review {tag}: great film. Sentiment:", "choices": LABELS, "temperature": 2.0,
@@ -99,7 +101,9 @@ def test_samples_run_return_as_choices_and_a_rerun_is_answered_with_all_of_them(
          "line 1: body.best_of: best_of must be >= n: best_of is 1, n is 2"),
     ],
 )  # fmt: skip
-def test_bad_n_or_best_of_is_refused_by_file_line_and_field(shared_worker, tmp_path, line, error) -> None:
+def test_bad_n_or_best_of_is_refused_by_file_line_and_field(
+    shared_worker: Any, tmp_path: Path, line: dict[str, Any], error: str
+) -> None:
     server, _worker = shared_worker
     path = write_jsonl(tmp_path / "bad.jsonl", [line])
     out = cli(server.url, "submit", str(path))
