@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from tests.engine.test_engine import BLOCK, engine_with, params, run_checked
 from tests.tiny_models import build_tiny_checkpoint
 from worker.engine.engine import Engine
-from worker.engine.params import GenerationParams
+from worker.engine.params import Constraint, GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
 from worker.engine.samples import best_samples, sample_seed
 
@@ -233,3 +234,17 @@ def test_samples_of_a_sliding_window_model_equal_their_single_requests(tmp_path:
         for i in range(3)
     ])  # fmt: skip
     assert tokens_of(res) == [r.token_ids for r in single]
+
+
+def test_each_sample_of_a_constrained_request_follows_the_grammar_on_its_own(ckpt: Path) -> None:
+    regex = r"(yes|no|maybe), [0-9]{2}"
+    c = Constraint("regex", regex)
+    p = params(max_new_tokens=30, temperature=1.0, seed=8, constraint=c, n=6)
+    engine = engine_with(ckpt)
+    (res,) = run_checked(engine, [EngineRequest("g", p, prompt_token_ids=PROMPT)])
+    texts = [s.text for s in res.samples or []]
+    assert all(re.fullmatch(regex, t) for t in texts), texts
+    assert len(set(texts)) > 1
+    single = engine.generate([EngineRequest("s", dataclasses.replace(p, n=1, seed=sample_seed(8, 3)),
+                                            prompt_token_ids=PROMPT)])  # fmt: skip
+    assert single[0].text == texts[3]
