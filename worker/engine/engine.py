@@ -44,7 +44,7 @@ from worker.engine.request import (
     LabelScore,
     RequestError,
 )
-from worker.engine.samples import SampleGroup, combine, fork_samples, sample_seed
+from worker.engine.samples import SampleGroup, combine, plan_samples, sample_seed
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
@@ -358,32 +358,15 @@ class Engine:
         return results
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
-        """n > 1 (worker/engine/samples.py): the samples to fork from `seq` once its prompt is computed (none
-        for a `choices` request, whose samples are draws from its exact label scores)."""
-        if seq.params.samples == 1 or seq.labels is not None:
-            return []
+        """n > 1: the samples to fork from `seq` once its prompt is computed (samples.plan_samples)."""
         constraint = seq.params.constraint
-        fresh_matcher = self.grammars.matcher if constraint.kind != "none" else None
-        forks = fork_samples(
+        fresh = self.grammars.matcher if constraint.kind != "none" else None
+        return plan_samples(
             seq,
+            self.scheduler,
             lambda: IncrementalDetokenizer(self.tokenizer),
-            lambda: None if fresh_matcher is None else fresh_matcher(constraint),
+            lambda: None if fresh is None else fresh(constraint),
         )
-        if len(forks) + 1 > self.scheduler.max_num_seqs:
-            raise RequestError(
-                "invalid_request",
-                f"request asks for {len(forks) + 1} samples (n / best_of), but the worker runs at most "
-                f"{self.scheduler.max_num_seqs} sequences at once (max_num_seqs)",
-            )
-        if not self.scheduler.fits_pool_at_all(seq):
-            need, bm = self.scheduler.blocks_needed(seq), self.block_manager
-            raise RequestError(
-                "kv_capacity",
-                f"request needs {need} KV blocks for its {seq.params.samples} samples ({seq.prompt_len} prompt "
-                f"tokens shared + {seq.max_new_tokens} new tokens each, {bm.block_size} per block) but the "
-                f"whole pool has {bm.num_blocks} blocks",
-            )
-        return forks
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> FinishReason | None:

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.request import EngineResult
+from worker.engine.request import EngineResult, RequestError
+from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -67,6 +68,36 @@ def fork_samples(
         for i in range(1, p.samples)
     ]
     return leader.forks
+
+
+def plan_samples(
+    seq: Sequence,
+    scheduler: Scheduler,
+    detokenizer: Callable[[], IncrementalDetokenizer],
+    matcher: Callable[[], Any],
+) -> list[Sequence]:
+    """The samples to fork from a new sequence (fork_samples), none for one sample or a `choices` request;
+    RequestError where the group could never run: more samples than max_num_seqs, or more blocks than the
+    pool holds (its prompt shared, each sample's own part counted)."""
+    p = seq.params
+    if p.samples == 1 or seq.labels is not None:
+        return []
+    if p.samples > scheduler.max_num_seqs:
+        raise RequestError(
+            "invalid_request",
+            f"request asks for {p.samples} samples (n / best_of), but the worker runs at most "
+            f"{scheduler.max_num_seqs} sequences at once (max_num_seqs)",
+        )
+    forks = fork_samples(seq, detokenizer, matcher)
+    if not scheduler.fits_pool_at_all(seq):
+        bm = scheduler.block_manager
+        raise RequestError(
+            "kv_capacity",
+            f"request needs {scheduler.blocks_needed(seq)} KV blocks for its {p.samples} samples ({seq.prompt_len} "
+            f"prompt tokens shared + {seq.max_new_tokens} new tokens each, {bm.block_size} per block) but the "
+            f"whole pool has {bm.num_blocks} blocks",
+        )
+    return forks
 
 
 def best_samples(n: int, ranks: list[float] | None) -> list[int]:
