@@ -15,6 +15,7 @@ import orjson
 from producer.wire.contract import (
     CHOICES_TEMPERATURE,
     ChoiceLogprobs,
+    Completion,
     ErrorInfo,
     LabelScore,
     Request,
@@ -31,8 +32,8 @@ from worker.engine.request import EngineRequest, EngineResult, TokenLogprob
 # Contract fields with another type in the engine; every other field keeps its name and value.
 _TUPLES = ("stop", "stop_token_ids", "choices")
 _CONSTRAINT = ("response_format", "regex")  # -> the engine's one `constraint`
-# n is checked by the contract (n=1 only); structured_outputs is folded into the constraint fields there.
-_NOT_PARAMS = ("n", "structured_outputs")
+# structured_outputs is folded into the constraint fields by the contract.
+_NOT_PARAMS = ("structured_outputs",)
 
 
 def generation_params(params: SamplingParams) -> GenerationParams:
@@ -88,8 +89,30 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         model=model,
         worker=worker_id,
         label_scores=None if res.label_scores is None else [LabelScore(**vars(s)) for s in res.label_scores],
-        logprobs=None if res.logprobs is None else ChoiceLogprobs(content=[_token(t) for t in res.logprobs]),
+        logprobs=_logprobs(res.logprobs),
+        **_samples(req, res),
     )
+
+
+def _logprobs(rows: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
+    return None if rows is None else ChoiceLogprobs(content=[_token(t) for t in rows])
+
+
+def _samples(req: Request, res: EngineResult) -> dict[str, Any]:
+    """n > 1: every sample returned as `choices`, and with `choices` labels the vote over them."""
+    if res.samples is None:
+        return {}
+    choices = [
+        Completion(index=i, text=s.text, finish_reason=s.finish_reason, completion_tokens=s.completion_tokens,
+                   logprobs=_logprobs(s.logprobs))
+        for i, s in enumerate(res.samples)
+    ]  # fmt: skip
+    if not req.params.choices:
+        return {"choices": choices}
+    vote = dict.fromkeys(req.params.choices, 0)
+    for c in choices:
+        vote[c.text] += 1
+    return {"choices": choices, "vote": vote, "agreement": max(vote.values()) / len(choices)}
 
 
 def _token(t: TokenLogprob) -> ContractTokenLogprob:

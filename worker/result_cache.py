@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from producer.wire import keys
 from producer.wire.contract import Request, Result
 from producer.wire.lua import done
-from producer.wire.result_cache import CACHEABLE, CachedAnswer, request_key
+from producer.wire.result_cache import CachedAnswer, cacheable, request_key
 from producer.wire.workers import QueueServing
 
 
@@ -36,19 +36,9 @@ class ResultCache:
         return None if raw is None else CachedAnswer.from_json(raw)
 
     async def put(self, key: str, res: Result) -> None:
-        if res.finish_reason not in CACHEABLE:
+        if not cacheable(res):
             return
-        answer = CachedAnswer(
-            text=res.text,
-            finish_reason=res.finish_reason,
-            prompt_tokens=res.usage.prompt_tokens,
-            completion_tokens=res.usage.completion_tokens,
-            cached_tokens=res.usage.prompt_tokens_details.cached_tokens,
-            label_scores=res.label_scores,
-            logprobs=res.logprobs,
-            model=res.model,
-        )
-        await done(self.redis.set(key, answer.to_json(), ex=self.ttl_s))
+        await done(self.redis.set(key, CachedAnswer.of(res).to_json(), ex=self.ttl_s))
 
     async def publish(self, queue: str, model: str, max_model_len: int, enabled: bool) -> None:
         """Tell producers what serves this queue: submit checks requests against it and, when `enabled`,

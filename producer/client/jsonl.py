@@ -19,6 +19,7 @@ from producer.wire.contract import (
     OpenAIBody,
     PromptLine,
     SamplingParams,
+    check_samples,
     defaults_base,
 )
 
@@ -170,13 +171,22 @@ def parse_line(
     # The fields of a Request, built without validating a Request: every part already passed validation
     # once, and a second and third pydantic pass per line were most of submit's time. The messages go out
     # as written (strict, extra="forbid" validation proved them exact); the worker validates the Request.
+    params = line.params_over(base if base is not None else defaults_base(defaults))
+    if line.n is not None or line.best_of is not None:  # the batch's defaults may give the other one
+        try:
+            check_samples(params.get("n"), params.get("best_of"))
+        except ValueError as e:
+            where = "best_of" if line.best_of is not None else "n"
+            return [
+                LineError(line_no, ("body." if openai else "") + where, f"{e} (with the batch defaults)", uid)
+            ]
     record = {
         "batch_id": batch_id,
         "id": uid or str(line_no),
         "index": index,
         "prompt": prompt,
         "messages": src["messages"] if messages is not None else None,
-        "params": line.params_over(base if base is not None else defaults_base(defaults)),
+        "params": params,
         "metadata": metadata,
         "model": asked,
     }

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from producer.wire import keys
-from producer.wire.contract import Result, TokenLogprob
+from producer.wire.contract import Completion, Result, TokenLogprob
 
 # OpenAI knows only "stop" and "length": a timeout or a repetition cut truncates output like a length limit.
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "repetition": "length"}
@@ -74,15 +74,10 @@ def openai_line(
         line["response"] = {"status_code": status, "request_id": request_id, "body": {"error": body}}
         line["error"] = None
         return orjson.dumps(line)
-    choice: dict[str, Any] = {"index": 0}
-    content = result.logprobs.content if result.logprobs is not None else None
-    if chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
-        choice["logprobs"] = None if content is None else {"content": [t.model_dump() for t in content]}
-    else:
-        choice["text"] = result.text
-        choice["logprobs"] = None if content is None else _completion_logprobs(content)
-    choice["finish_reason"] = _FINISH[result.finish_reason]
+    samples = result.choices or [
+        Completion(index=0, text=result.text, finish_reason=result.finish_reason, logprobs=result.logprobs)
+    ]
+    choices = [_choice(c, chat) for c in samples]
     usage = result.usage
     line["response"] = {
         "status_code": 200,
@@ -92,7 +87,7 @@ def openai_line(
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": result.model or model,
-            "choices": [choice],
+            "choices": choices,
             "usage": {
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,
@@ -103,6 +98,20 @@ def openai_line(
     }
     line["error"] = None
     return orjson.dumps(line)
+
+
+def _choice(c: Completion, chat: bool) -> dict[str, Any]:
+    """OpenAI's `choices[i]`: one sample's text (as the assistant's message in chat), logprobs, finish."""
+    choice: dict[str, Any] = {"index": c.index}
+    content = c.logprobs.content if c.logprobs is not None else None
+    if chat:
+        choice["message"] = {"role": "assistant", "content": c.text}
+        choice["logprobs"] = None if content is None else {"content": [t.model_dump() for t in content]}
+    else:
+        choice["text"] = c.text
+        choice["logprobs"] = None if content is None else _completion_logprobs(content)
+    choice["finish_reason"] = _FINISH[c.finish_reason]
+    return choice
 
 
 def _completion_logprobs(content: list[TokenLogprob]) -> dict[str, Any]:

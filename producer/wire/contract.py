@@ -9,13 +9,22 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_STRINGS = 16
 MIN_CHOICES, MAX_CHOICES = 2, 256
 MAX_LABEL_CHARS = 512
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_SAMPLES = 128  # n and best_of (OpenAI's cap on n)
 
 FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancelled", "error"]
 BatchState = Literal["queued", "running", "completed", "cancelled"]
@@ -96,7 +105,10 @@ class SamplingParams(_Strict):
     ignore_eos: bool | None = None
     timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     truncate_prompt: TruncateSide | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)  # samples returned
+    best_of: int | None = Field(
+        default=None, ge=1, le=MAX_SAMPLES
+    )  # samples generated; the n likeliest return
     # Labeling outputs. At most one output constraint: choices, response_format (json) or regex.
     choices: list[str] | None = Field(default=None, validation_alias=AliasChoices("choices", "guided_choice"))
     response_format: ResponseFormat | None = None
@@ -140,11 +152,10 @@ class SamplingParams(_Strict):
             raise ValueError("a token id is given twice (as two spellings of one number)")
         return v
 
-    @field_validator("n")
+    @field_validator("best_of")
     @classmethod
-    def _n_is_one(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
+    def _best_of_covers_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        check_samples(info.data.get("n"), v)
         return v
 
     @model_validator(mode="after")
@@ -227,6 +238,12 @@ def defaults_base(defaults: SamplingParams | None) -> dict[str, Any]:
     if defaults is not None:
         base.update(defaults.model_dump(by_alias=True, exclude_none=True, exclude={"structured_outputs"}))
     return base
+
+
+def check_samples(n: int | None, best_of: int | None) -> None:
+    """best_of generates the samples that n returns: it cannot be fewer (OpenAI's and vLLM's rule)."""
+    if best_of is not None and best_of < (n or 1):
+        raise ValueError(f"best_of must be >= n: best_of is {best_of}, n is {n or 1}")
 
 
 def _check_choices(choices: list[str]) -> None:
@@ -369,8 +386,21 @@ class ChoiceLogprobs(_Strict):
     content: list[TokenLogprob] | None = None
 
 
+class Completion(_Strict):
+    """One of the samples of an n > 1 request (Result.choices), as OpenAI's `choices[i]`."""
+
+    index: int = Field(ge=0)
+    text: str
+    finish_reason: FinishReason
+    completion_tokens: int = 0
+    logprobs: ChoiceLogprobs | None = None
+
+
 class Result(_Strict):
-    """One result per request; written once, first write wins."""
+    """One result per request; written once, first write wins. An n > 1 request's samples are in
+    `choices` (best first under best_of); text, finish_reason and logprobs are then its first's, usage
+    counts the prompt once and every generated token, and with `choices` labels `vote` counts the samples
+    per label (every label, in request order) and `agreement` is the top label's share of them."""
 
     id: str
     index: int = Field(ge=0)
@@ -386,6 +416,9 @@ class Result(_Strict):
     label_scores: list[LabelScore] | None = None  # `choices` requests: one per label, in request order
     logprobs: ChoiceLogprobs | None = None  # `logprobs` requests: one entry per generated token
     attempt: int = Field(default=0, ge=0)  # the request's attempt that wrote it (producer retry)
+    choices: list[Completion] | None = None  # n > 1: every sample returned
+    vote: dict[str, int] | None = None  # n > 1 with `choices` labels: samples per label
+    agreement: float | None = None  # n > 1 with `choices` labels: the majority label's share of samples
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(mode="json"))
@@ -401,7 +434,12 @@ class Result(_Strict):
             exclude.add("logprobs")
         if self.model is None:
             exclude.add("model")
-        return orjson.dumps(self.model_dump(mode="json", exclude=exclude))
+        exclude.update(k for k in ("choices", "vote", "agreement") if getattr(self, k) is None)
+        out = self.model_dump(mode="json", exclude=exclude)
+        for c in out.get("choices", ()):
+            if c["logprobs"] is None:
+                del c["logprobs"]
+        return orjson.dumps(out)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Result:
@@ -483,7 +521,7 @@ class OpenAIBody(SamplingParams):
     Every field OpenAI's chat and completions APIs accept is either used (the sampling parameters,
     response_format, logprobs, ...), ignored because it cannot change the output (OPENAI_IGNORED), or
     refused by name with the reason (OPENAI_UNSUPPORTED, modalities other than text, stream: true,
-    echo: true, best_of > 1, n > 1).
+    echo: true).
     """
 
     model: str | None = None
@@ -503,7 +541,6 @@ class OpenAIBody(SamplingParams):
             "modalities": data.get("modalities") not in (None, ["text"]),
             "stream": data.get("stream") not in (None, False),
             "echo": data.get("echo") not in (None, False),
-            "best_of": data.get("best_of") not in (None, 1),
         }
         for key, bad in refused.items():
             if bad:
@@ -534,6 +571,6 @@ class OpenAIBatchLine(_Strict):
         return self
 
 
-# n is checked, never kept; structured_outputs is folded into the constraint fields on validation.
-_RESOLVED_FIELDS = tuple(k for k in SamplingParams.model_fields if k not in ("n", "structured_outputs"))
+# structured_outputs is folded into the constraint fields on validation.
+_RESOLVED_FIELDS = tuple(k for k in SamplingParams.model_fields if k != "structured_outputs")
 _CONSTRAINTS = ("choices", "response_format", "regex")

@@ -81,7 +81,8 @@ def _chat(**body: object) -> bytes:
             "line 1: body: 'modalities' = ['text', 'audio'] is unsupported",
         ),
         (_chat(stream=True), "line 1: body: 'stream' = True is unsupported"),
-        (_chat(n=2), "line 1: body.n: only n=1 is supported"),
+        (_chat(n=0), "line 1: body.n: Input should be greater than or equal to 1"),
+        (_chat(n=3, best_of=2), "line 1: body.best_of: best_of must be >= n: best_of is 2, n is 3"),
         (_chat(prediction={"type": "content", "content": "x"}), "line 1: body: 'prediction' is unsupported"),
         (
             _chat(presence_penalty=2.5),

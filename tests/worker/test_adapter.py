@@ -13,9 +13,9 @@ from worker.engine.params import GenerationParams
 
 
 def test_every_contract_parameter_has_an_engine_field() -> None:
-    # n=1 is all the contract admits; structured_outputs folds into choices / regex / response_format,
-    # and those two become the engine's one grammar constraint.
-    contract = set(SamplingParams.model_fields) - {"n", "structured_outputs", "response_format", "regex"}
+    # structured_outputs folds into choices / regex / response_format, and those two become the engine's
+    # one grammar constraint.
+    contract = set(SamplingParams.model_fields) - {"structured_outputs", "response_format", "regex"}
     assert contract | {"constraint"} == {f.name for f in dataclasses.fields(GenerationParams)}
 
 

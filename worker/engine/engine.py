@@ -18,6 +18,7 @@ import torch
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import CpuShare, bound_onednn_caches, cpu_budget, keep_freed_memory
+from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.device import (
     BF16_MIN_SPEEDUP,
     cpu_bf16_gemm_speedup,
@@ -43,6 +44,7 @@ from worker.engine.request import (
     LabelScore,
     RequestError,
 )
+from worker.engine.samples import SampleGroup, combine, plan_samples, sample_seed
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
@@ -115,6 +117,7 @@ class Engine:
         self._inbox: list[tuple[EngineRequest, float]] = []
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
+        self._groups: dict[str, SampleGroup] = {}  # n > 1: by request id, until every sample has ended
         self.counters = EngineCounters()
         # An explicit num_threads is the operator's; otherwise the thread count follows the cores other
         # processes leave free (cpu_tuning.CpuShare).
@@ -222,8 +225,8 @@ class Engine:
         results = self._intake()
         now = time.monotonic()
         for seq in list(self.scheduler.waiting) + self.scheduler.running:
-            if self.stop_rules.timed_out(seq, now):
-                results.append(self._finish(seq, "timeout", now))
+            if self.stop_rules.timed_out(seq, now) and (res := self._finish(seq, "timeout", now)):
+                results.append(res)
         batch = self.scheduler.schedule()
         if batch is None:
             return results
@@ -243,8 +246,13 @@ class Engine:
             if not seq.preemptions:  # a resumed one counted its prompt already
                 self.counters.prompt_tokens += seq.prompt_len
                 self.counters.cached_prompt_tokens += seq.cached_prompt_tokens
-        for i, token, logprobs in zip(out.sampled, out.tokens, out.logprobs, strict=True):
-            res = self._take_token(batch.seqs[i], token, logprobs, now)
+        self.model_runner.copy_blocks(self.scheduler.fork(batch))  # before any forked sample's next step
+        taken = [
+            (batch.seqs[i], t, lp) for i, t, lp in zip(out.sampled, out.tokens, out.logprobs, strict=True)
+        ]
+        forked = zip((f for _, f in batch.forks), out.fork_tokens, out.fork_logprobs, strict=True)
+        for seq, token, logprobs in [*taken, *forked]:
+            res = self._take_token(seq, token, logprobs, now)
             if res is not None:
                 results.append(res)
         return results
@@ -260,6 +268,7 @@ class Engine:
         else:  # a step with prompt chunks (decode rows beside them or not)
             c.prefill_steps += 1
             c.prefill_s += seconds
+            c.prefill_tokens += sum(batch.chunks)
 
     def _take_token(
         self, seq: Sequence, token: int, logprobs: RowLogprobs | None, now: float
@@ -269,7 +278,9 @@ class Engine:
             return None  # prefilled: its labels are scored in a step of their own
         self.counters.tokens_generated += 1
         if logprobs is not None:
-            seq.token_logprobs.append(logprobs)
+            if seq.params.logprobs:
+                seq.token_logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs.logprob  # (rows come for a ranked sample too)
         reason = self.stop_rules.append_token(seq, token, now)
         if reason is None and seq.matcher is not None:
             reason = self._advance_grammar(seq, token)
@@ -308,10 +319,8 @@ class Engine:
             pending, self._inbox = self._inbox, []
         results = [_unstarted(r, "error", now, received, error) for r, received in pending]
         for seq in list(self._seqs.values()):
-            seq.finish_reason = "error"
-            self.scheduler.finish(seq)
-            del self._seqs[seq.request_id]
-            results.append(seq.to_result(now, error=error))
+            if seq.request_id in self._seqs and (res := self._finish(seq, "error", now, error=error)):
+                results.append(res)  # (a pending sample ends with its leader)
         return results
 
     # ---- internals --------------------------------------------------------------------------------
@@ -328,19 +337,36 @@ class Engine:
                 results.append(_unstarted(req, "cancelled", now, received))
                 continue
             try:
-                if req.request_id in self._seqs:
+                if req.request_id in self._seqs or req.request_id in self._groups:
                     raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
                 seq = self.prompts.sequence(req, received)
+                forks = self._fork_samples(seq)
             except RequestError as exc:
                 results.append(_unstarted(req, "error", now, received, EngineError(exc.error_type, str(exc))))
                 continue
-            self._seqs[seq.request_id] = seq
+            for s in (seq, *forks):
+                self._seqs[s.request_id] = s
+            if forks:
+                self._groups[seq.request_id] = SampleGroup(seq)
             self.scheduler.add(seq)
         for rid in cancelled:
-            target = self._seqs.get(rid)
-            if target is not None:
-                results.append(self._finish(target, "cancelled", now))
+            group = self._groups.get(rid)
+            members = group.members if group is not None else [s for s in (self._seqs.get(rid),) if s]
+            for target in members:
+                if target.request_id in self._seqs and (res := self._finish(target, "cancelled", now)):
+                    results.append(res)
         return results
+
+    def _fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """n > 1: the samples to fork from `seq` once its prompt is computed (samples.plan_samples)."""
+        constraint = seq.params.constraint
+        fresh = self.grammars.matcher if constraint.kind != "none" else None
+        return plan_samples(
+            seq,
+            self.scheduler,
+            lambda: IncrementalDetokenizer(self.tokenizer),
+            lambda: None if fresh is None else fresh(constraint),
+        )
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> FinishReason | None:
@@ -354,23 +380,61 @@ class Engine:
         """A scored `choices` request ends with its label, then EOS, as the generated tokens; where it asks
         for logprobs, they are that label's teacher-forced terms, EOS included (they sum to its score)."""
         assert seq.labels is not None
-        scores = label_scores(seq.params.choices, scored.logprobs)
-        pick = pick_label(scores, seq.params.temperature, seq.params.seed)
-        seq.output_ids = [*seq.labels[pick], self.model_runner.eos_token_id]
-        if scored.rows is not None:
-            seq.token_logprobs = scored.rows[pick]
-        seq.text = seq.params.choices[pick]
-        seq.first_token_at = now
-        return self._finish(seq, "eos", now, scores)
+        p = seq.params
+        scores = label_scores(p.choices, scored.logprobs)
+        picks = [pick_label(scores, p.temperature, sample_seed(p.seed, i)) for i in range(p.samples)]
+        eos = self.model_runner.eos_token_id
+        samples: list[EngineResult] = []
+        for i in reversed(range(p.samples)):  # sample 0 last: the sequence ends with its label
+            seq.output_ids = [*seq.labels[picks[i]], eos]
+            if scored.rows is not None:
+                seq.token_logprobs = scored.rows[picks[i]]
+            seq.text = p.choices[picks[i]]
+            seq.first_token_at = now
+            if i:
+                samples.append(self._result(seq, "eos", now, scores))
+        res = self._finish(seq, "eos", now, scores)
+        assert res is not None  # a choices request is no group
+        if p.samples == 1:
+            return res
+        ranks = [scores[k].logprob for k in picks] if p.samples > p.n else None
+        return combine(seq.request_id, [res, *reversed(samples)], p.n, ranks)
 
     def _finish(
-        self, seq: Sequence, reason: FinishReason, now: float, scores: list[LabelScore] | None = None
-    ) -> EngineResult:
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        now: float,
+        scores: list[LabelScore] | None = None,
+        error: EngineError | None = None,
+    ) -> EngineResult | None:
+        """End a sequence. -> its request's result: its own, or for a sample of an n > 1 request the
+        request's once its last sample ends (a pending sample ends with its leader)."""
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
+        res = self._result(seq, reason, now, scores, error)
+        if seq.group is None:
+            return res
+        pending, seq.forks = seq.forks, []
+        out = self._groups[seq.group].record(seq.sample_index, res)
+        if out is not None:
+            del self._groups[seq.group]
+        for f in pending:
+            out = self._finish(f, reason, now, error=error) or out
+        return out
+
+    def _result(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        now: float,
+        scores: list[LabelScore] | None = None,
+        error: EngineError | None = None,
+    ) -> EngineResult:
+        seq.finish_reason = reason
         logprobs = None
-        if seq.params.logprobs:
+        if seq.params.logprobs and error is None:
             rows = seq.token_logprobs
             last = seq.output_ids[-1] if seq.output_ids else None
             ended = reason == "eos" or (reason == "stop" and last in seq.params.stop_token_ids)
@@ -379,7 +443,7 @@ class Engine:
                 # a term of the label's score.
                 rows = rows[:-1]
             logprobs = self.token_texts.entries(rows)
-        return seq.to_result(now, logprobs=logprobs, label_scores=scores)
+        return seq.to_result(now, logprobs=logprobs, label_scores=scores, error=error)
 
 
 def _log_windows(windows: tuple[int | None, ...], window: SlidingWindow | None, bm: BlockManager) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,9 @@ class StepOutput:
     tokens: list[int]  # one sampled token per sequence sampled from
     logprobs: list[RowLogprobs | None]  # per sequence sampled from, where its params ask for them
     label_scores: list[ScoredLabels] | None  # score steps: one per sequence
+    # n > 1: per batch.forks entry, the sample's first token (from its leader's logits row) and logprobs
+    fork_tokens: list[int] = field(default_factory=list)
+    fork_logprobs: list[RowLogprobs | None] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +108,11 @@ class ModelRunner:
             )
             for _ in range(s.num_layers)
         ]
+        # the block dimension of the backend's cache layout (copy_blocks)
+        one, two = (
+            backend.attention.kv_cache_shape(n, block_size, s.num_kv_heads, s.head_dim) for n in (1, 2)
+        )
+        self._block_axis = next(i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
         self.graphs: CudaGraphRunner | None = None
         if use_graphs and isinstance(model, LlamaFamilyModel):
             from worker.engine.cuda_graphs import CudaGraphRunner
@@ -229,8 +237,14 @@ class ModelRunner:
             return StepOutput([], [], [], self.score_labels(batch.seqs, batch.block_tables))
         logits, sampled = self.forward(batch)  # [S, vocab] float32
         seqs = [batch.seqs[i] for i in sampled]
-        # Raw log-probabilities: before penalties, temperature, filtering and grammar masks.
-        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        num_sampled = len(seqs)
+        if batch.forks:  # each forked sample draws its first token from its leader's row, with its own seed
+            row_of = {b: r for r, b in enumerate(sampled)}
+            logits = torch.cat([logits, logits[self._tensor([row_of[i] for i, _ in batch.forks])]])
+            seqs += [f for _, f in batch.forks]
+        # Raw log-probabilities: before penalties, temperature, filtering and grammar masks (a ranked
+        # sample's too: best_of ranks by them).
+        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs or s.ranked]
         raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         masked = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if masked:
@@ -264,7 +278,22 @@ class ModelRunner:
             for j, i in enumerate(lp_rows):
                 n = seqs[i].params.top_logprobs
                 logprobs[i] = RowLogprobs(tokens[i], chosen[j], top_is[j][:n], top_vs[j][:n])
-        return StepOutput(sampled, tokens, logprobs, None)
+        ns = num_sampled
+        return StepOutput(sampled, tokens[:ns], logprobs[:ns], None, tokens[ns:], logprobs[ns:])
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K/V in every layer: a forked sample's own copy of its
+        leader's partial last prompt block."""
+        if not copies:
+            return
+        axis = self._block_axis
+        src = self._tensor([a for a, _ in copies])
+        dst = self._tensor([b for _, b in copies])
+        for k, v in self.kv_caches:
+            for cache in (k, v):
+                raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # index ops on FP8
+                raw.index_copy_(axis, dst, raw.index_select(axis, src))
 
     @torch.inference_mode()
     def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[ScoredLabels]:

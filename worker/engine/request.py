@@ -89,6 +89,9 @@ class EngineResult:
     logprobs: list[TokenLogprob] | None  # `logprobs` requests: every generated token but a final
     # EOS / stop token; a `choices` request: its label's tokens and the EOS, teacher-forced (they sum to
     # the label's score)
+    # n > 1: the samples returned, best first under best_of (their own text, tokens, finish reason and
+    # logprobs); the fields above are then the request's: its first sample's, usage over every sample
+    samples: list[EngineResult] | None = None
 
     @classmethod
     def unstarted(
@@ -125,6 +128,7 @@ class EngineCounters:
     decode_s: float = 0.0  # time in the model for decode steps
     score_steps: int = 0  # `choices` scoring steps (label rows only; in `steps`, not in prefill_steps)
     score_s: float = 0.0  # time in the model for scoring steps
+    prefill_tokens: int = 0  # prompt tokens computed in prompt chunks (a preempted one's recomputation too)
 
 
 @dataclass(frozen=True)
@@ -148,3 +152,4 @@ class EngineStats:
     # (block_manager.py says why they stay).
     window_released_blocks: int = 0
     window_idle_blocks: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed in prompt chunks (a preempted one's recomputation too)

@@ -10,7 +10,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineError, EngineResult, FinishReason, LabelScore, TokenLogprob
 
-SequenceStatus = Literal["waiting", "running", "finished"]
+SequenceStatus = Literal["waiting", "running", "finished", "pending"]  # pending: a sample not yet forked
 
 
 @dataclass
@@ -39,6 +39,13 @@ class Sequence:
     labels: list[list[int]] | None = None
     scratch_blocks: int = 0
     preemptions: int = 0  # times its blocks were taken back (it resumes by recomputing prompt + output)
+    # n > 1 (worker/engine/samples.py): sample `sample_index` of request `group`; the leader (sample 0)
+    # holds the samples still to fork from it once its prompt is computed
+    group: str | None = None
+    sample_index: int = 0
+    forks: list[Sequence] = field(default_factory=list)
+    ranked: bool = False  # best_of > n: its cumulative logprob ranks it among the request's samples
+    cumulative_logprob: float = 0.0  # of its generated tokens, when ranked
 
     @property
     def prompt_len(self) -> int:
