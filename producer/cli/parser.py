@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         commands.submit,
         "validate a JSONL file (every line, before enqueuing anything) and enqueue it as one batch",
         "producer submit prompts.jsonl --queue default --max-new-tokens 128 --temperature 0 --stop '###'\n"
-        "  cat prompts.jsonl | producer submit - --wait -o results.jsonl",
+        "  cat prompts.jsonl | producer submit - --wait -o results.jsonl\n"
+        "  BATCHQ_API_KEY=sk-team-a producer submit prompts.jsonl   # the batch shows in team a's console",
     )
     _submit_opts(p)
 
