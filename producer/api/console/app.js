@@ -18,6 +18,11 @@
 
   // ---- building blocks ----
 
+  // replaceChildren, leaving out the parts a page does not have (null, false).
+  function fill(node, ...kids) {
+    node.replaceChildren(...kids.flat().filter((k) => k !== null && k !== undefined && k !== false));
+  }
+
   function el(tag, props, ...kids) {
     const node = document.createElement(tag);
     for (const [k, v] of Object.entries(props || {})) {
@@ -59,6 +64,8 @@
     return s >= 3600 ? `${Math.floor(s / 3600)}:${two(Math.floor(s / 60) % 60)}:${two(s % 60)}`
       : `${two(Math.floor(s / 60))}:${two(s % 60)}`;
   }
+
+  const span = (s) => (s < 60 ? `${s.toFixed(1)} s` : duration(s)); // a chart's time axis
 
   function say(text, kind) {
     notice.textContent = text;
@@ -178,8 +185,7 @@
         failed(e);
         return;
       }
-      say("");
-      if (location.hash === "#/batches") route(); else location.hash = "#/batches";
+      route(); // the page the address asks for (the batches by default)
     });
     main.replaceChildren(form);
     input.focus();
@@ -248,7 +254,7 @@
       svg("text", { x: 0, y: 12, text: Math.round(max) }),
       svg("text", { x: 0, y: H, text: "0" }),
       svg("text", { x: P, y: H + 18, text: "00:00" }),
-      svg("text", { x: W - 48, y: H + 18, text: duration(tp.bin_s * tp.tok_s.length) }));
+      svg("text", { x: W - 48, y: H + 18, text: span(tp.bin_s * tp.tok_s.length) }));
     return g;
   }
 
@@ -305,7 +311,7 @@
     async function loadReport(b) {
       const r = await api(path + "/report");
       const reasons = Object.entries(r.finish_reasons);
-      report.replaceChildren(
+      fill(report,
         el("h2", { text: "Throughput (completion tokens per second)" }), chart(r.throughput),
         r.throughput.untimed ? el("p", { class: "muted",
           text: `${num(r.throughput.untimed)} results not charted (answered from the result cache, or retried).` }) : null,
@@ -327,7 +333,7 @@
 
     every(1000, async () => {
       const b = await api(path);
-      head.replaceChildren(el("h1", {}, "Batch ", el("span", { class: "id", text: b.id }), " ", stateBadge(b.state)),
+      fill(head, el("h1", {}, "Batch ", el("span", { class: "id", text: b.id }), " ", stateBadge(b.state)),
         b.api ? el("p", { class: "muted", text: `OpenAI batch: ${b.api.status} (${b.api.endpoint})` }) : null);
       if (!last || last.done !== b.done || last.failed !== b.failed || last.cancelled !== b.cancelled ||
           last.timed_out !== b.timed_out) buttons(b);
@@ -344,7 +350,7 @@
   function labelsPage(id) {
     const path = "/console/api/batches/" + encodeURIComponent(id);
     const select = el("select", { id: "label-filter" }, el("option", { value: "", text: "all labels" }));
-    const maxProb = el("input", { id: "prob-filter", type: "number", min: 0, max: 1, step: 0.01,
+    const maxProb = el("input", { id: "prob-filter", type: "number", min: 0, max: 1, step: "any",
       placeholder: "1.00" });
     const apply = el("button", { type: "submit", text: "Apply" });
     const exportBtn = el("button", { type: "button", id: "export", text: "Export JSONL" });
@@ -370,7 +376,7 @@
         for (const { label } of d.distribution) select.append(el("option", { value: label, text: label }));
         overview.replaceChildren(distribution(d), histogram(d.histogram));
       }
-      rows.replaceChildren(el("h2", { text: `Least confident rows (${num(d.matching)} match)` }),
+      fill(rows, el("h2", { text: `Least confident rows (${num(d.matching)} match)` }),
         table(["#", "id", "input", "answer", "top label", "p", "second label", "p"],
           d.least_confident.map((r) => el("tr", { "data-row": r.index },
             el("td", { class: "num", text: r.index }), el("td", { class: "rid", text: r.id }),
