@@ -74,9 +74,11 @@ class BatchReport:
     label_rows: list[LabelRow] = field(default_factory=list)
     finishes: list[tuple[float, int]] = field(default_factory=list)  # (seconds after creation, tokens)
     untimed: int = 0  # results the chart cannot place (answered from the result cache, or retried)
+    model: str | None = None  # the model that answered (the first result that names one)
 
     def add(self, result: Result) -> None:
         self.reasons[result.finish_reason] += 1
+        self.model = self.model or result.model
         if result.finish_reason == "error":
             self.failed += 1
             if len(self.errors) < MAX_ERRORS:
@@ -134,4 +136,5 @@ class BatchReport:
             "errors_shown": len(self.errors),
             "throughput": self.throughput(),
             "has_labels": bool(self.label_rows),
+            "model": self.model,
         }

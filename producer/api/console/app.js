@@ -227,12 +227,12 @@
       items.map(([k, v]) => el("div", { "data-counter": k }, el("dt", { text: k }), el("dd", { text: num(v) }))));
   }
 
-  function tokens(b) {
+  function tokens(b, model) {
     const r = rates(b);
     const cached = b.prompt_tokens ? b.cached_prompt_tokens / b.prompt_tokens : 0;
     const items = [["prompt tokens", num(b.prompt_tokens)], ["completion tokens", num(b.completion_tokens)],
       ["cached prompt share", pct(cached)], ["tok/s", num(Math.round(r.tokS))],
-      ["ETA", r.eta === 0 ? "done" : duration(r.eta)], ["model", b.model || "-"],
+      ["ETA", r.eta === 0 ? "done" : duration(r.eta)], ["model", b.model || model || "-"],
       ["created", when(b.created_at)], ["finished", when(b.finished_at)]];
     return el("dl", { class: "counters", id: "tokens" },
       items.map(([k, v]) => el("div", {}, el("dt", { text: k }), el("dd", { text: v }))));
@@ -267,6 +267,7 @@
     const report = el("section");
     main.replaceChildren(head, links, actions, summary, report);
     let last = null;
+    let ranOn = null; // the model that answered, from the report (a CLI batch may name none)
     let reportedDone = false;
     let reportAt = 0;
 
@@ -310,6 +311,7 @@
 
     async function loadReport(b) {
       const r = await api(path + "/report");
+      ranOn = r.model;
       const reasons = Object.entries(r.finish_reasons);
       fill(report,
         el("h2", { text: "Throughput (completion tokens per second)" }), chart(r.throughput),
@@ -337,7 +339,7 @@
         b.api ? el("p", { class: "muted", text: `OpenAI batch: ${b.api.status} (${b.api.endpoint})` }) : null);
       if (!last || last.done !== b.done || last.failed !== b.failed || last.cancelled !== b.cancelled ||
           last.timed_out !== b.timed_out) buttons(b);
-      summary.replaceChildren(progressBar(b, 480), counters(b), tokens(b));
+      summary.replaceChildren(progressBar(b, 480), counters(b), tokens(b, ranOn));
       last = b;
       const now = Date.now();
       if (!reportedDone && (b.done >= b.total || now - reportAt > 3000)) {
