@@ -85,8 +85,9 @@ def batch_requests(batch_id: str) -> str:
 
 
 def batch_inputs(batch_id: str) -> str:
-    """hash: request index -> an excerpt of its input (the prompt, or the last user message), written at
-    submit for the console's tables of rows to review (producer/api/console.py)."""
+    """hash: n -> JSON list of the input excerpts (the prompt, or the last user message) of requests
+    n * store.EXCERPTS_PER_FIELD onwards (null: an invalid line), written at submit for the console's rows
+    to review (producer/api/console.py)."""
     return f"{PREFIX}batch:{batch_id}:inputs"
 
 

@@ -23,6 +23,7 @@ from producer.wire.lua import LuaScript, done
 CHUNK = 500
 DONE_FIELDS = ("completed", "failed", "cancelled")
 CANCEL_FLAG = "cancel_requested"
+EXCERPTS_PER_FIELD = 500  # input excerpts per field of keys.batch_inputs (get_excerpts)
 
 
 class BatchNotFound(LookupError):
@@ -441,11 +442,24 @@ async def owned_batches(
 
 
 async def get_excerpts(redis: Redis, batch_id: str, indices: list[int]) -> dict[int, str]:
-    """Input excerpts of requests (keys.batch_inputs), by index; a request without one is left out."""
-    if not indices:
+    """Input excerpts of requests (keys.batch_inputs: field n holds a JSON list of the excerpts of requests
+    n * EXCERPTS_PER_FIELD onwards), by index; a request without one is left out."""
+    fields = sorted({i // EXCERPTS_PER_FIELD for i in indices})
+    if not fields:
         return {}
-    raws = await done(redis.hmget(keys.batch_inputs(batch_id), [str(i) for i in indices]))
-    return {i: _str(r) for i, r in zip(indices, raws, strict=True) if r is not None}
+    raws = await done(redis.hmget(keys.batch_inputs(batch_id), [str(f) for f in fields]))
+    lists = {f: orjson.loads(r) for f, r in zip(fields, raws, strict=True) if r is not None}
+    out = {}
+    for i in indices:
+        texts = lists.get(i // EXCERPTS_PER_FIELD)
+        text = (
+            texts[i % EXCERPTS_PER_FIELD]
+            if texts is not None and i % EXCERPTS_PER_FIELD < len(texts)
+            else None
+        )
+        if text is not None:
+            out[i] = text
+    return out
 
 
 async def get_meta(redis: Redis, batch_id: str) -> dict[str, str]:
