@@ -3,6 +3,7 @@ isolation exactly as the /v1 API enforces it (tests/producer/console_stack.py: r
 
 from __future__ import annotations
 
+import time
 import urllib.request
 import uuid
 
@@ -140,3 +141,60 @@ def test_no_key_reaches_the_server_log(console_stack: Stack) -> None:
     log = console_stack.server.log()
     assert "GET /console/api/batches" in log  # the access log is on
     assert KEY_A not in log and KEY_B not in log and "sk-wrong-key-in-log" not in log
+
+
+def test_an_api_batch_shows_for_its_key_with_its_openai_status(console_stack: Stack) -> None:
+    import openai
+
+    tag = uuid.uuid4().hex[:6]
+    body = b"".join(
+        orjson.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"messages": [{"role": "user", "content": f"{tag} api {i}"}], "max_tokens": 4}})
+        + b"\n"
+        for i in range(3)
+    )  # fmt: skip
+    c = openai.OpenAI(base_url=console_stack.server.base + "/v1", api_key=KEY_A)
+    f = c.files.create(file=("in.jsonl", body), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    listed = orjson.loads(console_stack.get("/console/api/batches", KEY_A)[1])["batches"]
+    assert b.id in [x["id"] for x in listed]
+    assert b.id not in [
+        x["id"] for x in orjson.loads(console_stack.get("/console/api/batches", KEY_B)[1])["batches"]
+    ]
+    assert console_stack.get(f"/console/api/batches/{b.id}", KEY_B)[0] == 404
+    console_stack.wait(b.id)
+    row = orjson.loads(console_stack.get(f"/console/api/batches/{b.id}", KEY_A)[1])
+    assert row["api"]["status"] == "completed" and row["api"]["endpoint"] == "/v1/chat/completions"
+    assert row["api"]["output_file_id"] == c.batches.retrieve(b.id).output_file_id
+    assert row["completed"] == 3
+
+
+def test_the_console_cancels_an_api_batch_as_the_api_does(console_stack: Stack) -> None:
+    import openai
+
+    tag = uuid.uuid4().hex[:6]
+    body = b"".join(
+        orjson.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"messages": [{"role": "user", "content": f"{tag} long {i}"}], "max_tokens": 400,
+                               "ignore_eos": True}})
+        + b"\n"
+        for i in range(12)
+    )  # fmt: skip
+    c = openai.OpenAI(base_url=console_stack.server.base + "/v1", api_key=KEY_A)
+    f = c.files.create(file=("in.jsonl", body), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    req = urllib.request.Request(
+        console_stack.server.base + f"/console/api/batches/{b.id}/cancel", method="POST",
+        headers={"Authorization": f"Bearer {KEY_A}"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert orjson.loads(r.read())["batch"]["id"] == b.id
+    assert c.batches.retrieve(b.id).status in ("cancelling", "cancelled")
+    st = console_stack.wait(b.id)
+    assert st["state"] == "cancelled" and st["cancelled"] > 0
+    deadline = 60
+    while (got := c.batches.retrieve(b.id)).status != "cancelled" and deadline:
+        deadline -= 1
+        time.sleep(0.5)
+    assert got.status == "cancelled" and got.request_counts is not None
+    assert got.request_counts.completed + got.request_counts.failed < 12
