@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The API server's own command (producer/api/serve.py) parses these arguments: see main().
     sub.add_parser(
         "serve",
-        help="serve OpenAI's Files and Batches API over batchq (the official openai client works unchanged); "
-        "`producer serve --help` lists its options",
+        help="serve OpenAI's Files and Batches API over batchq (the official openai client works unchanged) "
+        "and the batch console at /; `producer serve --help` lists its options",
         add_help=False,
     )
     return parser
