@@ -157,6 +157,7 @@ def test_the_labels_page_shows_what_the_results_hold_as_text(console: Console) -
     expect(page.locator("#errors")).to_contain_text(f"{tag}-bad")
     expect(page.locator("#throughput")).to_be_visible()
     expect(page.locator('[data-counter="completed"] dd')).to_have_text("12")
+    expect(page.locator("#tokens")).to_contain_text(str(console.stack.worker.model))  # the model that ran
     console.shot("batch")
 
     page.click("#labels-link")

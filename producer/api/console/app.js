@@ -339,13 +339,13 @@
         b.api ? el("p", { class: "muted", text: `OpenAI batch: ${b.api.status} (${b.api.endpoint})` }) : null);
       if (!last || last.done !== b.done || last.failed !== b.failed || last.cancelled !== b.cancelled ||
           last.timed_out !== b.timed_out) buttons(b);
-      summary.replaceChildren(progressBar(b, 480), counters(b), tokens(b, ranOn));
-      last = b;
       const now = Date.now();
       if (!reportedDone && (b.done >= b.total || now - reportAt > 3000)) {
         reportAt = now;
-        await loadReport(b);
+        await loadReport(b); // first: it names the model the summary shows
       }
+      summary.replaceChildren(progressBar(b, 480), counters(b), tokens(b, ranOn));
+      last = b;
     });
   }
 
