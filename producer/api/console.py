@@ -34,7 +34,9 @@ from producer.wire.store import BatchNotFound
 from producer.wire.workers import queue_label
 
 STATIC = Path(__file__).with_name("console")
-ASSETS = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
+# The page's files, each served at /console/<name>; app.js is the entry module, importing the others.
+SCRIPTS = ("app.js", "api.js", "dom.js", "widgets.js", "lists.js", "batch.js", "labels.js")
+ASSETS = {"index.html": "text/html", "style.css": "text/css", **dict.fromkeys(SCRIPTS, "text/javascript")}
 # No inline script or style, nothing from another origin, never framed (clickjacking on the buttons).
 CSP = "default-src 'self'; script-src 'self'; object-src 'none'; frame-ancestors 'none'"
 SECURITY_HEADERS = {
@@ -76,11 +78,11 @@ def page_routes() -> list[Route]:
 
         return endpoint
 
+    page = asset("index.html")
     return [
-        Route("/", asset("index.html"), methods=["GET"]),
-        Route("/console", asset("index.html"), methods=["GET"]),
-        Route("/console/app.js", asset("app.js"), methods=["GET"]),
-        Route("/console/style.css", asset("style.css"), methods=["GET"]),
+        Route("/", page, methods=["GET"]),
+        Route("/console", page, methods=["GET"]),
+        *(Route(f"/console/{name}", asset(name), methods=["GET"]) for name in ASSETS if name != "index.html"),
     ]
 
 

@@ -26,10 +26,21 @@ def test_the_page_is_served_at_root_and_console_under_the_csp(console_stack: Sta
         status, body, headers = console_stack.get(path, None)
         assert status == 200 and headers["content-type"].startswith("text/html")
         assert headers["content-security-policy"] == CSP
-        assert b'<script src="/console/app.js"' in body and b"<script>" not in body and b"style=" not in body
-    status, js, headers = console_stack.get("/console/app.js", None)
-    assert status == 200 and headers["content-type"].startswith("text/javascript")
-    assert b"innerHTML" not in js and b"insertAdjacentHTML" not in js and b"eval(" not in js
+        assert b"<script>" not in body and b"style=" not in body
+    assert b'<script type="module" src="/console/app.js">' in body
+    for name in ("app.js", "api.js", "dom.js", "widgets.js", "lists.js", "batch.js", "labels.js"):
+        status, js, headers = console_stack.get(f"/console/{name}", None)
+        assert status == 200 and headers["content-type"].startswith("text/javascript"), name
+        for sink in (
+            b"innerHTML",
+            b"outerHTML",
+            b"insertAdjacentHTML",
+            b"document.write",
+            b"eval(",
+            b"Function(",
+        ):
+            assert sink not in js, (name, sink)  # markup never reaches the page as HTML
+    assert console_stack.get("/console/../console.py", None)[0] == 404
     status, _, headers = console_stack.get("/console/api/batches", KEY_A)
     assert (
         status == 200 and headers["content-security-policy"] == CSP and headers["cache-control"] == "no-store"

@@ -55,6 +55,8 @@ class Console:
         self.messages: list[str] = []
         self.page.on("request", lambda r: self.urls.append(r.url))
         self.page.on("console", lambda m: self.messages.append(m.text))
+        self.errors: list[str] = []
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.stack = stack
 
     def sign_in(self, key: str, route: str = "") -> None:
@@ -74,6 +76,7 @@ class Console:
         self.context.close()
         assert leaked == [], "an API key appeared in a URL"
         assert blocked == [], f"the page did something its CSP blocks: {blocked}"
+        assert self.errors == [], f"the page's script failed: {self.errors}"
 
 
 @pytest.fixture
