@@ -67,8 +67,8 @@ CONSOLE_ENDPOINTS = (
 
 
 def page_routes() -> list[Route]:
-    """The page and its two files: no data in them, so no key needed. Read once here (a missing file is
-    a broken install: it fails at start-up, not at the first visit)."""
+    """The page and its files: no data in them, so no key needed. Read once here (a missing file is a
+    broken install: it fails at start-up, not at the first visit)."""
 
     def asset(name: str) -> Callable[[Request], Awaitable[Response]]:
         body = (STATIC / name).read_bytes()
