@@ -23,7 +23,9 @@ from tests.worker.conftest import ROOT, wait_until
 pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-INSTALL = "apt-get install -y chromium chromium-driver (and pip install playwright)"
+INSTALL = (
+    "make chromium, i.e. apt-get install -y chromium chromium-driver (playwright: pip install -e .[test])"
+)
 ARTIFACTS = ROOT / "test-artifacts" / "console"
 XSS = "<img src=x onerror=window.__xss=1>"
 XSS_LABELS = [XSS, "<img src=y onerror=window.__xss=2>"]  # whichever the model answers, its text is markup
