@@ -26,12 +26,14 @@ from worker.engine.device import (
     pick_kv_dtype,
     pick_weight_dtype,
 )
+from worker.engine.embedding import EmbeddingRequests
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
 from worker.engine.kv_window import SlidingWindow
 from worker.engine.model_runner import ModelRunner, ScoredLabels
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
+from worker.engine.pooling import model_pooling
 from worker.engine.prompts import PromptBuilder
 from worker.engine.request import (
     EngineCounters,
@@ -91,8 +93,12 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, vocab, self.eos_token_ids)
         self.token_texts = TokenTexts(self.grammars.token_bytes)
         self.prompts = PromptBuilder(
-            self.tokenizer, loaded.name, vocab, max_model_len, self.block_manager, self.grammars.matcher
-        )
+            self.tokenizer, loaded.name, vocab, max_model_len, self.block_manager, self.grammars.matcher,
+            hidden_size=loaded.model.spec.hidden_size,
+        )  # fmt: skip
+        self.pooling = model_pooling(loaded.checkpoint_dir, cfg.embedding_pooling)
+        if self.pooling.refused:
+            log.warning("embedding requests will be refused: %s", self.pooling.refused)
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
         self.fingerprint = engine_fingerprint(
             weights_digest(loaded.model),
@@ -115,6 +121,7 @@ class Engine:
         self._inbox: list[tuple[EngineRequest, float]] = []
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
+        self.embeddings = EmbeddingRequests(self.scheduler, self._seqs)  # their inputs are in _seqs too
         self.counters = EngineCounters()
         # An explicit num_threads is the operator's; otherwise the thread count follows the cores other
         # processes leave free (cpu_tuning.CpuShare).
@@ -222,7 +229,8 @@ class Engine:
         results = self._intake()
         now = time.monotonic()
         for seq in list(self.scheduler.waiting) + self.scheduler.running:
-            if self.stop_rules.timed_out(seq, now):
+            if seq.status != "finished" and self.stop_rules.timed_out(seq, now):  # (an embedding's inputs
+                # end together)
                 results.append(self._finish(seq, "timeout", now))
         batch = self.scheduler.schedule()
         if batch is None:
@@ -243,6 +251,9 @@ class Engine:
             if not seq.preemptions:  # a resumed one counted its prompt already
                 self.counters.prompt_tokens += seq.prompt_len
                 self.counters.cached_prompt_tokens += seq.cached_prompt_tokens
+        for i, vector in out.embeddings.items():
+            if (res := self.embeddings.pooled(batch.seqs[i], vector, now)) is not None:
+                results.append(res)
         for i, token, logprobs in zip(out.sampled, out.tokens, out.logprobs, strict=True):
             res = self._take_token(batch.seqs[i], token, logprobs, now)
             if res is not None:
@@ -307,6 +318,7 @@ class Engine:
         with self._lock:
             pending, self._inbox = self._inbox, []
         results = [_unstarted(r, "error", now, received, error) for r, received in pending]
+        results += [self.embeddings.end(rid, "error", now, error) for rid in list(self.embeddings.groups)]
         for seq in list(self._seqs.values()):
             seq.finish_reason = "error"
             self.scheduler.finish(seq)
@@ -328,19 +340,36 @@ class Engine:
                 results.append(_unstarted(req, "cancelled", now, received))
                 continue
             try:
-                if req.request_id in self._seqs:
+                if req.request_id in self._seqs or req.request_id in self.embeddings.groups:
                     raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
-                seq = self.prompts.sequence(req, received)
+                if req.embedding is not None:
+                    seqs = self._embedding_inputs(req, received)
+                else:
+                    seqs = [self.prompts.sequence(req, received)]
             except RequestError as exc:
                 results.append(_unstarted(req, "error", now, received, EngineError(exc.error_type, str(exc))))
                 continue
-            self._seqs[seq.request_id] = seq
-            self.scheduler.add(seq)
+            for seq in seqs:
+                self._seqs[seq.request_id] = seq
+                self.scheduler.add(seq)
         for rid in cancelled:
             target = self._seqs.get(rid)
             if target is not None:
                 results.append(self._finish(target, "cancelled", now))
+            elif rid in self.embeddings.groups:
+                results.append(self.embeddings.end(rid, "cancelled", now))
         return results
+
+    def _embedding_inputs(self, req: EngineRequest, received: float) -> list[Sequence]:
+        """An embedding request's inputs as sequences, the request held as their group."""
+        pooling = self.pooling.pooling
+        if pooling is None:
+            raise RequestError(
+                "unsupported", f"model {self.model_name!r} cannot embed: {self.pooling.refused}"
+            )
+        seqs = self.prompts.embedding_sequences(req, received, pooling)
+        self.embeddings.add(req, seqs)
+        return seqs
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> FinishReason | None:
@@ -366,6 +395,8 @@ class Engine:
     def _finish(
         self, seq: Sequence, reason: FinishReason, now: float, scores: list[LabelScore] | None = None
     ) -> EngineResult:
+        if seq.embedding_of is not None:
+            return self.embeddings.end(seq.embedding_of, reason, now)
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]

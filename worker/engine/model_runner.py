@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from worker.engine.grammar import mask_logits
+from worker.engine.pooling import PoolRows, pool
 from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import RowLogprobs, Sequence
@@ -50,6 +51,8 @@ class StepOutput:
     tokens: list[int]  # one sampled token per sequence sampled from
     logprobs: list[RowLogprobs | None]  # per sequence sampled from, where its params ask for them
     label_scores: list[ScoredLabels] | None  # score steps: one per sequence
+    embeddings: dict[int, list[float]] = field(default_factory=dict)  # batch index -> an embedding input's
+    # unit vector, for the inputs whose last token this step computed
 
 
 @dataclass
@@ -227,7 +230,35 @@ class ModelRunner:
         Score: every label's log-probability per `choices` sequence."""
         if batch.phase == "score":
             return StepOutput([], [], [], self.score_labels(batch.seqs, batch.block_tables))
+        nd = batch.num_decode
+        if any(s.pooling is not None for s in batch.seqs[nd:]):  # embedding inputs come as prompt chunks
+            return self._run_pooling(batch)
         logits, sampled = self.forward(batch)  # [S, vocab] float32
+        return self._sample(batch, logits, sampled)
+
+    def _run_pooling(self, batch: ScheduledBatch) -> StepOutput:
+        """A step with embedding inputs among its chunks: their hidden states are pooled, never sampled
+        from; the other sequences sample as in any step."""
+        step = self.step_inputs(batch)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
+        nd = batch.num_decode
+        rows, at = [], nd  # the chunks' rows follow the decode rows, one each
+        for j, n in enumerate(batch.chunks):
+            seq = batch.seqs[nd + j]
+            if seq.pooling is not None:
+                rows.append(PoolRows(nd + j, at, n, seq.num_computed + n == len(seq.prefill_ids)))
+            at += n
+        embeddings = pool(hidden, batch.seqs, rows)
+        keep = [j for j, i in enumerate(step.sampled) if batch.seqs[i].pooling is None]
+        if not keep:
+            return StepOutput([], [], [], None, embeddings)
+        logits = self.model.compute_logits(hidden[step.logits_index[self._tensor(keep)]])
+        out = self._sample(batch, logits, [step.sampled[j] for j in keep])
+        out.embeddings = embeddings
+        return out
+
+    def _sample(self, batch: ScheduledBatch, logits: Tensor, sampled: list[int]) -> StepOutput:
+        """One token per sequence of `sampled` (batch indices) from its row of logits [S, vocab] float32."""
         seqs = [batch.seqs[i] for i in sampled]
         # Raw log-probabilities: before penalties, temperature, filtering and grammar masks.
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs]
