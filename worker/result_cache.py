@@ -18,7 +18,10 @@ from producer.wire.workers import QueueServing
 
 
 def key_of(fingerprint: str, req: Request) -> str | None:
-    """The request's cache key, as submit computes it from the same request (None: not determined)."""
+    """The request's cache key, as submit computes it from the same request (None: not determined, or an
+    embedding request, which the cache does not keep)."""
+    if req.embedding is not None:
+        return None
     messages = [m.model_dump(exclude_none=True) for m in req.messages] if req.messages is not None else None
     return request_key(
         fingerprint, req.prompt, messages, req.params.model_dump(by_alias=True, exclude_none=True)

@@ -110,7 +110,7 @@ def validate_to_spool(
     result_cache: bool = True,
     checks: SubmitChecks | None = None,
 ) -> None:
-    """Pass 1. Spool records: b"R" + (b"c"|b"p") + 3 hex digits of queue order (see queue_order) + the
+    """Pass 1. Spool records: b"R" + (b"c"|b"p"|b"e": chat, prompt, embeddings) + 3 hex digits of queue order (see queue_order) + the
     64 hex digits of its result-cache key (NO_KEY when it has none) + request JSON, or b"E" + error
     JSON; one per line. `fingerprint` (or `checks.fingerprint`): the queue's workers' (None: no lookups).
     Also records each request's content digest and line number in `report` (see create_batch)."""
@@ -147,9 +147,14 @@ def validate_to_spool(
                 if not result_cache:
                     body = body[:-1] + b',"result_cache":false}'
                 key = None
-                if fingerprint is not None and rec["model"] in (None, checks.live_model):
+                # embeddings are not result-cached (a cached answer holds text, not vectors)
+                if (
+                    fingerprint is not None
+                    and rec["model"] in (None, checks.live_model)
+                    and not parsed.embedding
+                ):
                     key = request_key(fingerprint, rec["prompt"], rec["messages"], rec["params"])
-                kind = b"Rc" if parsed.chat else b"Rp"
+                kind = b"Re" if parsed.embedding else b"Rc" if parsed.chat else b"Rp"
                 order = b"%03x" % queue_order(rec["params"]["max_new_tokens"])
                 digest = NO_KEY if key is None else key.rpartition(":")[2].encode()
                 write(kind + order + digest + body + b"\n")
@@ -239,7 +244,7 @@ return {0}
 
 
 # KEYS: queue, results hash, chat bitmap. ARGV: job id prefix ("<batch id>:"), first index, enqueue time
-# (ms), kinds (one byte per job: c chat, p prompt), orders (3 hex digits of queue_order per job), fresh
+# (ms), kinds (one byte per job: c chat, p prompt, e embeddings), orders (3 hex digits of queue_order per job), fresh
 # ("1" when this submit created the batch), then one payload per job for consecutive indices.
 #
 # One argument per job: redis-py packs each argument in Python, and five per job cost more than the script.

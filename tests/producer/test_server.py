@@ -258,8 +258,10 @@ def test_a_bad_file_is_refused_with_line_numbers_and_nothing_is_stored(stack):
                 input_file_id=completions.id, endpoint="/v1/chat/completions", completion_window="24h"
             )
         with pytest.raises(openai.BadRequestError, match="unsupported") as e:
-            c.batches.create(input_file_id=completions.id, endpoint="/v1/embeddings", completion_window="24h")
+            c.batches.create(input_file_id=completions.id, endpoint="/v1/responses", completion_window="24h")
         assert isinstance(e.value.body, dict) and e.value.body["param"] == "endpoint"
+        with pytest.raises(openai.BadRequestError, match="holds 1 /v1/completions request") as e:
+            c.batches.create(input_file_id=completions.id, endpoint="/v1/embeddings", completion_window="24h")
         with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: priority"):
             c.batches.create(input_file_id=completions.id, endpoint="/v1/completions", completion_window="24h",
                              extra_body={"priority": "high"})  # fmt: skip
