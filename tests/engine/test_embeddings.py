@@ -200,3 +200,14 @@ def test_a_checkpoint_with_mean_pooling_config_embeds_by_the_mean(qwen3, tmp_pat
     (ckpt / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     engine = engine_for(ckpt)
     check(engine, hf, engine.generate([embed("m", TEXTS[:2])])[0], TEXTS[:2], "mean")
+
+
+def test_the_transformers_fallback_embeds_as_hf_does(qwen3) -> None:
+    path, hf = qwen3
+    engine = engine_for(path, model_impl="transformers")
+    gen = EngineRequest(
+        request_id="g", params=GenerationParams(max_new_tokens=4, temperature=0.0), prompt="hi"
+    )
+    out = {r.request_id: r for r in engine.generate([embed("e", TEXTS, dims=32), gen])}
+    check(engine, hf, out["e"], TEXTS, "last", dims=32)
+    assert out["g"].finish_reason in ("eos", "length")

@@ -37,7 +37,9 @@ def hf_last_token(hf, tok, text: str, dims: int | None = None) -> torch.Tensor: 
     return torch.nn.functional.normalize(last[:dims], dim=-1)
 
 
-def test_a_file_mixing_embeddings_and_chat_runs_through_the_queue_worker(server, workers, tmp_path: Path) -> None:
+def test_a_file_mixing_embeddings_and_chat_runs_through_the_queue_worker(
+    server, workers, tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = build_tiny_checkpoint(tmp_path / "qwen3", "qwen3", seed=11)
