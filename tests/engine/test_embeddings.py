@@ -211,3 +211,51 @@ def test_the_transformers_fallback_embeds_as_hf_does(qwen3) -> None:
     out = {r.request_id: r for r in engine.generate([embed("e", TEXTS, dims=32), gen])}
     check(engine, hf, out["e"], TEXTS, "last", dims=32)
     assert out["g"].finish_reason in ("eos", "length")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_bare_decoder_checkpoint_embeds_as_qwen3_embedding_ships_it(tmp_path: Path, tied: bool) -> None:
+    """Qwen3-Embedding's files hold the bare decoder (`embed_tokens.weight`, `layers.N...`, `norm.weight`,
+    no `model.` prefix), with its sentence-transformers config; the 8B one also has no LM head though its
+    config does not tie one. Both load; the headless one answers embeddings only."""
+    from safetensors import safe_open
+    from transformers import AutoModel
+
+    from tests.tiny_models import NORM_NOISE, byte_tokenizer, tiny_config
+
+    torch.manual_seed(7)
+    bare = AutoModel.from_config(tiny_config("qwen3", tie_word_embeddings=tied), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in bare.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * NORM_NOISE)
+    bare.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "embed_tokens.weight" in names and not any(n.startswith(("model.", "lm_head")) for n in names)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]))  # fmt: skip
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+
+    engine = engine_for(tmp_path)
+    gen = EngineRequest(request_id="g", params=GenerationParams(max_new_tokens=3), prompt="hi")
+    out = {r.request_id: r for r in engine.generate([embed("e", TEXTS), gen])}
+    assert out["e"].embeddings is not None
+    with torch.no_grad():
+        ref = AutoModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        for text, got in zip(TEXTS, out["e"].embeddings, strict=True):
+            ids = engine.tokenizer(text).input_ids
+            want = torch.nn.functional.normalize(ref(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+            assert (torch.tensor(got) - want).abs().max().item() < TOL
+    if tied:
+        assert out["g"].error is None
+    else:
+        assert out["g"].error is not None and out["g"].error.type == "unsupported"
+        assert "without an LM head" in out["g"].error.message

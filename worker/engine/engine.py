@@ -97,6 +97,7 @@ class Engine:
             hidden_size=loaded.model.spec.hidden_size,
         )  # fmt: skip
         self.pooling = model_pooling(loaded.checkpoint_dir, cfg.embedding_pooling)
+        self.embedding_only = loaded.embedding_only  # no LM head: generation is refused
         if self.pooling.refused:
             log.warning("embedding requests will be refused: %s", self.pooling.refused)
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
@@ -344,6 +345,12 @@ class Engine:
                     raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
                 if req.embedding is not None:
                     seqs = self._embedding_inputs(req, received)
+                elif self.embedding_only:
+                    raise RequestError(
+                        "unsupported",
+                        f"model {self.model_name!r} is an embedding checkpoint without an LM head: it answers "
+                        "embedding requests only",
+                    )
                 else:
                     seqs = [self.prompts.sequence(req, received)]
             except RequestError as exc:
