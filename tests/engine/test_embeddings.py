@@ -259,3 +259,33 @@ def test_a_bare_decoder_checkpoint_embeds_as_qwen3_embedding_ships_it(tmp_path: 
     else:
         assert out["g"].error is not None and out["g"].error.type == "unsupported"
         assert "without an LM head" in out["g"].error.message
+
+
+def test_a_preempted_input_is_pooled_afresh_when_it_resumes(qwen3) -> None:
+    path, hf = qwen3
+    text = "resume " * 20  # 140 tokens, chunks of 16
+    engine = engine_for(path, embedding_pooling="mean", max_num_batched_tokens=16, max_num_seqs=2)
+    engine.add_request(embed("p", [text]))
+    for _ in range(3):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    assert seq.pooled is not None and 0 < seq.num_computed < seq.prompt_len
+    engine.scheduler.preempt(seq)  # as when the pool runs out: its blocks go back, it resumes from scratch
+    assert seq.pooled is None
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    check(engine, hf, done[0], [text], "mean")
+
+
+def test_an_engine_error_fails_each_embedding_request_once(qwen3) -> None:
+    from worker.engine.request import EngineError
+
+    path, _ = qwen3
+    engine = engine_for(path, max_num_batched_tokens=16, max_num_seqs=4)
+    engine.add_request(embed("a", ["word " * 20, "word " * 20]))
+    engine.add_request(EngineRequest(request_id="g", params=GenerationParams(max_new_tokens=4), prompt="x"))
+    engine.step()
+    results = engine.abort_all(EngineError("engine_error", "boom"))
+    assert sorted((r.request_id, r.finish_reason) for r in results) == [("a", "error"), ("g", "error")]
+    assert engine.block_manager.num_used == 0 and not engine.has_work()
