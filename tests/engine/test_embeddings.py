@@ -289,3 +289,23 @@ def test_an_engine_error_fails_each_embedding_request_once(qwen3) -> None:
     results = engine.abort_all(EngineError("engine_error", "boom"))
     assert sorted((r.request_id, r.finish_reason) for r in results) == [("a", "error"), ("g", "error")]
     assert engine.block_manager.num_used == 0 and not engine.has_work()
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_a_sliding_window_model_embeds_inputs_longer_than_its_window(tmp_path: Path, pooling: str) -> None:
+    """Mistral with a window of 16 in every layer: an input's early blocks go back to the pool as its chunks
+    advance, and its vector is still HF's."""
+    path = build_tiny_checkpoint(tmp_path / "mistral", "mistral", seed=9, sliding_window=16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = engine_for(path, embedding_pooling=pooling, max_num_batched_tokens=16, max_num_seqs=2)
+    inputs = [list(range(10, 90)), [200, 100] * 30, [7, 8]]
+    engine.add_request(embed("w", inputs))  # type: ignore[arg-type]
+    done = []
+    while engine.has_work():
+        done += engine.step()
+        engine.scheduler.check_invariants()
+    assert engine.block_manager.window_released > 0
+    (res,) = done
+    assert res.embeddings is not None
+    for ids, got in zip(inputs, res.embeddings, strict=True):
+        assert (torch.tensor(got) - hf_vector(hf, ids, pooling)).abs().max().item() < TOL
