@@ -53,10 +53,13 @@ class ResultCache:
         )
         await done(self.redis.set(key, answer.to_json(), ex=self.ttl_s))
 
-    async def publish(self, queue: str, model: str, max_model_len: int, enabled: bool) -> None:
+    async def publish(
+        self, queue: str, model: str, max_model_len: int, enabled: bool, embedding_size: int | None = None
+    ) -> None:
         """Tell producers what serves this queue: submit checks requests against it and, when `enabled`,
         answers what the result cache holds at once."""
         serving = QueueServing(
-            model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled
-        )
+            model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled,
+            embedding_size=embedding_size,
+        )  # fmt: skip
         await done(self.redis.set(keys.queue_serving(queue), serving.model_dump_json(), ex=self.ttl_s))

@@ -197,6 +197,15 @@ def _check_request(rec: dict[str, Any], serving: QueueServing | None) -> tuple[s
     """(field, reason) when a valid line still cannot run: its grammar does not compile, or it asks for
     more new tokens than the model the queue serves can ever hold."""
     params = rec["params"]
+    emb = rec.get("embedding")
+    if emb is not None:
+        size, dims = serving.embedding_size if serving is not None else None, emb["dimensions"]
+        if serving is not None and rec["model"] in (None, serving.model) and size and dims and dims > size:
+            return (
+                "dimensions",
+                f"{dims} dimensions asked, but the model {serving.model!r} serving this queue embeds in {size}",
+            )
+        return None
     if serving is not None and rec["model"] in (None, serving.model):
         asked, context = params["max_new_tokens"], serving.max_model_len
         if asked > context:

@@ -148,3 +148,18 @@ def test_an_embedding_result_is_openais_embedding_list_with_floats_or_base64() -
         user = orjson.loads(result.to_user_json())
         assert user["embeddings"] == given and user["usage"]["prompt_tokens"] == 7
     assert "embeddings" not in orjson.loads(Result(id="t", index=0, finish_reason="eos").to_user_json())
+
+
+def test_dimensions_wider_than_the_queues_model_are_refused_at_submit() -> None:
+    from producer.client.submit import SubmitChecks
+    from producer.wire.workers import QueueServing
+
+    serving = QueueServing(model="m", fingerprint="f" * 64, max_model_len=64, embedding_size=32)
+    data = lines(oa({"input": "a", "dimensions": 33}), {"input": "b", "dimensions": 32}, {"input": "c"},
+                 oa({"model": "other", "input": "d", "dimensions": 99}, cid="o"))  # fmt: skip
+    report = SubmitReport(batch_id="b")
+    validate_to_spool(io.BytesIO(data), io.BytesIO(), report, defaults=None, model=None,
+                      checks=SubmitChecks(serving=serving))  # fmt: skip
+    assert [str(e) for e in report.errors] == [
+        "line 1: body.dimensions: 33 dimensions asked, but the model 'm' serving this queue embeds in 32"
+    ]

@@ -98,6 +98,7 @@ class Engine:
         )  # fmt: skip
         self.pooling = model_pooling(loaded.checkpoint_dir, cfg.embedding_pooling)
         self.embedding_only = loaded.embedding_only  # no LM head: generation is refused
+        self.embedding_size = None if self.pooling.refused else self.prompts.hidden_size
         if self.pooling.refused:
             log.warning("embedding requests will be refused: %s", self.pooling.refused)
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
