@@ -231,8 +231,8 @@ class Engine:
         results = self._intake()
         now = time.monotonic()
         for seq in list(self.scheduler.waiting) + self.scheduler.running:
-            if seq.status != "finished" and self.stop_rules.timed_out(seq, now):  # (an embedding's inputs
-                # end together)
+            # (an embedding request's inputs end together: the first to time out ends the rest)
+            if seq.status != "finished" and self.stop_rules.timed_out(seq, now):
                 results.append(self._finish(seq, "timeout", now))
         batch = self.scheduler.schedule()
         if batch is None:

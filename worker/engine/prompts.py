@@ -111,16 +111,16 @@ class PromptBuilder:
             raise RequestError("invalid_request", "an embedding request needs at least one input")
         params, limit, bm = req.params, self.max_model_len, self.block_manager
         started = req.started_at if req.started_at is not None else received
+        texts = all(isinstance(x, str) for x in emb.inputs)
+        # texts are tokenised in one call (the fast tokenizers encode a list in parallel)
+        tokenised = self.tokenizer(list(emb.inputs)).input_ids if texts else emb.inputs
         seqs = []
-        for i, item in enumerate(emb.inputs):
-            if isinstance(item, str):
-                ids = list(self.tokenizer(item).input_ids)
-            else:
-                ids = list(item)
-                if any(not 0 <= t < self.vocab_size for t in ids):
-                    raise RequestError(
-                        "invalid_request", f"input {i}: token ids must lie in [0, {self.vocab_size})"
-                    )
+        for i, item in enumerate(tokenised):
+            ids = list(item)
+            if not texts and any(not 0 <= t < self.vocab_size for t in ids):
+                raise RequestError(
+                    "invalid_request", f"input {i}: token ids must lie in [0, {self.vocab_size})"
+                )
             if not ids:
                 raise RequestError("invalid_request", f"input {i} is empty after tokenisation")
             if len(ids) > limit:  # no token is generated: the whole context is the input's
