@@ -7,7 +7,10 @@ max_new_tokens is always set (submit resolves it, and the contract's Request che
 
 from __future__ import annotations
 
+import base64
+import sys
 import time
+from array import array
 from typing import Any
 
 import orjson
@@ -27,7 +30,7 @@ from producer.wire.contract import (
 )
 from producer.wire.contract import TokenLogprob as ContractTokenLogprob
 from worker.engine.params import NO_CONSTRAINT, Constraint, GenerationParams
-from worker.engine.request import EngineRequest, EngineResult, TokenLogprob
+from worker.engine.request import EmbeddingInputs, EngineRequest, EngineResult, TokenLogprob
 
 # Contract fields with another type in the engine; every other field keeps its name and value.
 _TUPLES = ("stop", "stop_token_ids", "choices")
@@ -65,12 +68,14 @@ def constraint(params: SamplingParams) -> Constraint:
 
 def engine_request(req: Request, request_id: str) -> EngineRequest:
     """`request_id` is the job id (unique across batches); the request's clock starts now."""
+    emb = req.embedding
     return EngineRequest(
         request_id=request_id,
         params=generation_params(req.params),
         prompt=req.prompt,
         messages=[m.model_dump(exclude_none=True) for m in req.messages] if req.messages else None,
         started_at=time.monotonic(),
+        embedding=None if emb is None else EmbeddingInputs(emb.input, emb.dimensions),
     )
 
 
@@ -90,6 +95,7 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         worker=worker_id,
         label_scores=None if res.label_scores is None else [LabelScore(**vars(s)) for s in res.label_scores],
         logprobs=_logprobs(res.logprobs),
+        embeddings=_embeddings(req, res),
         **_samples(req, res),
     )
 
@@ -113,6 +119,23 @@ def _samples(req: Request, res: EngineResult) -> dict[str, Any]:
     for c in choices:
         vote[c.text] += 1
     return {"choices": choices, "vote": vote, "agreement": max(vote.values()) / len(choices)}
+
+
+def _embeddings(req: Request, res: EngineResult) -> list[list[float]] | list[str] | None:
+    """The vectors as the request asked them written: floats, or base64 of little-endian float32."""
+    if res.embeddings is None or req.embedding is None:
+        return None
+    if req.embedding.encoding_format == "float":
+        return res.embeddings
+    return [base64_float32(v) for v in res.embeddings]
+
+
+def base64_float32(vector: list[float]) -> str:
+    """OpenAI's base64 embedding: the vector's float32 values, little-endian, base64-encoded."""
+    packed = array("f", vector)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
 
 
 def _token(t: TokenLogprob) -> ContractTokenLogprob:

@@ -18,7 +18,10 @@ from producer.wire.workers import QueueServing
 
 
 def key_of(fingerprint: str, req: Request) -> str | None:
-    """The request's cache key, as submit computes it from the same request (None: not determined)."""
+    """The request's cache key, as submit computes it from the same request (None: not determined, or an
+    embedding request, which the cache does not keep)."""
+    if req.embedding is not None:
+        return None
     messages = [m.model_dump(exclude_none=True) for m in req.messages] if req.messages is not None else None
     return request_key(
         fingerprint, req.prompt, messages, req.params.model_dump(by_alias=True, exclude_none=True)
@@ -40,10 +43,13 @@ class ResultCache:
             return
         await done(self.redis.set(key, CachedAnswer.of(res).to_json(), ex=self.ttl_s))
 
-    async def publish(self, queue: str, model: str, max_model_len: int, enabled: bool) -> None:
+    async def publish(
+        self, queue: str, model: str, max_model_len: int, enabled: bool, embedding_size: int | None = None
+    ) -> None:
         """Tell producers what serves this queue: submit checks requests against it and, when `enabled`,
         answers what the result cache holds at once."""
         serving = QueueServing(
-            model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled
-        )
+            model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled,
+            embedding_size=embedding_size,
+        )  # fmt: skip
         await done(self.redis.set(keys.queue_serving(queue), serving.model_dump_json(), ex=self.ttl_s))

@@ -74,6 +74,14 @@ def openai_line(
         line["response"] = {"status_code": status, "request_id": request_id, "body": {"error": body}}
         line["error"] = None
         return orjson.dumps(line)
+    if result.embeddings is not None:
+        line["response"] = {
+            "status_code": 200,
+            "request_id": request_id,
+            "body": embedding_body(result, model),
+        }
+        line["error"] = None
+        return orjson.dumps(line)
     samples = result.choices or [
         Completion(index=0, text=result.text, finish_reason=result.finish_reason, logprobs=result.logprobs)
     ]
@@ -125,4 +133,17 @@ def _completion_logprobs(content: list[TokenLogprob]) -> dict[str, Any]:
         "token_logprobs": [t.logprob for t in content],
         "top_logprobs": [{c.token: c.logprob for c in t.top_logprobs} for t in content],
         "text_offset": offsets,
+    }
+
+
+def embedding_body(result: Result, model: str) -> dict[str, Any]:
+    """OpenAI's embeddings response: one `embedding` object per input, in input order."""
+    assert result.embeddings is not None
+    data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(result.embeddings)]
+    tokens = result.usage.prompt_tokens
+    return {
+        "object": "list",
+        "data": data,
+        "model": result.model or model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }

@@ -111,7 +111,7 @@ def validate_to_spool(
     result_cache: bool = True,
     checks: SubmitChecks | None = None,
 ) -> None:
-    """Pass 1. Spool records: b"R" + (b"c"|b"p") + 3 hex digits of queue order (see queue_order) + the
+    """Pass 1. Spool records: b"R" + (b"c"|b"p"|b"e": chat, prompt, embeddings) + 3 hex digits of queue order (see queue_order) + the
     64 hex digits of its result-cache key (NO_KEY when it has none) + request JSON, or b"E" + error
     JSON; one per line. `fingerprint` (or `checks.fingerprint`): the queue's workers' (None: no lookups).
     Also records each request's content digest and line number in `report` (see create_batch)."""
@@ -148,9 +148,14 @@ def validate_to_spool(
                 if not result_cache:
                     body = body[:-1] + b',"result_cache":false}'
                 key = None
-                if fingerprint is not None and rec["model"] in (None, checks.live_model):
+                # embeddings are not result-cached (a cached answer holds text, not vectors)
+                if (
+                    fingerprint is not None
+                    and rec["model"] in (None, checks.live_model)
+                    and not parsed.embedding
+                ):
                     key = request_key(fingerprint, rec["prompt"], rec["messages"], rec["params"])
-                kind = b"Rc" if parsed.chat else b"Rp"
+                kind = b"Re" if parsed.embedding else b"Rc" if parsed.chat else b"Rp"
                 order = b"%03x" % queue_order(rec["params"]["max_new_tokens"])
                 digest = NO_KEY if key is None else key.rpartition(":")[2].encode()
                 write(kind + order + digest + body + b"\n")
@@ -193,6 +198,15 @@ def _check_request(rec: dict[str, Any], serving: QueueServing | None) -> tuple[s
     """(field, reason) when a valid line still cannot run: its grammar does not compile, or it asks for
     more new tokens than the model the queue serves can ever hold."""
     params = rec["params"]
+    emb = rec.get("embedding")
+    if emb is not None:
+        size, dims = serving.embedding_size if serving is not None else None, emb["dimensions"]
+        if serving is not None and rec["model"] in (None, serving.model) and size and dims and dims > size:
+            return (
+                "dimensions",
+                f"{dims} dimensions asked, but the model {serving.model!r} serving this queue embeds in {size}",
+            )
+        return None
     if serving is not None and rec["model"] in (None, serving.model):
         asked, context = params["max_new_tokens"], serving.max_model_len
         if asked > context:
@@ -240,7 +254,7 @@ return {0}
 
 
 # KEYS: queue, results hash, chat bitmap. ARGV: job id prefix ("<batch id>:"), first index, enqueue time
-# (ms), kinds (one byte per job: c chat, p prompt), orders (3 hex digits of queue_order per job), fresh
+# (ms), kinds (one byte per job: c chat, p prompt, e embeddings), orders (3 hex digits of queue_order per job), fresh
 # ("1" when this submit created the batch), then one payload per job for consecutive indices.
 #
 # One argument per job: redis-py packs each argument in Python, and five per job cost more than the script.

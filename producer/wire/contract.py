@@ -295,10 +295,26 @@ class ChatMessage(_Strict):
         return "\n".join(texts)
 
 
+EncodingFormat = Literal["float", "base64"]
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs in one embeddings request
+
+
+class EmbeddingRequest(_Strict):
+    """An embedding request on the wire: its inputs, always a list (texts, or token-id lists), one vector
+    each; the leading `dimensions` kept (Matryoshka); `encoding_format` of the vectors in the result."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    input: list[str] | list[list[int]]
+    dimensions: int | None = Field(default=None, ge=1)
+    encoding_format: EncodingFormat = "float"
+
+
 class Request(_Strict):
     """One request as it travels through the queue (the arq job's only argument, as a dict).
 
-    Exactly one of `prompt` / `messages` is set. `params` are already resolved against the batch defaults.
+    Exactly one of `prompt` / `messages` / `embedding` is set. `params` are already resolved against the
+    batch defaults (an embedding request's hold max_new_tokens 1, timeout_s and truncate_prompt only).
     """
 
     batch_id: str
@@ -306,6 +322,7 @@ class Request(_Strict):
     index: int = Field(ge=0, description="0-based position in the batch, used for ordering results")
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    embedding: EmbeddingRequest | None = None
     params: SamplingParams
     metadata: dict[str, Any] | None = None
     model: str | None = None
@@ -315,7 +332,10 @@ class Request(_Strict):
 
     @model_validator(mode="after")
     def _one_input(self) -> Request:
-        if (self.prompt is None) == (self.messages is None):
+        if self.embedding is not None:
+            if self.prompt is not None or self.messages is not None:
+                raise ValueError("an embedding request has no 'prompt' or 'messages'")
+        elif (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of 'prompt' or 'messages' is required")
         if self.prompt is not None and self.prompt == "":
             raise ValueError("prompt must be non-empty")
@@ -419,6 +439,9 @@ class Result(_Strict):
     choices: list[Completion] | None = None  # n > 1: every sample returned
     vote: dict[str, int] | None = None  # n > 1 with `choices` labels: samples per label
     agreement: float | None = None  # n > 1 with `choices` labels: the majority label's share of samples
+    # An embedding request: one unit vector per input, in input order; each a list of floats, or the base64
+    # of its little-endian float32 values where the request asked for encoding_format "base64"
+    embeddings: list[list[float]] | list[str] | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(mode="json"))
@@ -434,7 +457,7 @@ class Result(_Strict):
             exclude.add("logprobs")
         if self.model is None:
             exclude.add("model")
-        exclude.update(k for k in ("choices", "vote", "agreement") if getattr(self, k) is None)
+        exclude.update(k for k in ("choices", "vote", "agreement", "embeddings") if getattr(self, k) is None)
         out = self.model_dump(mode="json", exclude=exclude)
         for c in out.get("choices", ()):
             if c["logprobs"] is None:
@@ -556,7 +579,9 @@ class OpenAIBatchLine(_Strict):
 
     custom_id: UserId | None = None
     method: Literal["POST"] = "POST"
-    url: Literal["/v1/chat/completions", "/v1/completions"]
+    url: Literal[
+        "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+    ]  # (embeddings: OpenAIEmbeddingLine)
     body: OpenAIBody
     metadata: dict[str, Any] | None = None
 
@@ -566,6 +591,87 @@ class OpenAIBatchLine(_Strict):
             raise ValueError(f"{CHAT_URL} needs body.messages")
         if self.url == COMPLETIONS_URL and self.body.prompt is None:
             raise ValueError(f"{COMPLETIONS_URL} needs body.prompt")
+        if self.metadata is not None and self.body.metadata is not None:
+            raise ValueError("metadata given both on the line and in body; give it once")
+        return self
+
+
+EMBEDDINGS_URL = "/v1/embeddings"
+
+
+class EmbeddingFields(_Strict):
+    """What an embedding line asks, as OpenAI's embeddings API takes it: `input` is a string, a list of
+    strings, a list of token ids or a list of token-id lists (at most MAX_EMBEDDING_INPUTS inputs, none
+    empty); `dimensions`, `encoding_format`; and batchq's timeout_s and truncate_prompt."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+
+    input: list[str] | list[list[int]]
+    dimensions: int | None = Field(default=None, ge=1)
+    encoding_format: EncodingFormat | None = None
+    timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    truncate_prompt: TruncateSide | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        what = "a string, a list of strings, a list of token ids or a list of token-id lists"
+        if isinstance(v, str):
+            v = [v]
+        elif not isinstance(v, list):
+            raise ValueError(f"input must be {what}, got {type(v).__name__}")
+        elif v and all(_token_id(t) for t in v):
+            v = [v]  # one input given as token ids
+        if not v:
+            raise ValueError("input must not be empty")
+        if len(v) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(v)}")
+        texts = all(isinstance(x, str) for x in v)
+        if not texts and not all(isinstance(x, list) and all(_token_id(t) for t in x) for x in v):
+            raise ValueError(f"input must be {what} (token ids are integers >= 0), not a mix")
+        for i, x in enumerate(v):
+            if not x:
+                raise ValueError(f"input {i} is empty")
+        return v
+
+    def embedding(self, encoding_format: EncodingFormat | None = None) -> dict[str, Any]:
+        """The wire's EmbeddingRequest fields."""
+        fmt = self.encoding_format or encoding_format or "float"
+        return {"input": self.input, "dimensions": self.dimensions, "encoding_format": fmt}
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+class EmbeddingLine(EmbeddingFields):
+    """batchq's embedding line: `{"id", "input", "dimensions", "encoding_format", "metadata", ...}`."""
+
+    id: UserId | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class OpenAIEmbeddingBody(EmbeddingFields):
+    """The `body` of an OpenAI Batch line to /v1/embeddings; `user` is accepted and ignored."""
+
+    model: str | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class OpenAIEmbeddingLine(_Strict):
+    """An OpenAI Batch API input line to /v1/embeddings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    custom_id: UserId | None = None
+    method: Literal["POST"] = "POST"
+    url: Literal["/v1/embeddings"]
+    body: OpenAIEmbeddingBody
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _metadata_once(self) -> OpenAIEmbeddingLine:
         if self.metadata is not None and self.body.metadata is not None:
             raise ValueError("metadata given both on the line and in body; give it once")
         return self

@@ -106,7 +106,7 @@ def _chat(**body: object) -> bytes:
             orjson.dumps({"url": "/v1/completions", "body": {"prompt": "x", "suffix": "y"}}),
             "line 1: body: 'suffix' is unsupported",
         ),
-        (orjson.dumps({"url": "/v1/embeddings", "body": {"input": "x"}}), "line 1: url: Input should be"),
+        (orjson.dumps({"url": "/v1/responses", "body": {"input": "x"}}), "line 1: url: Input should be"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(line: bytes, expected: str) -> None:

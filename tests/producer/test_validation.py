@@ -116,7 +116,7 @@ def test_missing_id_defaults_to_the_line_number() -> None:
         (b'{"messages": [{"role": "robot", "content": "y"}]}', "line 1: messages.0.role: Input should be"),
         (b'{"id": 7, "prompt": "x"}', "line 1: id: Input should be a valid string"),
         (b'{"id": "", "prompt": "x"}', "line 1: id: String should have at least 1 character"),
-        (b'{"url": "/v1/embeddings", "body": {"input": "x"}}', "line 1: url: Input should be"),
+        (b'{"url": "/v1/responses", "body": {"input": "x"}}', "line 1: url: Input should be"),
         (
             b'{"url": "/v1/chat/completions", "body": {"prompt": "x"}}',
             "line 1: /v1/chat/completions needs body.messages",

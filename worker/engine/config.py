@@ -19,6 +19,7 @@ Admission = Literal["optimistic", "reserve"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"]
 WeightDtype = Literal["auto", "float32", "bfloat16", "int8"]
 ModelImpl = Literal["auto", "native", "transformers"]
+Pooling = Literal["last", "mean"]  # how an embedding request's hidden states become its vector
 
 
 class EngineConfig(BaseModel):
@@ -120,6 +121,12 @@ class EngineConfig(BaseModel):
         description="CPU threads (default: the cores of the affinity mask, cut to the cgroup quota)",
     )
     cuda_graphs: bool = Field(default=True, description="capture decode steps as CUDA graphs (CUDA + Triton)")
+    embedding_pooling: Literal["auto", "last", "mean"] = Field(
+        default="auto",
+        description="how /v1/embeddings requests pool the final hidden states: auto: as the checkpoint's "
+        "sentence-transformers config says (modules.json, 1_Pooling/config.json), else the last token (as "
+        "Qwen3-Embedding and other decoder embedders do); last; mean (over every input token)",
+    )
 
     @model_validator(mode="after")
     def _budget_holds_every_decode_row(self) -> EngineConfig:

@@ -27,12 +27,14 @@ from worker.engine.device import (
     pick_kv_dtype,
     pick_weight_dtype,
 )
+from worker.engine.embedding import EmbeddingRequests
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
 from worker.engine.kv_window import SlidingWindow
-from worker.engine.model_runner import ModelRunner, ScoredLabels
+from worker.engine.model_runner import ModelRunner, ScoredLabels, StepOutput
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
+from worker.engine.pooling import model_pooling
 from worker.engine.prompts import PromptBuilder
 from worker.engine.request import (
     EngineCounters,
@@ -93,8 +95,14 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, vocab, self.eos_token_ids)
         self.token_texts = TokenTexts(self.grammars.token_bytes)
         self.prompts = PromptBuilder(
-            self.tokenizer, loaded.name, vocab, max_model_len, self.block_manager, self.grammars.matcher
-        )
+            self.tokenizer, loaded.name, vocab, max_model_len, self.block_manager, self.grammars.matcher,
+            hidden_size=loaded.model.spec.hidden_size,
+        )  # fmt: skip
+        self.pooling = model_pooling(loaded.checkpoint_dir, cfg.embedding_pooling)
+        self.embedding_only = loaded.embedding_only  # no LM head: generation is refused
+        self.embedding_size = None if self.pooling.refused else self.prompts.hidden_size
+        if self.pooling.refused:
+            log.warning("embedding requests will be refused: %s", self.pooling.refused)
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
         self.fingerprint = engine_fingerprint(
             weights_digest(loaded.model),
@@ -118,6 +126,7 @@ class Engine:
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
         self._groups: dict[str, SampleGroup] = {}  # n > 1: by request id, until every sample has ended
+        self.embeddings = EmbeddingRequests(self.scheduler, self._seqs)  # their inputs are in _seqs too
         self.counters = EngineCounters()
         # An explicit num_threads is the operator's; otherwise the thread count follows the cores other
         # processes leave free (cpu_tuning.CpuShare).
@@ -224,9 +233,7 @@ class Engine:
         pass, or a score step for `choices` requests."""
         results = self._intake()
         now = time.monotonic()
-        for seq in list(self.scheduler.waiting) + self.scheduler.running:
-            if self.stop_rules.timed_out(seq, now) and (res := self._finish(seq, "timeout", now)):
-                results.append(res)
+        results += self._expire(now)
         batch = self.scheduler.schedule()
         if batch is None:
             return results
@@ -247,6 +254,24 @@ class Engine:
                 self.counters.prompt_tokens += seq.prompt_len
                 self.counters.cached_prompt_tokens += seq.cached_prompt_tokens
         self.model_runner.copy_blocks(self.scheduler.fork(batch))  # before any forked sample's next step
+        return results + self._take_outputs(batch, out, now)
+
+    def _expire(self, now: float) -> list[EngineResult]:
+        """End the sequences past their timeout (an embedding request's inputs end together: the first to
+        time out ends the rest)."""
+        results = []
+        for seq in list(self.scheduler.waiting) + self.scheduler.running:
+            expired = seq.status != "finished" and self.stop_rules.timed_out(seq, now)
+            if expired and (res := self._finish(seq, "timeout", now)) is not None:
+                results.append(res)
+        return results
+
+    def _take_outputs(self, batch: ScheduledBatch, out: StepOutput, now: float) -> list[EngineResult]:
+        """A step's pooled vectors and sampled tokens (forked samples' first ones too) into their sequences."""
+        results = []
+        for i, vector in out.embeddings.items():
+            if (res := self.embeddings.pooled(batch.seqs[i], vector, now)) is not None:
+                results.append(res)
         taken = [
             (batch.seqs[i], t, lp) for i, t, lp in zip(out.sampled, out.tokens, out.logprobs, strict=True)
         ]
@@ -318,6 +343,7 @@ class Engine:
         with self._lock:
             pending, self._inbox = self._inbox, []
         results = [_unstarted(r, "error", now, received, error) for r, received in pending]
+        results += [self.embeddings.end(rid, "error", now, error) for rid in list(self.embeddings.groups)]
         for seq in list(self._seqs.values()):
             if seq.request_id in self._seqs and (res := self._finish(seq, "error", now, error=error)):
                 results.append(res)  # (a pending sample ends with its leader)
@@ -336,25 +362,49 @@ class Engine:
                 cancelled.discard(req.request_id)
                 results.append(_unstarted(req, "cancelled", now, received))
                 continue
-            try:
-                if req.request_id in self._seqs or req.request_id in self._groups:
-                    raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
-                seq = self.prompts.sequence(req, received)
-                forks = self._fork_samples(seq)
-            except RequestError as exc:
-                results.append(_unstarted(req, "error", now, received, EngineError(exc.error_type, str(exc))))
-                continue
-            for s in (seq, *forks):
-                self._seqs[s.request_id] = s
-            if forks:
-                self._groups[seq.request_id] = SampleGroup(seq)
-            self.scheduler.add(seq)
+            if (err := self._admit(req, received)) is not None:
+                results.append(_unstarted(req, "error", now, received, err))
         for rid in cancelled:
-            group = self._groups.get(rid)
-            members = group.members if group is not None else [s for s in (self._seqs.get(rid),) if s]
-            for target in members:
-                if target.request_id in self._seqs and (res := self._finish(target, "cancelled", now)):
-                    results.append(res)
+            results += self._cancel(rid, now)
+        return results
+
+    def _admit(self, req: EngineRequest, received: float) -> EngineError | None:
+        """A new request's sequences into the scheduler (an embedding request's inputs; a prompt and the
+        samples to fork from it); -> the error that refuses it."""
+        try:
+            running = (self._seqs, self._groups, self.embeddings.groups)
+            if any(req.request_id in ids for ids in running):
+                raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
+            if req.embedding is not None:
+                inputs, forks = self._embedding_inputs(req, received), []
+            elif self.embedding_only:
+                raise RequestError(
+                    "unsupported",
+                    f"model {self.model_name!r} is an embedding checkpoint without an LM head: it answers "
+                    "embedding requests only",
+                )
+            else:
+                inputs = [self.prompts.sequence(req, received)]
+                forks = self._fork_samples(inputs[0])
+        except RequestError as exc:
+            return EngineError(exc.error_type, str(exc))
+        for s in (*inputs, *forks):
+            self._seqs[s.request_id] = s
+        if forks:
+            self._groups[inputs[0].request_id] = SampleGroup(inputs[0])
+        for s in inputs:  # (forks wait on their leader's prompt, off the scheduler's queues)
+            self.scheduler.add(s)
+        return None
+
+    def _cancel(self, rid: str, now: float) -> list[EngineResult]:
+        if rid in self.embeddings.groups:
+            return [self.embeddings.end(rid, "cancelled", now)]
+        group = self._groups.get(rid)
+        members = group.members if group is not None else [s for s in (self._seqs.get(rid),) if s]
+        results = []
+        for target in members:
+            if target.request_id in self._seqs and (res := self._finish(target, "cancelled", now)):
+                results.append(res)
         return results
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
@@ -367,6 +417,17 @@ class Engine:
             lambda: IncrementalDetokenizer(self.tokenizer),
             lambda: None if fresh is None else fresh(constraint),
         )
+
+    def _embedding_inputs(self, req: EngineRequest, received: float) -> list[Sequence]:
+        """An embedding request's inputs as sequences, the request held as their group."""
+        pooling = self.pooling.pooling
+        if pooling is None:
+            raise RequestError(
+                "unsupported", f"model {self.model_name!r} cannot embed: {self.pooling.refused}"
+            )
+        seqs = self.prompts.embedding_sequences(req, received, pooling)
+        self.embeddings.add(req, seqs)
+        return seqs
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> FinishReason | None:
@@ -410,6 +471,8 @@ class Engine:
     ) -> EngineResult | None:
         """End a sequence. -> its request's result: its own, or for a sample of an n > 1 request the
         request's once its last sample ends (a pending sample ends with its leader)."""
+        if seq.embedding_of is not None:
+            return self.embeddings.end(seq.embedding_of, reason, now, error)
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from worker.engine.grammar import mask_logits
+from worker.engine.pooling import PoolRows, pool
 from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import RowLogprobs, Sequence
@@ -53,6 +54,8 @@ class StepOutput:
     # n > 1: per batch.forks entry, the sample's first token (from its leader's logits row) and logprobs
     fork_tokens: list[int] = field(default_factory=list)
     fork_logprobs: list[RowLogprobs | None] = field(default_factory=list)
+    embeddings: dict[int, list[float]] = field(default_factory=dict)  # batch index -> an embedding input's
+    # unit vector, for the inputs whose last token this step computed
 
 
 @dataclass
@@ -235,7 +238,35 @@ class ModelRunner:
         Score: every label's log-probability per `choices` sequence."""
         if batch.phase == "score":
             return StepOutput([], [], [], self.score_labels(batch.seqs, batch.block_tables))
+        nd = batch.num_decode
+        if any(s.pooling is not None for s in batch.seqs[nd:]):  # embedding inputs come as prompt chunks
+            return self._run_pooling(batch)
         logits, sampled = self.forward(batch)  # [S, vocab] float32
+        return self._sample(batch, logits, sampled)
+
+    def _run_pooling(self, batch: ScheduledBatch) -> StepOutput:
+        """A step with embedding inputs among its chunks: their hidden states are pooled, never sampled
+        from; the other sequences sample as in any step."""
+        step = self.step_inputs(batch)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
+        nd = batch.num_decode
+        rows, at = [], nd  # the chunks' rows follow the decode rows, one each
+        for j, n in enumerate(batch.chunks):
+            seq = batch.seqs[nd + j]
+            if seq.pooling is not None:
+                rows.append(PoolRows(nd + j, at, n, seq.num_computed + n == len(seq.prefill_ids)))
+            at += n
+        embeddings = pool(hidden, batch.seqs, rows)
+        keep = [j for j, i in enumerate(step.sampled) if batch.seqs[i].pooling is None]
+        if not keep:
+            return StepOutput([], [], [], None, embeddings=embeddings)
+        logits = self.model.compute_logits(hidden[step.logits_index[self._tensor(keep)]])
+        out = self._sample(batch, logits, [step.sampled[j] for j in keep])
+        out.embeddings = embeddings
+        return out
+
+    def _sample(self, batch: ScheduledBatch, logits: Tensor, sampled: list[int]) -> StepOutput:
+        """One token per sequence of `sampled` (batch indices) from its row of logits [S, vocab] float32."""
         seqs = [batch.seqs[i] for i in sampled]
         num_sampled = len(seqs)
         if batch.forks:  # each forked sample draws its first token from its leader's row, with its own seed

@@ -11,8 +11,18 @@ FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancel
 
 
 @dataclass(frozen=True)
+class EmbeddingInputs:
+    """What an embedding request embeds: texts (tokenised as a raw prompt is, the tokenizer's special
+    tokens included) or token-id lists, one vector each; `dimensions` keeps the first d of the pooled
+    hidden state (Matryoshka) before the vector is L2-normalised."""
+
+    inputs: list[str] | list[list[int]]
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
 class EngineRequest:
-    """One generation request. Exactly one of prompt / messages / prompt_token_ids is set.
+    """One generation request. Exactly one of prompt / messages / prompt_token_ids / embedding is set.
 
     `messages` are chat messages ({"role", "content"}, rendered with the model's chat template).
     `started_at` is time.monotonic() when the caller picked the request up; timeout_s counts from
@@ -25,6 +35,8 @@ class EngineRequest:
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     started_at: float | None = None
+    # An embedding request: prefill only (no decode, no sampling), one pooled vector per input
+    embedding: EmbeddingInputs | None = None
 
 
 class RequestError(ValueError):
@@ -92,6 +104,7 @@ class EngineResult:
     # n > 1: the samples returned, best first under best_of (their own text, tokens, finish reason and
     # logprobs); the fields above are then the request's: its first sample's, usage over every sample
     samples: list[EngineResult] | None = None
+    embeddings: list[list[float]] | None = None  # an embedding request: one unit vector per input, in order
 
     @classmethod
     def unstarted(

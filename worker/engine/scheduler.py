@@ -31,6 +31,10 @@ its worst case is what it holds at once (block_manager.held_bound), not prompt +
 what both admission rules count for it. A `choices` request does not slide: its score step rereads the
 prompt's last full blocks.
 
+Embedding inputs (Sequence.pooling) are prefill-only: admitted and chunked like any prompt, with no
+growth; the engine ends each in the step that computes its last token. One pooled by the mean takes no
+prefix hit (its every token's hidden state is needed); its blocks are still offered to the cache.
+
 Admission order: "fcfs" (arrival order) or "longest_first" (largest max_new_tokens first, then arrival).
 For batch work longest_first keeps the batch full to the end: long generations start early and short
 labeling requests fill the slots they leave, instead of a few long ones decoding alone at the tail.
@@ -53,6 +57,7 @@ from typing import Literal
 
 from worker.engine.block_manager import BlockHash, BlockManager
 from worker.engine.config import Admission, SchedulePolicy
+from worker.engine.kv_window import PrefixHit
 from worker.engine.sequence import Sequence
 
 Phase = Literal["prefill", "mixed", "decode", "score"]
@@ -231,6 +236,7 @@ class Scheduler:
         seq.num_cached_tokens = seq.num_computed = 0
         seq.prefilled = False
         seq.prompt_hashes = None  # it will prefill prompt + output
+        seq.pooled = None  # an embedding input's mean restarts with its prefill
         seq.preemptions += 1
         self.preemptions += 1
         self._used = max(self._used, INIT_NEW_TOKEN_RATIO / RATIO_MARGIN)  # the estimate was too low
@@ -289,8 +295,9 @@ class Scheduler:
             ids = seq.prefill_ids
             if seq.prompt_hashes is None:
                 seq.prompt_hashes = bm.prompt_hashes(ids)
-            hit = bm.match_prefix(seq.prompt_hashes)
-            if hit.end < len(seq.prompt_hashes) and seq.prompt_hashes[hit.end] in computing:
+            mean = seq.pooling == "mean"  # every input token's hidden state is needed: computed, not cached
+            hit = PrefixHit() if mean else bm.match_prefix(seq.prompt_hashes)
+            if not mean and hit.end < len(seq.prompt_hashes) and seq.prompt_hashes[hit.end] in computing:
                 break
             if optimistic:  # hold what its prompt fills (and a choices request's scratch); expect the rest
                 need = self._held(seq, len(ids)) + seq.scratch_blocks

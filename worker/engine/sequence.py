@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from worker.engine.block_manager import BlockHash
+from worker.engine.config import Pooling
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineError, EngineResult, FinishReason, LabelScore, TokenLogprob
@@ -46,6 +47,13 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     ranked: bool = False  # best_of > n: its cumulative logprob ranks it among the request's samples
     cumulative_logprob: float = 0.0  # of its generated tokens, when ranked
+    # An input of an embedding request (`embedding_of` its request id, `embedding_index` its place there):
+    # prefilled, never decoded; its hidden states after the final norm, pooled, are its vector.
+    pooling: Pooling | None = None
+    embedding_of: str | None = None
+    embedding_index: int = 0
+    dimensions: int | None = None  # keep the first d of the pooled vector (Matryoshka)
+    pooled: Any = None  # mean pooling: the runner's running sum of the hidden states computed so far
 
     @property
     def prompt_len(self) -> int:
