@@ -11,7 +11,7 @@ PROMPTS ?= configs/examples/prompts.jsonl
 OUT ?= results.jsonl
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint typecheck pytest pytest-fast hooks run bench gpu-check clean
+.PHONY: install test test-fast lint typecheck pytest pytest-fast hooks run bench gpu-check clean chromium
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# Debian's Chromium and ChromeDriver for the console's browser tests (tests/producer/test_console_browser.py
+# skip without them); idempotent and quiet, as root or through sudo. playwright drives /usr/bin/chromium.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			--no-install-recommends chromium chromium-driver >/dev/null; }
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check producer worker tests benchmarks

@@ -7,7 +7,10 @@ max_new_tokens is always set (submit resolves it, and the contract's Request che
 
 from __future__ import annotations
 
+import base64
+import sys
 import time
+from array import array
 from typing import Any
 
 import orjson
@@ -15,6 +18,7 @@ import orjson
 from producer.wire.contract import (
     CHOICES_TEMPERATURE,
     ChoiceLogprobs,
+    Completion,
     ErrorInfo,
     LabelScore,
     Request,
@@ -26,14 +30,14 @@ from producer.wire.contract import (
 )
 from producer.wire.contract import TokenLogprob as ContractTokenLogprob
 from worker.engine.params import NO_CONSTRAINT, Constraint, GenerationParams
-from worker.engine.request import EngineRequest, EngineResult, TokenLogprob
+from worker.engine.request import EmbeddingInputs, EngineRequest, EngineResult, TokenLogprob
 
 # Contract fields with another type in the engine; every other field keeps its name and value.
 _TUPLES = ("stop", "stop_token_ids", "choices")
 _CONSTRAINT = ("response_format", "regex")  # -> the engine's one `constraint`
-# n is checked by the contract (n=1 only); structured_outputs is folded into the constraint fields there;
-# the template's variables go with the request (chat_template_kwargs, reasoning_effort among them).
-_NOT_PARAMS = ("n", "structured_outputs", "chat_template_kwargs", "reasoning_effort")
+# structured_outputs is folded into the constraint fields by the contract; the template's variables go with
+# the request (chat_template_kwargs, reasoning_effort among them).
+_NOT_PARAMS = ("structured_outputs", "chat_template_kwargs", "reasoning_effort")
 
 
 def generation_params(params: SamplingParams) -> GenerationParams:
@@ -65,6 +69,7 @@ def constraint(params: SamplingParams) -> Constraint:
 
 def engine_request(req: Request, request_id: str) -> EngineRequest:
     """`request_id` is the job id (unique across batches); the request's clock starts now."""
+    emb = req.embedding
     return EngineRequest(
         request_id=request_id,
         params=generation_params(req.params),
@@ -72,6 +77,7 @@ def engine_request(req: Request, request_id: str) -> EngineRequest:
         messages=[m.model_dump(exclude_none=True) for m in req.messages] if req.messages else None,
         started_at=time.monotonic(),
         chat_template_kwargs=template_kwargs(req.params),
+        embedding=None if emb is None else EmbeddingInputs(emb.input, emb.dimensions),
     )
 
 
@@ -105,8 +111,48 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         model=model,
         worker=worker_id,
         label_scores=None if res.label_scores is None else [LabelScore(**vars(s)) for s in res.label_scores],
-        logprobs=None if res.logprobs is None else ChoiceLogprobs(content=[_token(t) for t in res.logprobs]),
+        logprobs=_logprobs(res.logprobs),
+        embeddings=_embeddings(req, res),
+        **_samples(req, res),
     )
+
+
+def _logprobs(rows: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
+    return None if rows is None else ChoiceLogprobs(content=[_token(t) for t in rows])
+
+
+def _samples(req: Request, res: EngineResult) -> dict[str, Any]:
+    """n > 1: every sample returned as `choices`, and with `choices` labels the vote over them."""
+    if res.samples is None:
+        return {}
+    choices = [
+        Completion(index=i, text=s.text, finish_reason=s.finish_reason, completion_tokens=s.completion_tokens,
+                   logprobs=_logprobs(s.logprobs), reasoning_content=s.reasoning_content)
+        for i, s in enumerate(res.samples)
+    ]  # fmt: skip
+    if not req.params.choices:
+        return {"choices": choices}
+    vote = dict.fromkeys(req.params.choices, 0)
+    for c in choices:
+        vote[c.text] += 1
+    return {"choices": choices, "vote": vote, "agreement": max(vote.values()) / len(choices)}
+
+
+def _embeddings(req: Request, res: EngineResult) -> list[list[float]] | list[str] | None:
+    """The vectors as the request asked them written: floats, or base64 of little-endian float32."""
+    if res.embeddings is None or req.embedding is None:
+        return None
+    if req.embedding.encoding_format == "float":
+        return res.embeddings
+    return [base64_float32(v) for v in res.embeddings]
+
+
+def base64_float32(vector: list[float]) -> str:
+    """OpenAI's base64 embedding: the vector's float32 values, little-endian, base64-encoded."""
+    packed = array("f", vector)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
 
 
 def _token(t: TokenLogprob) -> ContractTokenLogprob:

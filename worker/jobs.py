@@ -28,7 +28,7 @@ from producer.wire import keys, store
 from producer.wire.contract import Request, Result, Timing
 from producer.wire.jobs import Claimed, Finished, finish_jobs, hand_back
 from producer.wire.lua import done
-from producer.wire.result_cache import CACHEABLE, CachedAnswer
+from producer.wire.result_cache import CachedAnswer, cacheable
 from worker.adapter import cancelled_result, engine_request, error_result, to_result
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
@@ -192,16 +192,8 @@ class JobHandler:
         reported = self.reported.pop(run.job_id, 0)
         req = run.req
         result = to_result(req, res, _queued_s(req, run.picked_at), self.cfg.worker_id, self.cfg.engine.model)
-        cache_key = run.cache_key if result.finish_reason in CACHEABLE else None
-        answer = b""
-        if cache_key is not None:
-            answer = CachedAnswer(
-                text=result.text, finish_reason=result.finish_reason, prompt_tokens=result.usage.prompt_tokens,
-                completion_tokens=result.usage.completion_tokens,
-                cached_tokens=result.usage.prompt_tokens_details.cached_tokens, label_scores=result.label_scores,
-                logprobs=result.logprobs, model=result.model, reasoning_content=result.reasoning_content,
-                reasoning_tokens=d.reasoning_tokens if (d := result.usage.completion_tokens_details) else None,
-            ).to_json()  # fmt: skip
+        cache_key = run.cache_key if cacheable(result) else None
+        answer = b"" if cache_key is None else CachedAnswer.of(result).to_json()
         self._end_req(run.job_id, req, run.raw, result, res.completion_tokens - reported, cache_key, answer)
 
     # ---- endings ----

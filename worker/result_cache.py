@@ -13,12 +13,15 @@ from redis.asyncio import Redis
 from producer.wire import keys
 from producer.wire.contract import Request, Result
 from producer.wire.lua import done
-from producer.wire.result_cache import CACHEABLE, CachedAnswer, request_key
+from producer.wire.result_cache import CachedAnswer, cacheable, request_key
 from producer.wire.workers import QueueServing
 
 
 def key_of(fingerprint: str, req: Request) -> str | None:
-    """The request's cache key, as submit computes it from the same request (None: not determined)."""
+    """The request's cache key, as submit computes it from the same request (None: not determined, or an
+    embedding request, which the cache does not keep)."""
+    if req.embedding is not None:
+        return None
     messages = [m.model_dump(exclude_none=True) for m in req.messages] if req.messages is not None else None
     return request_key(
         fingerprint, req.prompt, messages, req.params.model_dump(by_alias=True, exclude_none=True)
@@ -36,28 +39,17 @@ class ResultCache:
         return None if raw is None else CachedAnswer.from_json(raw)
 
     async def put(self, key: str, res: Result) -> None:
-        if res.finish_reason not in CACHEABLE:
+        if not cacheable(res):
             return
-        answer = CachedAnswer(
-            text=res.text,
-            finish_reason=res.finish_reason,
-            prompt_tokens=res.usage.prompt_tokens,
-            completion_tokens=res.usage.completion_tokens,
-            cached_tokens=res.usage.prompt_tokens_details.cached_tokens,
-            label_scores=res.label_scores,
-            logprobs=res.logprobs,
-            model=res.model,
-            reasoning_content=res.reasoning_content,
-            reasoning_tokens=details.reasoning_tokens
-            if (details := res.usage.completion_tokens_details)
-            else None,
-        )
-        await done(self.redis.set(key, answer.to_json(), ex=self.ttl_s))
+        await done(self.redis.set(key, CachedAnswer.of(res).to_json(), ex=self.ttl_s))
 
-    async def publish(self, queue: str, model: str, max_model_len: int, enabled: bool) -> None:
+    async def publish(
+        self, queue: str, model: str, max_model_len: int, enabled: bool, embedding_size: int | None = None
+    ) -> None:
         """Tell producers what serves this queue: submit checks requests against it and, when `enabled`,
         answers what the result cache holds at once."""
         serving = QueueServing(
-            model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled
-        )
+            model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled,
+            embedding_size=embedding_size,
+        )  # fmt: skip
         await done(self.redis.set(keys.queue_serving(queue), serving.model_dump_json(), ex=self.ttl_s))

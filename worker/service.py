@@ -59,8 +59,13 @@ async def bind_queue(redis: Redis, cfg: WorkerConfig) -> None:
 
 async def publish_serving(handler: JobHandler) -> None:
     cfg = handler.cfg
+    core = handler.engine.core
     await handler.result_cache.publish(
-        keys.queue_name(cfg.queue), cfg.engine.model, handler.engine.core.max_model_len, cfg.result_cache
+        keys.queue_name(cfg.queue),
+        cfg.engine.model,
+        core.max_model_len,
+        cfg.result_cache,
+        core.embedding_size,
     )
 
 

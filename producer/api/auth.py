@@ -12,14 +12,11 @@ import hmac
 from collections.abc import Iterable
 from pathlib import Path
 
+from producer.wire.owner import OPEN_OWNER, owner_id
+
+__all__ = ["API_KEYS_ENV", "OPEN_OWNER", "ApiKeys", "owner_id", "parse_keys"]
+
 API_KEYS_ENV = "BATCHQ_API_KEYS"
-OPEN_OWNER = "open"  # every caller's owner id when the API runs without keys (--allow-no-auth)
-_OWNER_SALT = b"batchq-api-owner\0"
-
-
-def owner_id(key: str) -> str:
-    """The id objects are stored under for `key`: not the key, and not the digest the server compares."""
-    return hashlib.sha256(_OWNER_SALT + key.encode()).hexdigest()[:32]
 
 
 def parse_keys(text: str, *, sep: str) -> list[str]:

@@ -13,9 +13,9 @@ from producer.api.common import ApiError
 from producer.api.files import INPUT_PURPOSE, FileRecord
 from producer.client.submit import InputError
 from producer.wire import keys
-from producer.wire.contract import CHAT_URL, COMPLETIONS_URL, BatchStatus
+from producer.wire.contract import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, BatchStatus
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 _WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")
 MAX_WINDOW_H = 720
 MAX_METADATA = 16
@@ -48,7 +48,7 @@ class CreateRequest:
         if endpoint not in ENDPOINTS:
             raise ApiError(
                 400,
-                f"endpoint {endpoint!r} is unsupported: batchq runs {' and '.join(ENDPOINTS)}",
+                f"endpoint {endpoint!r} is unsupported: batchq runs {', '.join(ENDPOINTS)}",
                 param="endpoint",
             )
         m = _WINDOW.match(window)
@@ -100,12 +100,16 @@ def _metadata(value: Any) -> dict[str, str] | None:
 def check_endpoint(endpoint: str, f: FileRecord) -> None:
     if f.purpose != INPUT_PURPOSE:
         raise ApiError(400, f"file {f.id} has purpose {f.purpose!r}, not 'batch'", param="input_file_id")
-    other = f.requests - f.chat_requests if endpoint == CHAT_URL else f.chat_requests
-    if other:
-        wrong = COMPLETIONS_URL if endpoint == CHAT_URL else CHAT_URL
+    by_kind = {
+        CHAT_URL: f.chat_requests,
+        EMBEDDINGS_URL: f.embedding_requests,
+        COMPLETIONS_URL: f.requests - f.chat_requests - f.embedding_requests,
+    }
+    wrong = [f"{n} {url}" for url, n in by_kind.items() if url != endpoint and n]
+    if wrong:
         raise ApiError(
             400,
-            f"file {f.id} holds {other} {wrong} request(s); a batch runs one endpoint ({endpoint})",
+            f"file {f.id} holds {' and '.join(wrong)} request(s); a batch runs one endpoint ({endpoint})",
             param="endpoint",
         )
 

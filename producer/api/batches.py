@@ -138,7 +138,7 @@ class BatchStore:
                 tmp.seek(0)
                 report = await self.client.submit_file(
                     tmp, batch_id=bid, queue=self.queue, model=self.model, model_aliases=self.aliases,
-                    offload=True,
+                    offload=True, owner=rec.owner,
                 )  # fmt: skip
         except (InputError, LookupError) as e:  # LookupError: the input file was deleted meanwhile
             await self._set(bid, status="failed", failed_at=int(time.time()), errors=input_errors(e))

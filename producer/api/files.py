@@ -47,7 +47,8 @@ class FileRecord:
     bytes: int = 0
     blocks: int = 0
     requests: int = 0  # an input file's request lines
-    chat_requests: int = 0  # of them, chat requests (the rest are completions)
+    chat_requests: int = 0  # of them, chat requests (the rest are completions and embeddings)
+    embedding_requests: int = 0  # of them, embeddings requests
 
     def to_object(self) -> dict[str, Any]:
         """OpenAI's File object."""
@@ -73,6 +74,7 @@ class FileRecord:
         return cls(
             h["id"], h["owner"], h["filename"], h["purpose"], n("created_at"), n("expires_at"),
             bytes=n("bytes"), blocks=n("blocks"), requests=n("requests"), chat_requests=n("chat_requests"),
+            embedding_requests=n("embedding_requests"),
         )  # fmt: skip
 
 
@@ -86,6 +88,7 @@ class _KindCounter(io.BytesIO):
     def __init__(self) -> None:
         super().__init__()
         self.chat = 0
+        self.embeddings = 0
         self.requests = 0
 
     def write(self, data: ReadableBuffer, /) -> int:
@@ -94,6 +97,7 @@ class _KindCounter(io.BytesIO):
         if head[:1] == b"R":
             self.requests += 1
             self.chat += head == b"Rc"
+            self.embeddings += head == b"Re"
         return len(view)
 
 
@@ -171,6 +175,7 @@ class FileStore:
             owner, file_id=new_file_id(), filename=filename, purpose=INPUT_PURPOSE, ttl_s=ttl_s
         ).start()
         writer.record.requests, writer.record.chat_requests = counter.requests, counter.chat
+        writer.record.embedding_requests = counter.embeddings
         stream.seek(0)
         while block := await asyncio.to_thread(stream.read, BLOCK_BYTES):
             await writer.write(block)

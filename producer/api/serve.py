@@ -37,7 +37,10 @@ def _alias(value: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    help_ = "serve OpenAI's Files and Batches API over batchq (the official openai client works unchanged)"
+    help_ = (
+        "serve OpenAI's Files and Batches API over batchq (the official openai client works unchanged), "
+        "and the batch console in the browser at / (sign in with an API key)"
+    )
     p = argparse.ArgumentParser(
         prog="producer serve",
         description=help_,
@@ -127,6 +130,7 @@ def serve(args: argparse.Namespace) -> int:
     log.info(
         "serving %s over Redis %s, queue %s", where, mask_url(args.redis_url), keys.queue_name(args.queue)
     )
+    log.info("the batch console: http://%s:%d/", args.host, args.port)
     uvicorn.run(
         create_app(settings),
         host=args.host,

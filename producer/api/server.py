@@ -1,5 +1,5 @@
 """The HTTP API's app: OpenAI's Files and Batches API over batchq, on Starlette (`producer serve` runs it:
-producer/api/serve.py).
+producer/api/serve.py), and the batch console in the browser (console.py) at / and /console.
 
 The official `openai` client works against it unchanged (base_url=http://HOST:PORT/v1). Every /v1 route
 needs a bearer API key (auth.py) and sees only that key's objects; other keys' ids answer 404. Objects
@@ -29,6 +29,7 @@ from producer.api.auth import ApiKeys
 from producer.api.batch_object import expires_after
 from producer.api.batches import BatchStore
 from producer.api.common import ApiError, parse_limit
+from producer.api.console import CONSOLE_ENDPOINTS, SECURITY_HEADERS, Console, page_routes
 from producer.api.files import FileStore
 from producer.client.batchq_client import BatchqClient
 from producer.wire import keys
@@ -57,6 +58,27 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 def _error(e: ApiError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return _json(e.body(), e.status, headers)
+
+
+class SecurityHeaders:
+    """Adds the console's Content-Security-Policy and its companions to every response: the page may run
+    only its own script file, load nothing from another origin and never be framed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.headers = [(k.lower().encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *self.headers]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 class BodyLimit:
@@ -115,6 +137,7 @@ class Api:
             model=settings.model,
             aliases=dict(settings.model_aliases),
         )
+        self.console = Console(client, self.batches, queue=settings.queue)
 
     async def upload_file(self, request: Request, owner: str) -> Response:
         async with request.form(max_files=1, max_fields=8) as form:
@@ -176,6 +199,16 @@ def _file_ttl(form: FormData) -> int:
     return expires_after(value, "expires_after")
 
 
+def _console_handler(name: str) -> Handler:
+    """The route handler that calls the console's method `name` (console.CONSOLE_ENDPOINTS)."""
+
+    async def handler(api: Api, request: Request, owner: str) -> Response:
+        bound: Callable[[Request, str], Awaitable[Response]] = getattr(api.console, name)
+        return await bound(request, owner)
+
+    return handler
+
+
 def create_app(settings: ServerSettings) -> Starlette:
     def route(path: str, handler: Handler, method: str) -> Route:
         async def endpoint(request: Request) -> Response:
@@ -230,6 +263,9 @@ def create_app(settings: ServerSettings) -> Starlette:
         route("/v1/batches", Api.list_batches, "GET"),
         route("/v1/batches/{batch_id}", Api.get_batch, "GET"),
         route("/v1/batches/{batch_id}/cancel", Api.cancel_batch, "POST"),
+        # The console (producer/api/console.py): the page's files need no key, its data does.
+        *page_routes(),
+        *(route(path, _console_handler(name), method) for path, name, method in CONSOLE_ENDPOINTS),
     ]
     app = Starlette(
         routes=routes,
@@ -242,4 +278,5 @@ def create_app(settings: ServerSettings) -> Starlette:
         },
     )
     app.add_middleware(BodyLimit, upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(SecurityHeaders)
     return app

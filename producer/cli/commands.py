@@ -28,6 +28,7 @@ from producer.client.live_workers import NoWorkerWarning
 from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
 from producer.client.submit import InputError, new_batch_id
 from producer.wire.contract import BatchStatus, SamplingParams
+from producer.wire.owner import owner_from_env
 from producer.wire.serde import mask_url
 from producer.wire.store import BatchNotFound, counter_for
 
@@ -242,6 +243,7 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
             result_ttl_s=args.result_ttl,
             result_cache=not args.no_result_cache,
             on_created=created.append,
+            owner=owner_from_env(),  # $BATCHQ_API_KEY: the team whose console (`producer serve`) lists it
         )
     except (asyncio.CancelledError, RedisError):
         if created:  # interrupted mid-enqueue: the same command with this id finishes it, nothing twice

@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         commands.submit,
         "validate a JSONL file (every line, before enqueuing anything) and enqueue it as one batch",
         "producer submit prompts.jsonl --queue default --max-new-tokens 128 --temperature 0 --stop '###'\n"
-        "  cat prompts.jsonl | producer submit - --wait -o results.jsonl",
+        "  cat prompts.jsonl | producer submit - --wait -o results.jsonl\n"
+        "  BATCHQ_API_KEY=sk-team-a producer submit prompts.jsonl   # the batch shows in team a's console",
     )
     _submit_opts(p)
 
@@ -282,8 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The API server's own command (producer/api/serve.py) parses these arguments: see main().
     sub.add_parser(
         "serve",
-        help="serve OpenAI's Files and Batches API over batchq (the official openai client works unchanged); "
-        "`producer serve --help` lists its options",
+        help="serve OpenAI's Files and Batches API over batchq (the official openai client works unchanged) "
+        "and the batch console at /; `producer serve --help` lists its options",
         add_help=False,
     )
     return parser

@@ -94,6 +94,7 @@ class BatchqClient:
         result_cache: bool = True,
         on_created: Callable[[str], None] | None = None,
         offload: bool = False,
+        owner: str | None = None,
     ) -> SubmitReport:
         """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input.
 
@@ -114,6 +115,7 @@ class BatchqClient:
             result_cache=result_cache,
             on_created=on_created,
             offload=offload,
+            owner=owner,
         )
         if not isinstance(path_or_stdin, str | Path):
             return await submit_stream(self.redis, path_or_stdin, **opts)
@@ -188,6 +190,17 @@ class BatchqClient:
 
     async def list_batches(self, limit: int = 50) -> list[BatchStatus]:
         return await store.list_batches(self.redis, limit=limit)
+
+    async def owned_batches(
+        self, owner: str | None, queue: str | None, limit: int = 100
+    ) -> list[BatchStatus]:
+        """The newest batches on `queue` that `owner` (an owner id, producer/wire/owner.py) owns; None:
+        every batch on the queue."""
+        return await store.owned_batches(self.redis, owner=owner, queue=keys.queue_name(queue), limit=limit)
+
+    async def input_excerpts(self, batch_id: str, indices: list[int]) -> dict[int, str]:
+        """Excerpts of the inputs of requests `indices` (as submit kept them), by index."""
+        return await store.get_excerpts(self.redis, batch_id, indices)
 
     async def workers(self, queue: str | None = None) -> list[Heartbeat]:
         """Live workers (those on `queue` only, when given), from their heartbeats."""

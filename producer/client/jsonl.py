@@ -15,10 +15,15 @@ from pydantic import ValidationError
 
 from producer.wire.contract import (
     CHAT_URL,
+    EMBEDDINGS_URL,
+    EmbeddingFields,
+    EmbeddingLine,
     OpenAIBatchLine,
     OpenAIBody,
+    OpenAIEmbeddingLine,
     PromptLine,
     SamplingParams,
+    check_samples,
     defaults_base,
 )
 
@@ -50,6 +55,7 @@ class ParsedLine:
     chat: bool  # OpenAI output needs to know chat.completion vs text_completion
     body_model: str | None = None  # OpenAI body.model as written (before --model-alias)
     fields_at: str = ""  # where the line's request fields sit: "body." on an OpenAI line
+    embedding: bool = False  # an embeddings request (OpenAI output: an embedding list)
 
 
 def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
@@ -111,10 +117,23 @@ def _json_error(raw: bytes, line_no: int, e: orjson.JSONDecodeError) -> LineErro
 CHAT_ONLY = ("chat_template_kwargs", "reasoning_effort", "max_reasoning_tokens")
 
 
-def _chat_only_fields(line: PromptLine | OpenAIBody) -> list[str]:
-    """The CHAT_ONLY fields a line sets: a raw prompt has no chat template and no reasoning split (vLLM's
-    rule too), so it refuses them."""
-    return [name for name in CHAT_ONLY if getattr(line, name) is not None]
+def _shape_error(
+    line: PromptLine | OpenAIBody, openai: bool, line_no: int, uid: str | None
+) -> LineError | None:
+    """What is wrong with a line's input: not exactly one of prompt / messages, an empty one, or a raw prompt
+    with CHAT_ONLY fields (it has no chat template and no reasoning split: vLLM's rule too)."""
+    prompt, messages = line.prompt, line.messages
+    if (prompt is None) == (messages is None):
+        return LineError(line_no, "", "exactly one of 'prompt' or 'messages' is required", uid)
+    if prompt == "":
+        return LineError(line_no, "", "prompt must be non-empty", uid)
+    if messages == []:
+        return LineError(line_no, "", "messages must be a non-empty list", uid)
+    chat_only = [name for name in CHAT_ONLY if getattr(line, name) is not None] if prompt is not None else []
+    if chat_only:
+        where = "body." if openai else ""
+        return LineError(line_no, where + chat_only[0], "applies to chat requests (messages) only", uid)
+    return None
 
 
 def parse_line(
@@ -144,6 +163,9 @@ def parse_line(
         return [LineError(line_no, "", f"expected a JSON object, got {type(obj).__name__}")]
     openai = not _OPENAI_KEYS.isdisjoint(obj)
     uid = _user_id(obj, "custom_id" if openai else "id")
+    if (obj.get("url") == EMBEDDINGS_URL) if openai else "input" in obj:
+        base = base if base is not None else defaults_base(defaults)
+        return _embedding_line(obj, openai, line_no, index, uid, batch_id, base, model, aliases)
     try:
         line: PromptLine | OpenAIBody
         if openai:
@@ -158,39 +180,106 @@ def parse_line(
     except ValidationError as e:
         return [LineError(le.line_no, le.field, le.reason, uid) for le in _field_errors(e, line_no)]
     prompt, messages = line.prompt, line.messages
-    if (prompt is None) == (messages is None):
-        return [LineError(line_no, "", "exactly one of 'prompt' or 'messages' is required", uid)]
-    if prompt == "":
-        return [LineError(line_no, "", "prompt must be non-empty", uid)]
-    if messages == []:
-        return [LineError(line_no, "", "messages must be a non-empty list", uid)]
-    if prompt is not None and (chat_only := _chat_only_fields(line)):
-        where = "body." if openai else ""
-        return [LineError(line_no, where + chat_only[0], "applies to chat requests (messages) only", uid)]
-    asked = model
-    if body_model is not None:
-        asked = aliases.get(body_model, body_model) if aliases else body_model
-        if model is not None and asked != model:
-            mapped = f" (mapped to {asked!r})" if asked != body_model else ""
-            return [
-                LineError(
-                    line_no, "body.model",
-                    f"{body_model!r}{mapped} differs from the batch's model {model!r}; leave --model out to "
-                    f"run each line on its own model, or map the name: --model-alias {body_model}={model}",
-                    uid,
-                )
-            ]  # fmt: skip
+    shape = _shape_error(line, openai, line_no, uid)
+    if shape is not None:
+        return [shape]
+    asked = _model_asked(body_model, model, aliases, line_no, uid)
+    if isinstance(asked, LineError):
+        return [asked]
     # The fields of a Request, built without validating a Request: every part already passed validation
     # once, and a second and third pydantic pass per line were most of submit's time. The messages go out
     # as written (strict, extra="forbid" validation proved them exact); the worker validates the Request.
+    params = line.params_over(base if base is not None else defaults_base(defaults))
+    if line.n is not None or line.best_of is not None:  # the batch's defaults may give the other one
+        try:
+            check_samples(params.get("n"), params.get("best_of"))
+        except ValueError as e:
+            where = "best_of" if line.best_of is not None else "n"
+            return [
+                LineError(line_no, ("body." if openai else "") + where, f"{e} (with the batch defaults)", uid)
+            ]
     record = {
         "batch_id": batch_id,
         "id": uid or str(line_no),
         "index": index,
         "prompt": prompt,
         "messages": src["messages"] if messages is not None else None,
-        "params": line.params_over(base if base is not None else defaults_base(defaults)),
+        "params": params,
         "metadata": metadata,
         "model": asked,
     }
     return ParsedLine(line_no, index, record, chat, body_model, "body." if openai else "")
+
+
+def _model_asked(
+    body_model: str | None,
+    model: str | None,
+    aliases: Mapping[str, str] | None,
+    line_no: int,
+    uid: str | None,
+) -> str | LineError | None:
+    """The model a line is for: its body.model (mapped by `aliases`), else the batch's `model`; an error
+    where the two differ."""
+    if body_model is None:
+        return model
+    asked = aliases.get(body_model, body_model) if aliases else body_model
+    if model is not None and asked != model:
+        mapped = f" (mapped to {asked!r})" if asked != body_model else ""
+        return LineError(
+            line_no, "body.model",
+            f"{body_model!r}{mapped} differs from the batch's model {model!r}; leave --model out to "
+            f"run each line on its own model, or map the name: --model-alias {body_model}={model}",
+            uid,
+        )  # fmt: skip
+    return asked
+
+
+# What an embedding request takes of the batch's defaults: a time limit and the truncation rule. The
+# sampling and labeling defaults of a mixed batch are the generation lines'.
+_EMBEDDING_DEFAULTS = ("timeout_s", "truncate_prompt")
+
+
+def _embedding_line(
+    obj: dict[str, Any],
+    openai: bool,
+    line_no: int,
+    index: int,
+    uid: str | None,
+    batch_id: str,
+    base: dict[str, Any],
+    model: str | None,
+    aliases: Mapping[str, str] | None,
+) -> ParsedLine | list[LineError]:
+    """An embeddings line (OpenAI's to /v1/embeddings, or batchq's with `input`) as a Request's fields."""
+    try:
+        line: EmbeddingLine | OpenAIEmbeddingLine
+        fields: EmbeddingFields
+        if openai:
+            line = OpenAIEmbeddingLine.model_validate(obj)
+            fields, body_model = line.body, line.body.model
+            metadata = line.metadata if line.metadata is not None else line.body.metadata
+        else:
+            line = EmbeddingLine.model_validate(obj)
+            fields, body_model, metadata = line, None, line.metadata
+    except ValidationError as e:
+        return [LineError(le.line_no, le.field, le.reason, uid) for le in _field_errors(e, line_no)]
+    asked = _model_asked(body_model, model, aliases, line_no, uid)
+    if isinstance(asked, LineError):
+        return [asked]
+    params: dict[str, Any] = {"max_new_tokens": 1}  # (the queue orders by it; nothing is generated)
+    for k in _EMBEDDING_DEFAULTS:
+        v = getattr(fields, k)
+        if v is not None or k in base:
+            params[k] = v if v is not None else base[k]
+    record = {
+        "batch_id": batch_id,
+        "id": uid or str(line_no),
+        "index": index,
+        "prompt": None,
+        "messages": None,
+        "embedding": fields.embedding(),
+        "params": params,
+        "metadata": metadata,
+        "model": asked,
+    }
+    return ParsedLine(line_no, index, record, False, body_model, "body." if openai else "", embedding=True)

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from producer.wire import keys
-from producer.wire.contract import Result, TokenLogprob
+from producer.wire.contract import Completion, Result, TokenLogprob
 
 # OpenAI knows only "stop" and "length": a timeout or a repetition cut truncates output like a length limit.
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "repetition": "length"}
@@ -74,17 +74,24 @@ def openai_line(
         line["response"] = {"status_code": status, "request_id": request_id, "body": {"error": body}}
         line["error"] = None
         return orjson.dumps(line)
-    choice: dict[str, Any] = {"index": 0}
-    content = result.logprobs.content if result.logprobs is not None else None
-    if chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
-        if result.reasoning_content is not None:  # vLLM's field for a reasoning model's thinking
-            choice["message"]["reasoning_content"] = result.reasoning_content
-        choice["logprobs"] = None if content is None else {"content": [t.model_dump() for t in content]}
-    else:
-        choice["text"] = result.text
-        choice["logprobs"] = None if content is None else _completion_logprobs(content)
-    choice["finish_reason"] = _FINISH[result.finish_reason]
+    if result.embeddings is not None:
+        line["response"] = {
+            "status_code": 200,
+            "request_id": request_id,
+            "body": embedding_body(result, model),
+        }
+        line["error"] = None
+        return orjson.dumps(line)
+    samples = result.choices or [
+        Completion(
+            index=0,
+            text=result.text,
+            finish_reason=result.finish_reason,
+            logprobs=result.logprobs,
+            reasoning_content=result.reasoning_content,
+        )
+    ]
+    choices = [_choice(c, chat) for c in samples]
     usage = result.usage
     details = usage.completion_tokens_details
     reasoning_tokens = details.reasoning_tokens if details is not None else 0
@@ -96,7 +103,7 @@ def openai_line(
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": result.model or model,
-            "choices": [choice],
+            "choices": choices,
             "usage": {
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,
@@ -110,6 +117,22 @@ def openai_line(
     return orjson.dumps(line)
 
 
+def _choice(c: Completion, chat: bool) -> dict[str, Any]:
+    """OpenAI's `choices[i]`: one sample's text (as the assistant's message in chat), logprobs, finish."""
+    choice: dict[str, Any] = {"index": c.index}
+    content = c.logprobs.content if c.logprobs is not None else None
+    if chat:
+        choice["message"] = {"role": "assistant", "content": c.text}
+        if c.reasoning_content is not None:  # vLLM's field for a reasoning model's thinking
+            choice["message"]["reasoning_content"] = c.reasoning_content
+        choice["logprobs"] = None if content is None else {"content": [t.model_dump() for t in content]}
+    else:
+        choice["text"] = c.text
+        choice["logprobs"] = None if content is None else _completion_logprobs(content)
+    choice["finish_reason"] = _FINISH[c.finish_reason]
+    return choice
+
+
 def _completion_logprobs(content: list[TokenLogprob]) -> dict[str, Any]:
     """The legacy completions shape: parallel lists, and each position's top alternatives as a dict."""
     offsets, at = [], 0
@@ -121,4 +144,17 @@ def _completion_logprobs(content: list[TokenLogprob]) -> dict[str, Any]:
         "token_logprobs": [t.logprob for t in content],
         "top_logprobs": [{c.token: c.logprob for c in t.top_logprobs} for t in content],
         "text_offset": offsets,
+    }
+
+
+def embedding_body(result: Result, model: str) -> dict[str, Any]:
+    """OpenAI's embeddings response: one `embedding` object per input, in input order."""
+    assert result.embeddings is not None
+    data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(result.embeddings)]
+    tokens = result.usage.prompt_tokens
+    return {
+        "object": "list",
+        "data": data,
+        "model": result.model or model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }

@@ -32,7 +32,7 @@ from producer.wire import keys
 from producer.wire.contract import ErrorInfo, Result, SamplingParams, Timing, defaults_base
 from producer.wire.lua import LuaScript, done
 from producer.wire.result_cache import CachedAnswer, request_key
-from producer.wire.store import write_result
+from producer.wire.store import EXCERPTS_PER_FIELD, write_result
 from producer.wire.workers import QueueServing
 
 MAX_REPORTED = 20
@@ -41,6 +41,7 @@ NO_KEY = b"-" * 64  # a spool record without a result-cache key
 JSON_AT = 5 + len(NO_KEY)  # where a spooled request's JSON starts
 CHUNK_JOBS = 2000
 CHUNK_BYTES = 8 * 1024 * 1024
+EXCERPT_CHARS = 200  # of each request's input, kept for the console's rows to review (keys.batch_inputs)
 _BATCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -110,7 +111,7 @@ def validate_to_spool(
     result_cache: bool = True,
     checks: SubmitChecks | None = None,
 ) -> None:
-    """Pass 1. Spool records: b"R" + (b"c"|b"p") + 3 hex digits of queue order (see queue_order) + the
+    """Pass 1. Spool records: b"R" + (b"c"|b"p"|b"e": chat, prompt, embeddings) + 3 hex digits of queue order (see queue_order) + the
     64 hex digits of its result-cache key (NO_KEY when it has none) + request JSON, or b"E" + error
     JSON; one per line. `fingerprint` (or `checks.fingerprint`): the queue's workers' (None: no lookups).
     Also records each request's content digest and line number in `report` (see create_batch)."""
@@ -147,9 +148,14 @@ def validate_to_spool(
                 if not result_cache:
                     body = body[:-1] + b',"result_cache":false}'
                 key = None
-                if fingerprint is not None and rec["model"] in (None, checks.live_model):
+                # embeddings are not result-cached (a cached answer holds text, not vectors)
+                if (
+                    fingerprint is not None
+                    and rec["model"] in (None, checks.live_model)
+                    and not parsed.embedding
+                ):
                     key = request_key(fingerprint, rec["prompt"], rec["messages"], rec["params"])
-                kind = b"Rc" if parsed.chat else b"Rp"
+                kind = b"Re" if parsed.embedding else b"Rc" if parsed.chat else b"Rp"
                 order = b"%03x" % queue_order(rec["params"]["max_new_tokens"])
                 digest = NO_KEY if key is None else key.rpartition(":")[2].encode()
                 write(kind + order + digest + body + b"\n")
@@ -192,6 +198,15 @@ def _check_request(rec: dict[str, Any], serving: QueueServing | None) -> tuple[s
     """(field, reason) when a valid line still cannot run: its grammar does not compile, or it asks for
     more new tokens than the model the queue serves can ever hold."""
     params = rec["params"]
+    emb = rec.get("embedding")
+    if emb is not None:
+        size, dims = serving.embedding_size if serving is not None else None, emb["dimensions"]
+        if serving is not None and rec["model"] in (None, serving.model) and size and dims and dims > size:
+            return (
+                "dimensions",
+                f"{dims} dimensions asked, but the model {serving.model!r} serving this queue embeds in {size}",
+            )
+        return None
     if serving is not None and rec["model"] in (None, serving.model):
         asked, context = params["max_new_tokens"], serving.max_model_len
         if asked > context:
@@ -239,7 +254,7 @@ return {0}
 
 
 # KEYS: queue, results hash, chat bitmap. ARGV: job id prefix ("<batch id>:"), first index, enqueue time
-# (ms), kinds (one byte per job: c chat, p prompt), orders (3 hex digits of queue_order per job), fresh
+# (ms), kinds (one byte per job: c chat, p prompt, e embeddings), orders (3 hex digits of queue_order per job), fresh
 # ("1" when this submit created the batch), then one payload per job for consecutive indices.
 #
 # One argument per job: redis-py packs each argument in Python, and five per job cost more than the script.
@@ -315,6 +330,7 @@ async def create_batch(
     model: str | None,
     defaults: SamplingParams | None,
     result_ttl_s: int,
+    owner: str | None = None,
 ) -> bool:
     """Create the batch, or check a resubmission against it: the same content again is a no-op (an
     interrupted submit finishes), other content under the same id is refused, naming the first line that
@@ -331,6 +347,8 @@ async def create_batch(
         "prompt_tokens": 0,
         "completion_tokens": 0,
     }
+    if owner:
+        fields["owner"] = owner
     flat = [x for kv in fields.items() for x in kv]
     blob = bytes(report.digests)
     digest = hashlib.blake2b(blob, digest_size=16).hexdigest()
@@ -461,6 +479,33 @@ async def _answer(
     return sum(await asyncio.gather(*writes))
 
 
+def excerpt(req: dict[str, Any]) -> str:
+    """What a person reviewing a row reads first: the prompt, or the last user message (else the last
+    message), whitespace runs made one space, cut to EXCERPT_CHARS."""
+    text = req.get("prompt")
+    if text is None:
+        messages = req.get("messages") or [{}]
+        users = [m for m in messages if m.get("role") == "user"]
+        text = (users or messages)[-1].get("content") or ""
+    text = " ".join(str(text)[: 4 * EXCERPT_CHARS].split())  # the head is enough: a prompt may be long
+    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 1] + "\u2026"
+
+
+assert CHUNK_JOBS % EXCERPTS_PER_FIELD == 0  # a group of CHUNK_JOBS records fills whole fields
+
+
+async def _store_excerpts(redis: Redis, batch_id: str, group: list[tuple[int, bytes]]) -> None:
+    """The group's excerpts, EXCERPTS_PER_FIELD a field (store.get_excerpts): a few arguments per group,
+    where one a request would cost submit a tenth of its speed in redis-py's packing."""
+    fields = {}
+    for start in range(0, len(group), EXCERPTS_PER_FIELD):
+        part = group[start : start + EXCERPTS_PER_FIELD]
+        texts = [excerpt(orjson.loads(rec[JSON_AT:])) if rec[:1] == b"R" else None for _, rec in part]
+        fields[part[0][0] // EXCERPTS_PER_FIELD] = orjson.dumps(texts)
+    if fields:
+        await done(redis.hset(keys.batch_inputs(batch_id), mapping=fields))
+
+
 def _invalid(rid: str, index: int, reason: str) -> Result:
     return Result(
         id=rid, index=index, finish_reason="error", error=ErrorInfo(type="invalid_request", message=reason)
@@ -499,6 +544,8 @@ async def enqueue_spool(
     chunk: _Chunk | None = None
     try:
         for group in _groups(_spool_records(spool), CHUNK_JOBS):
+            # Before the group's jobs exist, so the batch cannot finish (and expire its keys) before them.
+            await _store_excerpts(redis, bid, group)
             answers = await _cached_answers(redis, group)
             for index, rec in group:
                 if rec[:1] == b"E" or index in answers:
@@ -539,6 +586,7 @@ async def submit_stream(
     model_aliases: Mapping[str, str] | None = None,
     on_created: Callable[[str], None] | None = None,
     offload: bool = False,
+    owner: str | None = None,
 ) -> SubmitReport:
     """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything.
 
@@ -549,6 +597,7 @@ async def submit_stream(
     interrupted submit is finished by submitting again with the same batch id. Requests whose answer the
     result cache holds are answered now and never enqueued (result_cache=False: none are).
     `offload`: validate (pass 1, CPU-bound) in a thread, so that a server's event loop keeps serving.
+    `owner`: the owner id (producer/wire/owner.py) of the team the batch belongs to: its console lists it.
     """
     report = SubmitReport(batch_id=check_batch_id(batch_id) if batch_id else new_batch_id())
     qname = keys.queue_name(queue)
@@ -577,8 +626,9 @@ async def submit_stream(
                 f"{report.invalid} invalid line(s); nothing was enqueued", report.errors, report.invalid
             )
         fresh = await create_batch(
-            redis, report, queue=qname, model=model, defaults=defaults, result_ttl_s=result_ttl_s
-        )
+            redis, report, queue=qname, model=model, defaults=defaults, result_ttl_s=result_ttl_s,
+            owner=owner,
+        )  # fmt: skip
         if on_created is not None:
             on_created(report.batch_id)
         await enqueue_spool(redis, spool, report, queue=qname, fresh=fresh)

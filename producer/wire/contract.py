@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_STRINGS = 16
 MIN_CHOICES, MAX_CHOICES = 2, 256
@@ -23,6 +31,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })  # fmt: skip
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+MAX_SAMPLES = 128  # n and best_of (OpenAI's cap on n)
 
 FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancelled", "error"]
 BatchState = Literal["queued", "running", "completed", "cancelled"]
@@ -103,7 +112,10 @@ class SamplingParams(_Strict):
     ignore_eos: bool | None = None
     timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     truncate_prompt: TruncateSide | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)  # samples returned
+    best_of: int | None = Field(
+        default=None, ge=1, le=MAX_SAMPLES
+    )  # samples generated; the n likeliest return
     # Labeling outputs. At most one output constraint: choices, response_format (json) or regex.
     choices: list[str] | None = Field(default=None, validation_alias=AliasChoices("choices", "guided_choice"))
     response_format: ResponseFormat | None = None
@@ -168,11 +180,10 @@ class SamplingParams(_Strict):
             raise ValueError("a token id is given twice (as two spellings of one number)")
         return v
 
-    @field_validator("n")
+    @field_validator("best_of")
     @classmethod
-    def _n_is_one(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
+    def _best_of_covers_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        check_samples(info.data.get("n"), v)
         return v
 
     @model_validator(mode="after")
@@ -263,6 +274,12 @@ def defaults_base(defaults: SamplingParams | None) -> dict[str, Any]:
     return base
 
 
+def check_samples(n: int | None, best_of: int | None) -> None:
+    """best_of generates the samples that n returns: it cannot be fewer (OpenAI's and vLLM's rule)."""
+    if best_of is not None and best_of < (n or 1):
+        raise ValueError(f"best_of must be >= n: best_of is {best_of}, n is {n or 1}")
+
+
 def _check_choices(choices: list[str]) -> None:
     if not MIN_CHOICES <= len(choices) <= MAX_CHOICES:
         raise ValueError(f"choices needs {MIN_CHOICES} to {MAX_CHOICES} labels, got {len(choices)}")
@@ -312,10 +329,26 @@ class ChatMessage(_Strict):
         return "\n".join(texts)
 
 
+EncodingFormat = Literal["float", "base64"]
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs in one embeddings request
+
+
+class EmbeddingRequest(_Strict):
+    """An embedding request on the wire: its inputs, always a list (texts, or token-id lists), one vector
+    each; the leading `dimensions` kept (Matryoshka); `encoding_format` of the vectors in the result."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    input: list[str] | list[list[int]]
+    dimensions: int | None = Field(default=None, ge=1)
+    encoding_format: EncodingFormat = "float"
+
+
 class Request(_Strict):
     """One request as it travels through the queue (the arq job's only argument, as a dict).
 
-    Exactly one of `prompt` / `messages` is set. `params` are already resolved against the batch defaults.
+    Exactly one of `prompt` / `messages` / `embedding` is set. `params` are already resolved against the
+    batch defaults (an embedding request's hold max_new_tokens 1, timeout_s and truncate_prompt only).
     """
 
     batch_id: str
@@ -323,6 +356,7 @@ class Request(_Strict):
     index: int = Field(ge=0, description="0-based position in the batch, used for ordering results")
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    embedding: EmbeddingRequest | None = None
     params: SamplingParams
     metadata: dict[str, Any] | None = None
     model: str | None = None
@@ -332,7 +366,10 @@ class Request(_Strict):
 
     @model_validator(mode="after")
     def _one_input(self) -> Request:
-        if (self.prompt is None) == (self.messages is None):
+        if self.embedding is not None:
+            if self.prompt is not None or self.messages is not None:
+                raise ValueError("an embedding request has no 'prompt' or 'messages'")
+        elif (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of 'prompt' or 'messages' is required")
         if self.prompt is not None and self.prompt == "":
             raise ValueError("prompt must be non-empty")
@@ -420,8 +457,22 @@ class ChoiceLogprobs(_Strict):
     content: list[TokenLogprob] | None = None
 
 
+class Completion(_Strict):
+    """One of the samples of an n > 1 request (Result.choices), as OpenAI's `choices[i]`."""
+
+    index: int = Field(ge=0)
+    text: str
+    finish_reason: FinishReason
+    completion_tokens: int = 0
+    logprobs: ChoiceLogprobs | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking in this sample
+
+
 class Result(_Strict):
-    """One result per request; written once, first write wins."""
+    """One result per request; written once, first write wins. An n > 1 request's samples are in
+    `choices` (best first under best_of); text, finish_reason and logprobs are then its first's, usage
+    counts the prompt once and every generated token, and with `choices` labels `vote` counts the samples
+    per label (every label, in request order) and `agreement` is the top label's share of them."""
 
     id: str
     index: int = Field(ge=0)
@@ -438,6 +489,12 @@ class Result(_Strict):
     label_scores: list[LabelScore] | None = None  # `choices` requests: one per label, in request order
     logprobs: ChoiceLogprobs | None = None  # `logprobs` requests: one entry per generated token
     attempt: int = Field(default=0, ge=0)  # the request's attempt that wrote it (producer retry)
+    choices: list[Completion] | None = None  # n > 1: every sample returned
+    vote: dict[str, int] | None = None  # n > 1 with `choices` labels: samples per label
+    agreement: float | None = None  # n > 1 with `choices` labels: the majority label's share of samples
+    # An embedding request: one unit vector per input, in input order; each a list of floats, or the base64
+    # of its little-endian float32 values where the request asked for encoding_format "base64"
+    embeddings: list[list[float]] | list[str] | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(mode="json"))
@@ -453,12 +510,20 @@ class Result(_Strict):
             exclude.add("logprobs")
         if self.model is None:
             exclude.add("model")
-        if self.reasoning_content is None:
-            exclude.add("reasoning_content")
-        line = self.model_dump(mode="json", exclude=exclude)
+        exclude.update(
+            k
+            for k in ("choices", "vote", "agreement", "embeddings", "reasoning_content")
+            if getattr(self, k) is None
+        )
+        out = self.model_dump(mode="json", exclude=exclude)
+        for c in out.get("choices", ()):
+            if c["logprobs"] is None:
+                del c["logprobs"]
+            if c["reasoning_content"] is None:
+                del c["reasoning_content"]
         if self.usage.completion_tokens_details is None:  # no reasoning parser ran
-            del line["usage"]["completion_tokens_details"]
-        return orjson.dumps(line)
+            del out["usage"]["completion_tokens_details"]
+        return orjson.dumps(out)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Result:
@@ -540,7 +605,7 @@ class OpenAIBody(SamplingParams):
     Every field OpenAI's chat and completions APIs accept is either used (the sampling parameters,
     response_format, logprobs, ...), ignored because it cannot change the output (OPENAI_IGNORED), or
     refused by name with the reason (OPENAI_UNSUPPORTED, modalities other than text, stream: true,
-    echo: true, best_of > 1, n > 1).
+    echo: true).
     """
 
     model: str | None = None
@@ -560,7 +625,6 @@ class OpenAIBody(SamplingParams):
             "modalities": data.get("modalities") not in (None, ["text"]),
             "stream": data.get("stream") not in (None, False),
             "echo": data.get("echo") not in (None, False),
-            "best_of": data.get("best_of") not in (None, 1),
         }
         for key, bad in refused.items():
             if bad:
@@ -576,7 +640,9 @@ class OpenAIBatchLine(_Strict):
 
     custom_id: UserId | None = None
     method: Literal["POST"] = "POST"
-    url: Literal["/v1/chat/completions", "/v1/completions"]
+    url: Literal[
+        "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+    ]  # (embeddings: OpenAIEmbeddingLine)
     body: OpenAIBody
     metadata: dict[str, Any] | None = None
 
@@ -591,6 +657,87 @@ class OpenAIBatchLine(_Strict):
         return self
 
 
-# n is checked, never kept; structured_outputs is folded into the constraint fields on validation.
-_RESOLVED_FIELDS = tuple(k for k in SamplingParams.model_fields if k not in ("n", "structured_outputs"))
+EMBEDDINGS_URL = "/v1/embeddings"
+
+
+class EmbeddingFields(_Strict):
+    """What an embedding line asks, as OpenAI's embeddings API takes it: `input` is a string, a list of
+    strings, a list of token ids or a list of token-id lists (at most MAX_EMBEDDING_INPUTS inputs, none
+    empty); `dimensions`, `encoding_format`; and batchq's timeout_s and truncate_prompt."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+
+    input: list[str] | list[list[int]]
+    dimensions: int | None = Field(default=None, ge=1)
+    encoding_format: EncodingFormat | None = None
+    timeout_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    truncate_prompt: TruncateSide | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        what = "a string, a list of strings, a list of token ids or a list of token-id lists"
+        if isinstance(v, str):
+            v = [v]
+        elif not isinstance(v, list):
+            raise ValueError(f"input must be {what}, got {type(v).__name__}")
+        elif v and all(_token_id(t) for t in v):
+            v = [v]  # one input given as token ids
+        if not v:
+            raise ValueError("input must not be empty")
+        if len(v) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(v)}")
+        texts = all(isinstance(x, str) for x in v)
+        if not texts and not all(isinstance(x, list) and all(_token_id(t) for t in x) for x in v):
+            raise ValueError(f"input must be {what} (token ids are integers >= 0), not a mix")
+        for i, x in enumerate(v):
+            if not x:
+                raise ValueError(f"input {i} is empty")
+        return v
+
+    def embedding(self, encoding_format: EncodingFormat | None = None) -> dict[str, Any]:
+        """The wire's EmbeddingRequest fields."""
+        fmt = self.encoding_format or encoding_format or "float"
+        return {"input": self.input, "dimensions": self.dimensions, "encoding_format": fmt}
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+class EmbeddingLine(EmbeddingFields):
+    """batchq's embedding line: `{"id", "input", "dimensions", "encoding_format", "metadata", ...}`."""
+
+    id: UserId | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class OpenAIEmbeddingBody(EmbeddingFields):
+    """The `body` of an OpenAI Batch line to /v1/embeddings; `user` is accepted and ignored."""
+
+    model: str | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class OpenAIEmbeddingLine(_Strict):
+    """An OpenAI Batch API input line to /v1/embeddings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    custom_id: UserId | None = None
+    method: Literal["POST"] = "POST"
+    url: Literal["/v1/embeddings"]
+    body: OpenAIEmbeddingBody
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _metadata_once(self) -> OpenAIEmbeddingLine:
+        if self.metadata is not None and self.body.metadata is not None:
+            raise ValueError("metadata given both on the line and in body; give it once")
+        return self
+
+
+# structured_outputs is folded into the constraint fields on validation.
+_RESOLVED_FIELDS = tuple(k for k in SamplingParams.model_fields if k != "structured_outputs")
 _CONSTRAINTS = ("choices", "response_format", "regex")

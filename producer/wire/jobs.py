@@ -34,7 +34,7 @@ from producer.wire.lua import LuaScript
 from producer.wire.store import START_MANY, WRITE_FIELDS, WRITE_MANY, write_values
 
 # Batch keys from a job id (`<batch>:<index>` or `<batch>:<index>.<attempt>`, keys.job_id), as batch_keys
-# names them: meta, results, running, chat, attempts, requests, digests.
+# names them: meta, results, running, chat, attempts, requests, digests, inputs.
 _BATCH_KEYS = (
     """
 local known_batches = {}
@@ -44,7 +44,8 @@ local function batch_keys(bid)
     local m = '"""
     + keys.batch_meta("")
     + """' .. bid
-    k = {m, m .. ':results', m .. ':running', m .. ':chat', m .. ':attempts', m .. ':requests', m .. ':digests'}
+    k = {m, m .. ':results', m .. ':running', m .. ':chat', m .. ':attempts', m .. ':requests', m .. ':digests',
+         m .. ':inputs'}
     known_batches[bid] = k
   end
   return k

@@ -84,6 +84,13 @@ def batch_requests(batch_id: str) -> str:
     return f"{PREFIX}batch:{batch_id}:requests"
 
 
+def batch_inputs(batch_id: str) -> str:
+    """hash: n -> JSON list of the input excerpts (the prompt, or the last user message) of requests
+    n * store.EXCERPTS_PER_FIELD onwards (null: an invalid line), written at submit for the console's rows
+    to review (producer/api/console.py)."""
+    return f"{PREFIX}batch:{batch_id}:inputs"
+
+
 def worker_heartbeat(worker_id: str) -> str:
     """string with TTL: the worker's last health snapshot (JSON)."""
     return f"{PREFIX}worker:{worker_id}"

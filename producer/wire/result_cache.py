@@ -7,7 +7,8 @@ sha256 of:
   dtype, numerics version, device, attention path, output-shaping settings, tokenizer and chat template);
 - the request's prompt or messages, as the worker receives them;
 - every resolved parameter that can change the output: greedy decoding ignores seed, top_p, top_k and
-  min_p, and timeout_s never counts.
+  min_p, and timeout_s never counts. n and best_of count where they change the answer (n > 1, best_of >
+  n): an n=1 request keeps the key it always had, and a cached n > 1 answer holds all n samples.
 The request text (with the tokenizer and chat template in the fingerprint) rather than its token ids:
 the producer has no tokenizer, and with the key computable here a rerun batch is answered at submit
 time, without enqueuing a job. Workers publish their fingerprint and model per queue
@@ -28,11 +29,26 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from producer.wire import keys
-from producer.wire.contract import ChoiceLogprobs, FinishReason, LabelScore, Result, Timing, Usage
+from producer.wire.contract import (
+    ChoiceLogprobs,
+    Completion,
+    FinishReason,
+    LabelScore,
+    Result,
+    Timing,
+    Usage,
+)
 
-_NEVER = frozenset({"timeout_s", "n"})  # parameters that cannot change the output
+_NEVER = frozenset({"timeout_s"})  # parameters that cannot change the output
 _GREEDY_IGNORES = frozenset({"seed", "top_p", "top_k", "min_p"})  # greedy takes the argmax before them
 CACHEABLE: frozenset[str] = frozenset({"eos", "stop", "length", "repetition"})  # ended on their own
+
+
+def cacheable(result: Result) -> bool:
+    """Whether a computed result is an answer to keep: it, and every sample of it, ended on its own."""
+    return result.finish_reason in CACHEABLE and all(
+        c.finish_reason in CACHEABLE for c in result.choices or ()
+    )
 
 
 def request_key(
@@ -45,6 +61,11 @@ def request_key(
         return None
     drop = _NEVER | _GREEDY_IGNORES if greedy else _NEVER
     fields = {k: v for k, v in params.items() if v is not None and k not in drop}
+    n = fields.get("n", 1)
+    if n == 1:
+        fields.pop("n", None)
+    if fields.get("best_of") == n:  # best_of == n ranks nothing: the same n samples
+        del fields["best_of"]
     msgs = None if messages is None else [{k: v for k, v in m.items() if v is not None} for m in messages]
     blob = orjson.dumps([fingerprint, prompt, msgs, fields], option=orjson.OPT_SORT_KEYS)
     return keys.result_cache(hashlib.sha256(blob).hexdigest())
@@ -63,10 +84,26 @@ class CachedAnswer(BaseModel):
     label_scores: list[LabelScore] | None = None
     logprobs: ChoiceLogprobs | None = None
     model: str | None = None  # the model that computed it (None: stored before answers named it)
+    choices: list[Completion] | None = None  # n > 1: every sample
+    vote: dict[str, int] | None = None
+    agreement: float | None = None
     reasoning_content: str | None = (
         None  # a reasoning model's thinking, and its tokens (of completion_tokens)
     )
     reasoning_tokens: int | None = None
+
+    @classmethod
+    def of(cls, result: Result) -> CachedAnswer:
+        """What the cache keeps of a computed result."""
+        u = result.usage
+        return cls(
+            text=result.text, finish_reason=result.finish_reason, prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens, cached_tokens=u.prompt_tokens_details.cached_tokens,
+            label_scores=result.label_scores, logprobs=result.logprobs, model=result.model,
+            choices=result.choices, vote=result.vote, agreement=result.agreement,
+            reasoning_content=result.reasoning_content,
+            reasoning_tokens=d.reasoning_tokens if (d := u.completion_tokens_details) is not None else None,
+        )  # fmt: skip
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.model_dump(exclude_none=True))
@@ -95,4 +132,7 @@ class CachedAnswer(BaseModel):
             label_scores=self.label_scores,
             logprobs=self.logprobs,
             model=self.model,
+            choices=self.choices,
+            vote=self.vote,
+            agreement=self.agreement,
         )

@@ -23,6 +23,7 @@ from producer.wire.lua import LuaScript, done
 CHUNK = 500
 DONE_FIELDS = ("completed", "failed", "cancelled")
 CANCEL_FLAG = "cancel_requested"
+EXCERPTS_PER_FIELD = 500  # input excerpts per field of keys.batch_inputs (get_excerpts)
 
 
 class BatchNotFound(LookupError):
@@ -232,6 +233,7 @@ def batch_keys(batch_id: str) -> list[str]:
         keys.batch_attempts(batch_id),
         keys.batch_requests(batch_id),
         keys.batch_digests(batch_id),
+        keys.batch_inputs(batch_id),
     ]
 
 
@@ -413,6 +415,50 @@ async def list_batches(redis: Redis, *, limit: int = 50) -> list[BatchStatus]:
             out.append(await get_status(redis, batch_id))
         except BatchNotFound:
             await done(redis.zrem(keys.BATCHES, batch_id))
+    return out
+
+
+async def owned_batches(
+    redis: Redis, *, owner: str | None, queue: str, limit: int = 100, scan: int = 1000
+) -> list[BatchStatus]:
+    """The newest `limit` batches on `queue` whose meta names `owner` (None: every batch on the queue),
+    looked for among the newest `scan` batches."""
+    ids = [_str(b) for b in await done(redis.zrevrange(keys.BATCHES, 0, scan - 1))]
+    async with redis.pipeline(transaction=False) as pipe:
+        for batch_id in ids:
+            pipe.hmget(keys.batch_meta(batch_id), ["owner", "queue"])
+        metas = await pipe.execute()
+    out = []
+    for batch_id, (who, q) in zip(ids, metas, strict=True):
+        if q is None or _str(q) != queue or (owner is not None and (who is None or _str(who) != owner)):
+            continue
+        try:
+            out.append(await get_status(redis, batch_id))
+        except BatchNotFound:
+            continue
+        if len(out) >= limit:
+            break
+    return out
+
+
+async def get_excerpts(redis: Redis, batch_id: str, indices: list[int]) -> dict[int, str]:
+    """Input excerpts of requests (keys.batch_inputs: field n holds a JSON list of the excerpts of requests
+    n * EXCERPTS_PER_FIELD onwards), by index; a request without one is left out."""
+    fields = sorted({i // EXCERPTS_PER_FIELD for i in indices})
+    if not fields:
+        return {}
+    raws = await done(redis.hmget(keys.batch_inputs(batch_id), [str(f) for f in fields]))
+    lists = {f: orjson.loads(r) for f, r in zip(fields, raws, strict=True) if r is not None}
+    out = {}
+    for i in indices:
+        texts = lists.get(i // EXCERPTS_PER_FIELD)
+        text = (
+            texts[i % EXCERPTS_PER_FIELD]
+            if texts is not None and i % EXCERPTS_PER_FIELD < len(texts)
+            else None
+        )
+        if text is not None:
+            out[i] = text
     return out
 
 

@@ -80,3 +80,4 @@ class QueueServing(BaseModel):
     fingerprint: str
     max_model_len: int
     result_cache: bool = True
+    embedding_size: int | None = None  # the width of its embeddings (None: unknown, or it cannot embed)

@@ -9,7 +9,6 @@ HF's greedy path over the same checkpoint, decoded and split at the markers.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -183,16 +182,19 @@ def test_a_stop_token_inside_thinking_ends_with_the_thinking_so_far(reasoner) ->
 
 def test_a_timeout_inside_thinking_ends_with_the_thinking_so_far(reasoner) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
-    # the request's clock started long ago: it times out within its first steps, still thinking
-    p = GenerationParams(max_new_tokens=200, temperature=0.0, timeout_s=30.0, ignore_eos=True)
-    req = EngineRequest(
-        "slow", p, messages=THINK_ASK, chat_template_kwargs=OPEN, started_at=time.monotonic() - 29.99
-    )
-    (res,) = engine.generate([req])
     ref = hf_greedy(hf, think_prompt_ids(tok, **OPEN), 40)
+    assert ref.index(END_THINK) > 3
+    p = GenerationParams(max_new_tokens=40, temperature=0.0, timeout_s=60.0)
+    engine.add_request(EngineRequest("slow", p, messages=THINK_ASK, chat_template_kwargs=OPEN))
+    done: list[EngineResult] = []
+    while not done:
+        done = engine.step()
+        seq = engine._seqs.get("slow")
+        if seq is not None and len(seq.output_ids) == 3:
+            seq.started_at -= 120.0  # its clock runs out while it thinks (as if its steps had been slow)
+    (res,) = done
     assert res.finish_reason == "timeout" and res.text == ""
-    assert res.token_ids == ref[: len(res.token_ids)] and len(res.token_ids) < ref.index(END_THINK)
-    assert res.reasoning_content == decode(tok, res.token_ids)
+    assert res.token_ids == ref[:3] and res.reasoning_content == decode(tok, ref[:3])
 
 
 def test_raw_prompts_are_not_split(reasoner) -> None:  # type: ignore[no-untyped-def]
@@ -288,3 +290,19 @@ def test_before_thinking_opens_labels_score_at_the_prompt_and_a_grammar_allows_t
             assert res.reasoning_tokens == 4
         else:
             assert res.reasoning_content == "" and res.reasoning_tokens == 0
+
+
+def test_samples_of_one_request_think_apart_and_a_choices_request_thinks_once(reasoner) -> None:  # type: ignore[no-untyped-def]
+    engine, _, tok = reasoner
+    res, labeled = engine.generate([
+        chat("n", OPEN, n=3, temperature=1.0, seed=5, max_reasoning_tokens=4),
+        chat("c", OPEN, n=2, choices=LABELS, max_reasoning_tokens=2),
+    ])  # fmt: skip
+    assert res.samples is not None and len(res.samples) == 3
+    for s in res.samples:  # each its own thinking, closed by the model or at its budget
+        end = s.token_ids.index(END_THINK)
+        assert end <= 4 and s.reasoning_tokens == end + 1
+        assert s.reasoning_content == decode(tok, s.token_ids[:end])
+    assert labeled.samples is not None and len(labeled.samples) == 2
+    assert {s.reasoning_content for s in labeled.samples} == {labeled.reasoning_content}
+    assert all(s.text in LABELS for s in labeled.samples)

@@ -34,6 +34,24 @@ for name in names:
     importlib.import_module(name)
 print(len(names), producer.__file__)
 """
+CONSOLE = [
+    "api.js",
+    "app.js",
+    "batch.js",
+    "dom.js",
+    "index.html",
+    "labels.js",
+    "lists.js",
+    "style.css",
+    "widgets.js",
+]
+CONSOLE_FILES = """
+from producer.api.auth import ApiKeys
+from producer.api.console import STATIC
+from producer.api.server import ServerSettings, create_app
+create_app(ServerSettings(redis_url="redis://127.0.0.1:1/0", keys=ApiKeys(["k"])))
+print(*sorted(p.name for p in STATIC.iterdir()))
+"""
 
 
 def run(*cmd: str | Path, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -65,6 +83,12 @@ def test_a_bare_install_runs_the_producer_without_torch(tmp_path: Path) -> None:
     assert every.returncode == 0, every.stderr[-3000:]
     count, where = every.stdout.split()
     assert int(count) >= 25 and Path(where).is_relative_to(env_dir)
+
+    # The console's page ships as package data: the installed server builds its routes from it.
+    console = run(bin_ / "python", "-c", CONSOLE_FILES, cwd=tmp_path, env=env)
+    assert console.returncode == 0 and console.stdout.split() == CONSOLE, (
+        console.stdout + console.stderr[-3000:]
+    )
 
     torch = run(bin_ / "python", "-c", "import torch", cwd=tmp_path, env=env)
     assert torch.returncode != 0 and "No module named 'torch'" in torch.stderr

@@ -81,7 +81,8 @@ def _chat(**body: object) -> bytes:
             "line 1: body: 'modalities' = ['text', 'audio'] is unsupported",
         ),
         (_chat(stream=True), "line 1: body: 'stream' = True is unsupported"),
-        (_chat(n=2), "line 1: body.n: only n=1 is supported"),
+        (_chat(n=0), "line 1: body.n: Input should be greater than or equal to 1"),
+        (_chat(n=3, best_of=2), "line 1: body.best_of: best_of must be >= n: best_of is 2, n is 3"),
         (_chat(prediction={"type": "content", "content": "x"}), "line 1: body: 'prediction' is unsupported"),
         (
             _chat(presence_penalty=2.5),
@@ -105,7 +106,7 @@ def _chat(**body: object) -> bytes:
             orjson.dumps({"url": "/v1/completions", "body": {"prompt": "x", "suffix": "y"}}),
             "line 1: body: 'suffix' is unsupported",
         ),
-        (orjson.dumps({"url": "/v1/embeddings", "body": {"input": "x"}}), "line 1: url: Input should be"),
+        (orjson.dumps({"url": "/v1/responses", "body": {"input": "x"}}), "line 1: url: Input should be"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(line: bytes, expected: str) -> None:

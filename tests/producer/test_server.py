@@ -8,8 +8,10 @@ the whole module; every test makes objects of its own (unique prompts, so the re
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ import openai
 import orjson
 import pytest
 import redis
-from openai.types import Batch, Completion
+from openai.types import Batch, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from producer.api.auth import owner_id
@@ -230,6 +232,33 @@ async def test_the_async_client_runs_a_completions_batch(stack):
             assert body.usage is not None and 1 <= body.usage.completion_tokens <= 6
 
 
+def test_an_embeddings_batch_runs_and_its_output_is_openais_embedding_lists(stack):
+    tag = uuid.uuid4().hex
+    lines = [
+        {"custom_id": "f", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "tiny", "input": [f"first {tag}", f"second {tag}"], "dimensions": 8}},
+        {"custom_id": "b", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "tiny", "input": f"first {tag}", "dimensions": 8, "encoding_format": "base64"}},
+    ]  # fmt: skip
+    with client(stack) as c:
+        f = c.files.create(file=("emb.jsonl", jsonl(lines)), purpose="batch")
+        with pytest.raises(openai.BadRequestError, match="holds 2 /v1/embeddings request"):
+            c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        b = wait_done(
+            c, c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h").id
+        )
+        assert b.status == "completed" and b.endpoint == "/v1/embeddings" and b.error_file_id is None
+        assert (b.request_counts.total, b.request_counts.completed) == (2, 2)
+        out = {x["custom_id"]: x for x in output_lines(c, b.output_file_id)}
+        floats = CreateEmbeddingResponse.model_validate(out["f"]["response"]["body"])
+        assert [d.index for d in floats.data] == [0, 1] and all(len(d.embedding) == 8 for d in floats.data)
+        assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0
+        assert floats.model == stack["model"]
+        (encoded,) = out["b"]["response"]["body"]["data"]
+        packed = base64.b64decode(encoded["embedding"])
+        assert struct.unpack("<8f", packed) == pytest.approx(floats.data[0].embedding, abs=1e-7)
+
+
 def test_a_bad_file_is_refused_with_line_numbers_and_nothing_is_stored(stack):
     good = orjson.dumps(chat_line("ok", "fine"))
     bad = b"\n".join([
@@ -258,8 +287,10 @@ def test_a_bad_file_is_refused_with_line_numbers_and_nothing_is_stored(stack):
                 input_file_id=completions.id, endpoint="/v1/chat/completions", completion_window="24h"
             )
         with pytest.raises(openai.BadRequestError, match="unsupported") as e:
-            c.batches.create(input_file_id=completions.id, endpoint="/v1/embeddings", completion_window="24h")
+            c.batches.create(input_file_id=completions.id, endpoint="/v1/responses", completion_window="24h")
         assert isinstance(e.value.body, dict) and e.value.body["param"] == "endpoint"
+        with pytest.raises(openai.BadRequestError, match="holds 1 /v1/completions request") as e:
+            c.batches.create(input_file_id=completions.id, endpoint="/v1/embeddings", completion_window="24h")
         with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: priority"):
             c.batches.create(input_file_id=completions.id, endpoint="/v1/completions", completion_window="24h",
                              extra_body={"priority": "high"})  # fmt: skip

@@ -398,3 +398,33 @@ async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_
 
     again = await submit_stream(redis, io.BytesIO(lines), batch_id="rc2", queue="q", result_cache=False)  # type: ignore[arg-type]
     assert (again.cached, again.enqueued) == (0, 4)
+
+
+async def test_submit_keeps_each_inputs_excerpt_and_the_owner_for_the_console(redis: Redis) -> None:
+    # 4,203 lines: three groups of CHUNK_JOBS, excerpt fields of 500 (store.EXCERPTS_PER_FIELD); line 700
+    # is invalid (--skip-invalid: a failed result, no excerpt); chat lines give their last user message.
+    n = 2 * submit_module.CHUNK_JOBS + 203
+    lines = []
+    for i in range(n):
+        if i == 700:
+            lines.append(b'{"id": "bad", "prompt": "p", "max_tokens": -1}\n')
+        elif i % 2:
+            msgs = [{"role": "user", "content": f"first {i}"}, {"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": f"row\n\n{i}  asks"}]  # fmt: skip
+            lines.append(orjson.dumps({"messages": msgs}) + b"\n")
+        else:
+            lines.append(orjson.dumps({"prompt": f"prompt {i} " + "x" * (300 if i == 4000 else 0)}) + b"\n")
+    await submit(redis, b"".join(lines), batch_id="ex", skip_invalid=True, owner="team-a")
+    client = BatchqClient(redis)
+    wanted = [0, 1, 499, 500, 700, 2000, 4000, n - 1, n, 10**6]
+    got = await client.input_excerpts("ex", wanted)
+    assert set(got) == {0, 1, 499, 500, 2000, 4000, n - 1}
+    assert got[0] == "prompt 0" and got[1] == "row 1 asks" and got[499] == "row 499 asks"
+    assert got[500] == "prompt 500" and got[n - 1] == f"prompt {n - 1}"
+    assert len(got[4000]) == submit_module.EXCERPT_CHARS and got[4000].endswith("\u2026")
+    assert (await client.batch_meta("ex"))["owner"] == "team-a"
+    assert [s.batch_id for s in await client.owned_batches("team-a", None)] == ["ex"]
+    assert (
+        await client.owned_batches("team-b", None) == [] and await client.owned_batches("team-a", "q") == []
+    )
+    assert [s.batch_id for s in await client.owned_batches(None, "default")] == ["ex"]

@@ -97,7 +97,12 @@ def test_missing_id_defaults_to_the_line_number() -> None:
             b'{"prompt": "x", "max_tokens": 0}',
             "line 1: max_tokens: Input should be greater than or equal to 1",
         ),  # as written
-        (b'{"prompt": "x", "n": 2}', "line 1: n: only n=1 is supported"),
+        (b'{"prompt": "x", "n": 0}', "line 1: n: Input should be greater than or equal to 1"),
+        (
+            b'{"prompt": "x", "n": 4, "best_of": 2}',
+            "line 1: best_of: best_of must be >= n: best_of is 2, n is 4",
+        ),
+        (b'{"prompt": "x", "best_of": 129}', "line 1: best_of: Input should be less than or equal to 128"),
         (b'{"prompt": "x", "stop": [""]}', "line 1: stop: stop strings must be non-empty"),
         (
             b'{"prompt": "x", "truncate_prompt": "middle"}',
@@ -111,7 +116,7 @@ def test_missing_id_defaults_to_the_line_number() -> None:
         (b'{"messages": [{"role": "robot", "content": "y"}]}', "line 1: messages.0.role: Input should be"),
         (b'{"id": 7, "prompt": "x"}', "line 1: id: Input should be a valid string"),
         (b'{"id": "", "prompt": "x"}', "line 1: id: String should have at least 1 character"),
-        (b'{"url": "/v1/embeddings", "body": {"input": "x"}}', "line 1: url: Input should be"),
+        (b'{"url": "/v1/responses", "body": {"input": "x"}}', "line 1: url: Input should be"),
         (
             b'{"url": "/v1/chat/completions", "body": {"prompt": "x"}}',
             "line 1: /v1/chat/completions needs body.messages",

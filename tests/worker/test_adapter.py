@@ -13,11 +13,10 @@ from worker.engine.params import GenerationParams
 
 
 def test_every_contract_parameter_has_an_engine_field() -> None:
-    # n=1 is all the contract admits; structured_outputs folds into choices / regex / response_format,
-    # and those two become the engine's one grammar constraint; the template's variables go with the request.
+    # structured_outputs folds into choices / regex / response_format, and those two become the engine's
+    # one grammar constraint; the template's variables go with the request.
     template = {"chat_template_kwargs", "reasoning_effort"}
     contract = set(SamplingParams.model_fields) - {
-        "n",
         "structured_outputs",
         "response_format",
         "regex",
@@ -97,3 +96,42 @@ def test_the_engine_refuses_bad_parameters_by_name(field: str, value: object) ->
     kwargs: dict[str, object] = {"max_new_tokens": 4, field: value}
     with pytest.raises(ValueError, match=f"invalid generation parameter.*{field}="):
         GenerationParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_an_embedding_request_reaches_the_engine_and_its_vectors_come_back_as_asked() -> None:
+    import base64
+    import struct
+
+    from worker.adapter import to_result
+    from worker.engine.request import EmbeddingInputs, EngineResult
+
+    for fmt in ("float", "base64"):
+        req = Request.model_validate({
+            "batch_id": "b", "id": "e", "index": 2, "params": {"max_new_tokens": 1, "timeout_s": 3.0},
+            "embedding": {"input": [[5, 6], [7]], "dimensions": 2, "encoding_format": fmt},
+        })  # fmt: skip
+        ereq = engine_request(req, "b:2")
+        assert ereq.embedding == EmbeddingInputs([[5, 6], [7]], 2) and ereq.prompt is None
+        assert ereq.params.timeout_s == 3.0
+        vectors = [[0.6, 0.8], [-1.0, 0.0]]
+        res = EngineResult(
+            request_id="b:2", text="", token_ids=[], finish_reason="stop", prompt_tokens=3, completion_tokens=0,
+            cached_tokens=1, ttft_s=None, total_s=0.1, error=None, label_scores=None, logprobs=None,
+            embeddings=vectors,
+        )  # fmt: skip
+        result = to_result(req, res, None, "w", "m")
+        assert result.usage.prompt_tokens == 3 and result.usage.prompt_tokens_details.cached_tokens == 1
+        assert result.embeddings is not None
+        if fmt == "float":
+            assert result.embeddings == vectors
+        else:
+            decoded = [struct.unpack("<2f", base64.b64decode(e)) for e in result.embeddings]  # type: ignore[arg-type]
+            assert [list(d) for d in decoded] == [pytest.approx(v, abs=1e-7) for v in vectors]
+
+
+def test_a_request_holds_one_kind_of_input() -> None:
+    base = {"batch_id": "b", "id": "e", "index": 0, "params": {"max_new_tokens": 1}}
+    with pytest.raises(ValueError, match="an embedding request has no 'prompt' or 'messages'"):
+        Request.model_validate({**base, "prompt": "x", "embedding": {"input": ["x"]}})
+    with pytest.raises(ValueError, match="exactly one of 'prompt' or 'messages'"):
+        Request.model_validate(base)

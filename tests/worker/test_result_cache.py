@@ -35,7 +35,7 @@ OUTPUT_FIELDS = {
     "seed": 4, "stop": ["x"], "stop_token_ids": [9], "include_stop_str_in_output": True, "ignore_eos": True,
     "truncate_prompt": "left", "choices": ["a", "b"], "regex": "[a-z]+", "logprobs": True, "top_logprobs": 2,
     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-    "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"7": 3.0},
+    "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"7": 3.0}, "n": 2, "best_of": 3,
     "max_reasoning_tokens": 16, "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low",
 }  # fmt: skip
 
@@ -45,7 +45,17 @@ def key(params: dict[str, object], prompt: str = PROMPT, fp: str = FP) -> str | 
 
 
 def test_every_parameter_field_is_classified() -> None:
-    assert set(SamplingParams.model_fields) == set(OUTPUT_FIELDS) | {"timeout_s", "n", "structured_outputs"}
+    assert set(SamplingParams.model_fields) == set(OUTPUT_FIELDS) | {"timeout_s", "structured_outputs"}
+
+
+def test_n_and_best_of_count_only_where_they_change_the_answer() -> None:
+    # n=1 (and best_of == n) keeps the key requests had before n > 1 existed: their cached answers stay valid
+    assert key({**SEEDED, "n": 1}) == key({**SEEDED, "n": 1, "best_of": 1}) == key(SEEDED)
+    assert (
+        key({**SEEDED, "n": 3, "best_of": 3})
+        == key({**SEEDED, "n": 3})
+        != key({**SEEDED, "n": 3, "best_of": 4})
+    )
 
 
 @pytest.mark.parametrize("field", sorted(OUTPUT_FIELDS))

@@ -85,8 +85,12 @@ class AsyncEngine:
 
     def generated_tokens(self) -> dict[str, int]:
         """Tokens generated so far by each running request (read from the loop thread's sequences: a
-        count may lag a step behind, never runs ahead)."""
-        return {seq.request_id: len(seq.output_ids) for seq in list(self.core.scheduler.running)}
+        count may lag a step behind, never runs ahead). An n > 1 request counts its running samples."""
+        counts: dict[str, int] = {}
+        for seq in list(self.core.scheduler.running):
+            rid = seq.group or seq.request_id
+            counts[rid] = counts.get(rid, 0) + len(seq.output_ids)
+        return counts
 
     def cancel(self, request_id: str) -> None:
         """End the request at its next step with finish_reason "cancelled" and its partial text."""

@@ -179,6 +179,30 @@ class BlockManager:
         self._reserved_sum += need
         self._growth += need - len(hits)
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int, extra: int) -> tuple[int, int] | None:
+        """Start `child_id` as a copy of the parent's first `num_tokens` computed tokens (n > 1): it shares
+        the full blocks (one more reference each) and gets a block of its own for a partial last one, since
+        its next token is written there. The parent hands `extra` blocks of its reservation to the child,
+        which reserves them and the shared blocks (no credit for those under a window, as at admission).
+        -> (source, destination) of the partial block, whose K/V the caller copies; None when there is none."""
+        table, released = self._tables[parent_id], self._released[parent_id]
+        shared = table[: num_tokens // self.block_size - released]
+        reserve = extra + (len(shared) if self.window is None else 0)
+        assert child_id not in self._reserved and self._reserved[parent_id] - extra >= len(table)
+        for b in shared:
+            self._take(b)
+        self._tables[child_id] = list(shared)
+        self._released[child_id] = released
+        self._hashes[child_id] = list(self._hashes[parent_id])
+        self._reserved[parent_id] -= extra
+        self._reserved[child_id] = reserve
+        self._reserved_sum += reserve - extra
+        self._growth += reserve - len(shared) - extra
+        if num_tokens % self.block_size == 0:
+            return None
+        self.ensure_capacity(child_id, num_tokens)
+        return table[len(shared)], self._tables[child_id][-1]
+
     def released(self, seq_id: str) -> int:
         """The sequence's leading logical blocks the window released (none without a window)."""
         return self._released[seq_id]

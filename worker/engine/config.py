@@ -20,6 +20,7 @@ KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"]
 WeightDtype = Literal["auto", "float32", "bfloat16", "int8"]
 ModelImpl = Literal["auto", "native", "transformers"]
 ReasoningParser = Literal["auto", "none", "think", "harmony"]
+Pooling = Literal["last", "mean"]  # how an embedding request's hidden states become its vector
 
 
 class EngineConfig(BaseModel):
@@ -127,6 +128,12 @@ class EngineConfig(BaseModel):
         "apart from the answer). auto: harmony for gpt-oss (or a vocabulary with its channel tokens), think "
         "where the vocabulary has <think> and </think> tokens (Qwen3, DeepSeek-R1 distills, Phi-4-reasoning), "
         "else none; none: the thinking stays in the text",
+    )
+    embedding_pooling: Literal["auto", "last", "mean"] = Field(
+        default="auto",
+        description="how /v1/embeddings requests pool the final hidden states: auto: as the checkpoint's "
+        "sentence-transformers config says (modules.json, 1_Pooling/config.json), else the last token (as "
+        "Qwen3-Embedding and other decoder embedders do); last; mean (over every input token)",
     )
 
     @model_validator(mode="after")

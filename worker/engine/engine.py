@@ -18,6 +18,7 @@ import torch
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import CpuShare, bound_onednn_caches, cpu_budget, keep_freed_memory
+from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.device import (
     BF16_MIN_SPEEDUP,
     cpu_bf16_gemm_speedup,
@@ -26,12 +27,14 @@ from worker.engine.device import (
     pick_kv_dtype,
     pick_weight_dtype,
 )
+from worker.engine.embedding import EmbeddingRequests
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
 from worker.engine.kv_window import SlidingWindow
-from worker.engine.model_runner import ModelRunner, ScoredLabels
+from worker.engine.model_runner import ModelRunner, ScoredLabels, StepOutput
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
+from worker.engine.pooling import model_pooling
 from worker.engine.prompts import PromptBuilder
 from worker.engine.reasoning import ReasoningMarkers
 from worker.engine.request import (
@@ -44,6 +47,7 @@ from worker.engine.request import (
     LabelScore,
     RequestError,
 )
+from worker.engine.samples import SampleGroup, combine, plan_samples, sample_seed
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
@@ -98,14 +102,14 @@ class Engine:
                 "reasoning parser: %s (thinking apart from the answer in chat requests)", self.reasoning.kind
             )
         self.prompts = PromptBuilder(
-            self.tokenizer,
-            loaded.name,
-            vocab,
-            max_model_len,
-            self.block_manager,
-            self.grammars.matcher,
-            self.reasoning,
-        )
+            self.tokenizer, loaded.name, vocab, max_model_len, self.block_manager, self.grammars.matcher,
+            hidden_size=loaded.model.spec.hidden_size, reasoning=self.reasoning,
+        )  # fmt: skip
+        self.pooling = model_pooling(loaded.checkpoint_dir, cfg.embedding_pooling)
+        self.embedding_only = loaded.embedding_only  # no LM head: generation is refused
+        self.embedding_size = None if self.pooling.refused else self.prompts.hidden_size
+        if self.pooling.refused:
+            log.warning("embedding requests will be refused: %s", self.pooling.refused)
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
         self.fingerprint = engine_fingerprint(
             weights_digest(loaded.model),
@@ -130,6 +134,8 @@ class Engine:
         self._inbox: list[tuple[EngineRequest, float]] = []
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
+        self._groups: dict[str, SampleGroup] = {}  # n > 1: by request id, until every sample has ended
+        self.embeddings = EmbeddingRequests(self.scheduler, self._seqs)  # their inputs are in _seqs too
         self.counters = EngineCounters()
         # An explicit num_threads is the operator's; otherwise the thread count follows the cores other
         # processes leave free (cpu_tuning.CpuShare).
@@ -236,9 +242,7 @@ class Engine:
         pass, or a score step for `choices` requests."""
         results = self._intake()
         now = time.monotonic()
-        for seq in list(self.scheduler.waiting) + self.scheduler.running:
-            if self.stop_rules.timed_out(seq, now):
-                results.append(self._finish(seq, "timeout", now))
+        results += self._expire(now)
         batch = self.scheduler.schedule()
         if batch is None:
             return results
@@ -258,8 +262,31 @@ class Engine:
             if not seq.preemptions:  # a resumed one counted its prompt already
                 self.counters.prompt_tokens += seq.prompt_len
                 self.counters.cached_prompt_tokens += seq.cached_prompt_tokens
-        for i, token, logprobs in zip(out.sampled, out.tokens, out.logprobs, strict=True):
-            res = self._take_token(batch.seqs[i], token, logprobs, now)
+        self.model_runner.copy_blocks(self.scheduler.fork(batch))  # before any forked sample's next step
+        return results + self._take_outputs(batch, out, now)
+
+    def _expire(self, now: float) -> list[EngineResult]:
+        """End the sequences past their timeout (an embedding request's inputs end together: the first to
+        time out ends the rest)."""
+        results = []
+        for seq in list(self.scheduler.waiting) + self.scheduler.running:
+            expired = seq.status != "finished" and self.stop_rules.timed_out(seq, now)
+            if expired and (res := self._finish(seq, "timeout", now)) is not None:
+                results.append(res)
+        return results
+
+    def _take_outputs(self, batch: ScheduledBatch, out: StepOutput, now: float) -> list[EngineResult]:
+        """A step's pooled vectors and sampled tokens (forked samples' first ones too) into their sequences."""
+        results = []
+        for i, vector in out.embeddings.items():
+            if (res := self.embeddings.pooled(batch.seqs[i], vector, now)) is not None:
+                results.append(res)
+        taken = [
+            (batch.seqs[i], t, lp) for i, t, lp in zip(out.sampled, out.tokens, out.logprobs, strict=True)
+        ]
+        forked = zip((f for _, f in batch.forks), out.fork_tokens, out.fork_logprobs, strict=True)
+        for seq, token, logprobs in [*taken, *forked]:
+            res = self._take_token(seq, token, logprobs, now)
             if res is not None:
                 results.append(res)
         return results
@@ -275,6 +302,7 @@ class Engine:
         else:  # a step with prompt chunks (decode rows beside them or not)
             c.prefill_steps += 1
             c.prefill_s += seconds
+            c.prefill_tokens += sum(batch.chunks)
 
     def _take_token(
         self, seq: Sequence, token: int, logprobs: RowLogprobs | None, now: float
@@ -297,8 +325,10 @@ class Engine:
         was_answer = seq.in_answer
         reason = self.stop_rules.append_token(seq, token, now)
         in_answer = rs is None or len(seq.output_ids) > rs.tokens  # this token is the answer's
-        if logprobs is not None and in_answer:
-            seq.token_logprobs.append(logprobs)  # the answer's tokens only, as OpenAI's message content
+        if logprobs is not None:
+            if seq.params.logprobs and in_answer:  # the answer's tokens only, as OpenAI's message content
+                seq.token_logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs.logprob  # (rows come for a ranked sample too)
         if reason is None and seq.matcher is not None and in_answer:
             reason = self._advance_grammar(seq, token)
         if reason is None and not was_answer and seq.in_answer:
@@ -342,11 +372,10 @@ class Engine:
         with self._lock:
             pending, self._inbox = self._inbox, []
         results = [_unstarted(r, "error", now, received, error) for r, received in pending]
+        results += [self.embeddings.end(rid, "error", now, error) for rid in list(self.embeddings.groups)]
         for seq in list(self._seqs.values()):
-            seq.finish_reason = "error"
-            self.scheduler.finish(seq)
-            del self._seqs[seq.request_id]
-            results.append(seq.to_result(now, error=error))
+            if seq.request_id in self._seqs and (res := self._finish(seq, "error", now, error=error)):
+                results.append(res)  # (a pending sample ends with its leader)
         return results
 
     # ---- internals --------------------------------------------------------------------------------
@@ -362,20 +391,72 @@ class Engine:
                 cancelled.discard(req.request_id)
                 results.append(_unstarted(req, "cancelled", now, received))
                 continue
-            try:
-                if req.request_id in self._seqs:
-                    raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
-                seq = self.prompts.sequence(req, received)
-            except RequestError as exc:
-                results.append(_unstarted(req, "error", now, received, EngineError(exc.error_type, str(exc))))
-                continue
-            self._seqs[seq.request_id] = seq
-            self.scheduler.add(seq)
+            if (err := self._admit(req, received)) is not None:
+                results.append(_unstarted(req, "error", now, received, err))
         for rid in cancelled:
-            target = self._seqs.get(rid)
-            if target is not None:
-                results.append(self._finish(target, "cancelled", now))
+            results += self._cancel(rid, now)
         return results
+
+    def _admit(self, req: EngineRequest, received: float) -> EngineError | None:
+        """A new request's sequences into the scheduler (an embedding request's inputs; a prompt and the
+        samples to fork from it); -> the error that refuses it."""
+        try:
+            running = (self._seqs, self._groups, self.embeddings.groups)
+            if any(req.request_id in ids for ids in running):
+                raise RequestError("invalid_request", f"request id {req.request_id!r} is already running")
+            if req.embedding is not None:
+                inputs, forks = self._embedding_inputs(req, received), []
+            elif self.embedding_only:
+                raise RequestError(
+                    "unsupported",
+                    f"model {self.model_name!r} is an embedding checkpoint without an LM head: it answers "
+                    "embedding requests only",
+                )
+            else:
+                inputs = [self.prompts.sequence(req, received)]
+                forks = self._fork_samples(inputs[0])
+        except RequestError as exc:
+            return EngineError(exc.error_type, str(exc))
+        for s in (*inputs, *forks):
+            self._seqs[s.request_id] = s
+        if forks:
+            self._groups[inputs[0].request_id] = SampleGroup(inputs[0])
+        for s in inputs:  # (forks wait on their leader's prompt, off the scheduler's queues)
+            self.scheduler.add(s)
+        return None
+
+    def _cancel(self, rid: str, now: float) -> list[EngineResult]:
+        if rid in self.embeddings.groups:
+            return [self.embeddings.end(rid, "cancelled", now)]
+        group = self._groups.get(rid)
+        members = group.members if group is not None else [s for s in (self._seqs.get(rid),) if s]
+        results = []
+        for target in members:
+            if target.request_id in self._seqs and (res := self._finish(target, "cancelled", now)):
+                results.append(res)
+        return results
+
+    def _fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """n > 1: the samples to fork from `seq` once its prompt is computed (samples.plan_samples)."""
+        constraint = seq.params.constraint
+        fresh = self.grammars.matcher if constraint.kind != "none" else None
+        return plan_samples(
+            seq,
+            self.scheduler,
+            lambda: IncrementalDetokenizer(self.tokenizer),
+            lambda: None if fresh is None else fresh(constraint),
+        )
+
+    def _embedding_inputs(self, req: EngineRequest, received: float) -> list[Sequence]:
+        """An embedding request's inputs as sequences, the request held as their group."""
+        pooling = self.pooling.pooling
+        if pooling is None:
+            raise RequestError(
+                "unsupported", f"model {self.model_name!r} cannot embed: {self.pooling.refused}"
+            )
+        seqs = self.prompts.embedding_sequences(req, received, pooling)
+        self.embeddings.add(req, seqs)
+        return seqs
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> FinishReason | None:
@@ -389,24 +470,64 @@ class Engine:
         """A scored `choices` request ends with its label, then EOS, as the generated tokens; where it asks
         for logprobs, they are that label's teacher-forced terms, EOS included (they sum to its score)."""
         assert seq.labels is not None
-        scores = label_scores(seq.params.choices, scored.logprobs)
-        pick = pick_label(scores, seq.params.temperature, seq.params.seed)
-        # a reasoning model's thinking stays in front of the label (it counts as generated)
-        seq.output_ids = [*seq.output_ids, *seq.labels[pick], self.model_runner.eos_token_id]
-        if scored.rows is not None:
-            seq.token_logprobs = scored.rows[pick]
-        seq.text = seq.params.choices[pick]
-        seq.first_token_at = now
-        return self._finish(seq, "eos", now, scores)
+        p = seq.params
+        scores = label_scores(p.choices, scored.logprobs)
+        picks = [pick_label(scores, p.temperature, sample_seed(p.seed, i)) for i in range(p.samples)]
+        eos = self.model_runner.eos_token_id
+        samples: list[EngineResult] = []
+        thought = seq.output_ids  # a reasoning model's thinking stays in front of the label (it counts)
+        for i in reversed(range(p.samples)):  # sample 0 last: the sequence ends with its label
+            seq.output_ids = [*thought, *seq.labels[picks[i]], eos]
+            if scored.rows is not None:
+                seq.token_logprobs = scored.rows[picks[i]]
+            seq.text = p.choices[picks[i]]
+            seq.first_token_at = now
+            if i:
+                samples.append(self._result(seq, "eos", now, scores))
+        res = self._finish(seq, "eos", now, scores)
+        assert res is not None  # a choices request is no group
+        if p.samples == 1:
+            return res
+        ranks = [scores[k].logprob for k in picks] if p.samples > p.n else None
+        return combine(seq.request_id, [res, *reversed(samples)], p.n, ranks)
 
     def _finish(
-        self, seq: Sequence, reason: FinishReason, now: float, scores: list[LabelScore] | None = None
-    ) -> EngineResult:
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        now: float,
+        scores: list[LabelScore] | None = None,
+        error: EngineError | None = None,
+    ) -> EngineResult | None:
+        """End a sequence. -> its request's result: its own, or for a sample of an n > 1 request the
+        request's once its last sample ends (a pending sample ends with its leader)."""
+        if seq.embedding_of is not None:
+            return self.embeddings.end(seq.embedding_of, reason, now, error)
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
+        res = self._result(seq, reason, now, scores, error)
+        if seq.group is None:
+            return res
+        pending, seq.forks = seq.forks, []
+        out = self._groups[seq.group].record(seq.sample_index, res)
+        if out is not None:
+            del self._groups[seq.group]
+        for f in pending:
+            out = self._finish(f, reason, now, error=error) or out
+        return out
+
+    def _result(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        now: float,
+        scores: list[LabelScore] | None = None,
+        error: EngineError | None = None,
+    ) -> EngineResult:
+        seq.finish_reason = reason
         logprobs = None
-        if seq.params.logprobs:
+        if seq.params.logprobs and error is None:
             rows = seq.token_logprobs
             last = seq.output_ids[-1] if seq.output_ids else None
             ended = reason == "eos" or (reason == "stop" and last in seq.params.stop_token_ids)
@@ -415,7 +536,7 @@ class Engine:
                 # a term of the label's score.
                 rows = rows[:-1]
             logprobs = self.token_texts.entries(rows)
-        return seq.to_result(now, logprobs=logprobs, label_scores=scores)
+        return seq.to_result(now, logprobs=logprobs, label_scores=scores, error=error)
 
 
 def _log_windows(windows: tuple[int | None, ...], window: SlidingWindow | None, bm: BlockManager) -> None:

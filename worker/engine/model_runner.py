@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from worker.engine.grammar import mask_logits
+from worker.engine.pooling import PoolRows, pool
 from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import RowLogprobs, Sequence
@@ -50,6 +51,11 @@ class StepOutput:
     tokens: list[int]  # one sampled token per sequence sampled from
     logprobs: list[RowLogprobs | None]  # per sequence sampled from, where its params ask for them
     label_scores: list[ScoredLabels] | None  # score steps: one per sequence
+    # n > 1: per batch.forks entry, the sample's first token (from its leader's logits row) and logprobs
+    fork_tokens: list[int] = field(default_factory=list)
+    fork_logprobs: list[RowLogprobs | None] = field(default_factory=list)
+    embeddings: dict[int, list[float]] = field(default_factory=dict)  # batch index -> an embedding input's
+    # unit vector, for the inputs whose last token this step computed
 
 
 @dataclass
@@ -105,6 +111,11 @@ class ModelRunner:
             )
             for _ in range(s.num_layers)
         ]
+        # the block dimension of the backend's cache layout (copy_blocks)
+        one, two = (
+            backend.attention.kv_cache_shape(n, block_size, s.num_kv_heads, s.head_dim) for n in (1, 2)
+        )
+        self._block_axis = next(i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
         self.graphs: CudaGraphRunner | None = None
         if use_graphs and isinstance(model, LlamaFamilyModel):
             from worker.engine.cuda_graphs import CudaGraphRunner
@@ -227,10 +238,44 @@ class ModelRunner:
         Score: every label's log-probability per `choices` sequence."""
         if batch.phase == "score":
             return StepOutput([], [], [], self.score_labels(batch.seqs, batch.block_tables))
+        nd = batch.num_decode
+        if any(s.pooling is not None for s in batch.seqs[nd:]):  # embedding inputs come as prompt chunks
+            return self._run_pooling(batch)
         logits, sampled = self.forward(batch)  # [S, vocab] float32
+        return self._sample(batch, logits, sampled)
+
+    def _run_pooling(self, batch: ScheduledBatch) -> StepOutput:
+        """A step with embedding inputs among its chunks: their hidden states are pooled, never sampled
+        from; the other sequences sample as in any step."""
+        step = self.step_inputs(batch)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
+        nd = batch.num_decode
+        rows, at = [], nd  # the chunks' rows follow the decode rows, one each
+        for j, n in enumerate(batch.chunks):
+            seq = batch.seqs[nd + j]
+            if seq.pooling is not None:
+                rows.append(PoolRows(nd + j, at, n, seq.num_computed + n == len(seq.prefill_ids)))
+            at += n
+        embeddings = pool(hidden, batch.seqs, rows)
+        keep = [j for j, i in enumerate(step.sampled) if batch.seqs[i].pooling is None]
+        if not keep:
+            return StepOutput([], [], [], None, embeddings=embeddings)
+        logits = self.model.compute_logits(hidden[step.logits_index[self._tensor(keep)]])
+        out = self._sample(batch, logits, [step.sampled[j] for j in keep])
+        out.embeddings = embeddings
+        return out
+
+    def _sample(self, batch: ScheduledBatch, logits: Tensor, sampled: list[int]) -> StepOutput:
+        """One token per sequence of `sampled` (batch indices) from its row of logits [S, vocab] float32."""
         seqs = [batch.seqs[i] for i in sampled]
-        # Raw log-probabilities: before penalties, temperature, filtering and grammar masks.
-        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        num_sampled = len(seqs)
+        if batch.forks:  # each forked sample draws its first token from its leader's row, with its own seed
+            row_of = {b: r for r, b in enumerate(sampled)}
+            logits = torch.cat([logits, logits[self._tensor([row_of[i] for i, _ in batch.forks])]])
+            seqs += [f for _, f in batch.forks]
+        # Raw log-probabilities: before penalties, temperature, filtering and grammar masks (a ranked
+        # sample's too: best_of ranks by them).
+        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs or s.ranked]
         raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         masked = [i for i, s in enumerate(seqs) if s.constrained]
         if masked:
@@ -273,7 +318,22 @@ class ModelRunner:
             for j, i in enumerate(lp_rows):
                 n = seqs[i].params.top_logprobs
                 logprobs[i] = RowLogprobs(tokens[i], chosen[j], top_is[j][:n], top_vs[j][:n])
-        return StepOutput(sampled, tokens, logprobs, None)
+        ns = num_sampled
+        return StepOutput(sampled, tokens[:ns], logprobs[:ns], None, tokens[ns:], logprobs[ns:])
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K/V in every layer: a forked sample's own copy of its
+        leader's partial last prompt block."""
+        if not copies:
+            return
+        axis = self._block_axis
+        src = self._tensor([a for a, _ in copies])
+        dst = self._tensor([b for _, b in copies])
+        for k, v in self.kv_caches:
+            for cache in (k, v):
+                raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # index ops on FP8
+                raw.index_copy_(axis, dst, raw.index_select(axis, src))
 
     @torch.inference_mode()
     def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[ScoredLabels]:

@@ -16,6 +16,7 @@ from typing import Literal
 TruncateSide = Literal["error", "left", "right"]
 SEED_LIMIT = 2**63
 MAX_TOP_LOGPROBS = 20
+MAX_SAMPLES = 128  # n and best_of: OpenAI's cap on n
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,8 @@ class GenerationParams:
     # A reasoning model's thinking budget: after this many generated tokens of thinking its close is forced
     # (reasoning.py); None: no budget of its own (max_new_tokens still bounds thinking and answer together)
     max_reasoning_tokens: int | None = None
+    n: int = 1  # samples returned (worker/engine/samples.py)
+    best_of: int | None = None  # samples generated (None: n); the n of highest cumulative logprob return
 
     def __post_init__(self) -> None:
         checks = {
@@ -85,9 +88,16 @@ class GenerationParams:
             "top_logprobs": 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
             and (self.logprobs or self.top_logprobs == 0),
             "max_reasoning_tokens": self.max_reasoning_tokens is None or self.max_reasoning_tokens >= 0,
+            "n": 1 <= self.n <= MAX_SAMPLES,
+            "best_of": self.best_of is None or self.n <= self.best_of <= MAX_SAMPLES,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(
                 "invalid generation parameter(s): " + ", ".join(f"{k}={getattr(self, k)!r}" for k in bad)
             )
+
+    @property
+    def samples(self) -> int:
+        """How many samples the engine generates: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.engine.block_manager import BlockManager
+from worker.engine.config import Pooling
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.embedding import input_id
 from worker.engine.params import Constraint
 from worker.engine.reasoning import ReasoningMarkers
 from worker.engine.request import EngineRequest, RequestError
@@ -31,6 +33,7 @@ class PromptBuilder:
         block_manager: BlockManager,
         matcher: Callable[[Constraint], Any] | None = None,
         reasoning: ReasoningMarkers | None = None,
+        hidden_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -39,6 +42,7 @@ class PromptBuilder:
         self.block_manager = block_manager
         self.matcher = matcher  # a fresh grammar matcher for a constraint (grammar.Grammars.matcher)
         self.reasoning = reasoning  # the model's reasoning markers (chat requests are split by them)
+        self.hidden_size = hidden_size  # an embedding's full width (None: not checked)
 
     def sequence(self, req: EngineRequest, received: float) -> Sequence:
         """The request as a waiting Sequence; `received` (monotonic) starts its clock unless it has one."""
@@ -108,6 +112,63 @@ class PromptBuilder:
             reasoning=reasoning,
             reasoning_detokenizer=IncrementalDetokenizer(self.tokenizer) if reasoning is not None else None,
         )
+
+    def embedding_sequences(self, req: EngineRequest, received: float, pooling: Pooling) -> list[Sequence]:
+        """An embedding request's inputs as waiting prefill-only sequences, one per input."""
+        emb = req.embedding
+        assert emb is not None
+        dims, width = emb.dimensions, self.hidden_size
+        if dims is not None and (dims < 1 or (width is not None and dims > width)):
+            raise RequestError(
+                "invalid_request",
+                f"dimensions is {dims}, but the model's embeddings have {width} (ask for 1 to {width})",
+            )
+        if not emb.inputs:
+            raise RequestError("invalid_request", "an embedding request needs at least one input")
+        params, limit, bm = req.params, self.max_model_len, self.block_manager
+        started = req.started_at if req.started_at is not None else received
+        texts = all(isinstance(x, str) for x in emb.inputs)
+        # texts are tokenised in one call (the fast tokenizers encode a list in parallel)
+        tokenised = self.tokenizer(list(emb.inputs)).input_ids if texts else emb.inputs
+        seqs = []
+        for i, item in enumerate(tokenised):
+            ids = list(item)
+            if not texts and any(not 0 <= t < self.vocab_size for t in ids):
+                raise RequestError(
+                    "invalid_request", f"input {i}: token ids must lie in [0, {self.vocab_size})"
+                )
+            if not ids:
+                raise RequestError("invalid_request", f"input {i} is empty after tokenisation")
+            if len(ids) > limit:  # no token is generated: the whole context is the input's
+                if params.truncate_prompt == "error":
+                    raise RequestError(
+                        "prompt_too_long",
+                        f"input {i} has {len(ids)} tokens; the model context is {limit} "
+                        "(set truncate_prompt to 'left' or 'right' to cut it)",
+                    )
+                ids = ids[-limit:] if params.truncate_prompt == "left" else ids[:limit]
+            need = bm.held_bound(len(ids))
+            if need > bm.num_blocks:
+                raise RequestError(
+                    "kv_capacity",
+                    f"input {i} needs {need} KV blocks ({len(ids)} tokens, {bm.block_size} per block) but the "
+                    f"whole pool has {bm.num_blocks} blocks",
+                )
+            seqs.append(
+                Sequence(
+                    request_id=input_id(req.request_id, i),
+                    params=params,
+                    prompt_ids=ids,
+                    max_new_tokens=0,
+                    started_at=started,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer),
+                    pooling=pooling,
+                    embedding_of=req.request_id,
+                    embedding_index=i,
+                    dimensions=dims,
+                )
+            )
+        return seqs
 
     def label_ids(self, choices: tuple[str, ...]) -> list[list[int]]:
         """Each label tokenised alone, no special tokens."""

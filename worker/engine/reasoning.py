@@ -119,6 +119,12 @@ class ReasoningState:
     def in_answer(self) -> bool:
         return self.phase == "answer"
 
+    def copy(self) -> ReasoningState:
+        """The same place, with lists of its own (an n > 1 request's samples think apart)."""
+        return ReasoningState(
+            self.markers, self.phase, self.budget, self.tokens, list(self.forced), list(self.header)
+        )
+
     @property
     def opening_token(self) -> int | None:
         """Before thinking opened (think markers): the token that opens it, which a grammar-constrained

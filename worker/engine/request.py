@@ -11,8 +11,18 @@ FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancel
 
 
 @dataclass(frozen=True)
+class EmbeddingInputs:
+    """What an embedding request embeds: texts (tokenised as a raw prompt is, the tokenizer's special
+    tokens included) or token-id lists, one vector each; `dimensions` keeps the first d of the pooled
+    hidden state (Matryoshka) before the vector is L2-normalised."""
+
+    inputs: list[str] | list[list[int]]
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
 class EngineRequest:
-    """One generation request. Exactly one of prompt / messages / prompt_token_ids is set.
+    """One generation request. Exactly one of prompt / messages / prompt_token_ids / embedding is set.
 
     `messages` are chat messages ({"role", "content"}, rendered with the model's chat template).
     `started_at` is time.monotonic() when the caller picked the request up; timeout_s counts from
@@ -28,6 +38,8 @@ class EngineRequest:
     # Extra variables of the chat template (e.g. {"enable_thinking": False}, {"reasoning_effort": "low"});
     # a template that does not use one ignores it
     chat_template_kwargs: dict[str, Any] | None = None
+    # An embedding request: prefill only (no decode, no sampling), one pooled vector per input
+    embedding: EmbeddingInputs | None = None
 
 
 class RequestError(ValueError):
@@ -96,6 +108,10 @@ class EngineResult:
     # and the tokens generated before the answer (of completion_tokens; markers included)
     reasoning_content: str | None = None
     reasoning_tokens: int = 0
+    # n > 1: the samples returned, best first under best_of (their own text, tokens, finish reason and
+    # logprobs); the fields above are then the request's: its first sample's, usage over every sample
+    samples: list[EngineResult] | None = None
+    embeddings: list[list[float]] | None = None  # an embedding request: one unit vector per input, in order
 
     @classmethod
     def unstarted(
@@ -132,6 +148,7 @@ class EngineCounters:
     decode_s: float = 0.0  # time in the model for decode steps
     score_steps: int = 0  # `choices` scoring steps (label rows only; in `steps`, not in prefill_steps)
     score_s: float = 0.0  # time in the model for scoring steps
+    prefill_tokens: int = 0  # prompt tokens computed in prompt chunks (a preempted one's recomputation too)
 
 
 @dataclass(frozen=True)
@@ -155,3 +172,4 @@ class EngineStats:
     # (block_manager.py says why they stay).
     window_released_blocks: int = 0
     window_idle_blocks: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed in prompt chunks (a preempted one's recomputation too)

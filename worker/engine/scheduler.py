@@ -31,6 +31,10 @@ its worst case is what it holds at once (block_manager.held_bound), not prompt +
 what both admission rules count for it. A `choices` request does not slide: its score step rereads the
 prompt's last full blocks.
 
+Embedding inputs (Sequence.pooling) are prefill-only: admitted and chunked like any prompt, with no
+growth; the engine ends each in the step that computes its last token. One pooled by the mean takes no
+prefix hit (its every token's hidden state is needed); its blocks are still offered to the cache.
+
 Admission order: "fcfs" (arrival order) or "longest_first" (largest max_new_tokens first, then arrival).
 For batch work longest_first keeps the batch full to the end: long generations start early and short
 labeling requests fill the slots they leave, instead of a few long ones decoding alone at the tail.
@@ -53,6 +57,7 @@ from typing import Literal
 
 from worker.engine.block_manager import BlockHash, BlockManager
 from worker.engine.config import Admission, SchedulePolicy
+from worker.engine.kv_window import PrefixHit
 from worker.engine.sequence import Sequence
 
 Phase = Literal["prefill", "mixed", "decode", "score"]
@@ -73,6 +78,9 @@ class ScheduledBatch:
     block_tables: list[list[int]]
     num_decode: int = 0  # seqs[:num_decode] decode one token each
     chunks: list[int] = field(default_factory=list)  # seqs[num_decode:]: prompt tokens computed this step
+    # n > 1: (index in seqs of a leader whose chunk completes its prompt, a sample to fork from it); the
+    # sample's first token comes from the leader's logits row of this step
+    forks: list[tuple[int, Sequence]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # per seq: leading logical blocks released
 
 
@@ -106,8 +114,17 @@ class Scheduler:
         return self.block_manager.window is not None and not seq.scores_labels
 
     def blocks_needed(self, seq: Sequence) -> int:
-        """Its worst case: the most blocks it holds at once (and a choices request's scratch blocks)."""
-        return self._held(seq, seq.max_total_tokens) + seq.scratch_blocks
+        """Its worst case: the most blocks it holds at once (and a choices request's scratch blocks), and
+        what the samples to fork from it take beyond the prompt blocks they share."""
+        own = self._held(seq, seq.max_total_tokens) + seq.scratch_blocks
+        return own + len(seq.forks) * self._fork_blocks(seq, seq.max_total_tokens)
+
+    def _fork_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks one sample forked from `seq` takes of its own once it holds num_tokens tokens: all past
+        the prompt's full blocks (under a window, all it holds: shared blocks earn no credit there)."""
+        if self.block_manager.window is not None:
+            return self._held(seq, num_tokens)
+        return self.block_manager.blocks_for(num_tokens) - seq.prompt_len // self.block_manager.block_size
 
     def fits_pool_at_all(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= self.block_manager.num_blocks
@@ -152,7 +169,31 @@ class Scheduler:
         batch = self._batch(phase, decoding + [s for s, _ in chunks])
         batch.num_decode = len(decoding)
         batch.chunks = [n for _, n in chunks]
+        for i, (seq, n) in enumerate(chunks, start=len(decoding)):
+            if seq.num_computed + n == len(seq.prefill_ids):
+                batch.forks += [(i, f) for f in seq.forks]
         return batch
+
+    def fork(self, batch: ScheduledBatch) -> list[tuple[int, int]]:
+        """After computed(batch): start the samples forked in this step as running, prefilled sequences
+        that share their leader's prompt blocks. -> (source, destination) blocks whose K/V to copy."""
+        copies: list[tuple[int, int]] = []
+        for i, child in batch.forks:
+            leader = batch.seqs[i]
+            assert leader.prefilled and child in leader.forks
+            leader.forks.remove(child)
+            grown = child.max_total_tokens if self.admission == "reserve" else child.prompt_len
+            extra = self._fork_blocks(leader, grown)
+            copy = self.block_manager.fork(leader.request_id, child.request_id, leader.num_computed, extra)
+            if copy is not None:
+                copies.append(copy)
+            child.num_computed = child.num_cached_tokens = leader.num_computed
+            child.cached_prompt_tokens = leader.cached_prompt_tokens
+            child.prompt_hashes = leader.prompt_hashes
+            child.prefilled = True
+            child.status = "running"
+            self.running.append(child)
+        return copies
 
     def computed(self, batch: ScheduledBatch) -> list[Sequence]:
         """After the runner ran `batch` (its K/V is in the pool): advance the prompt chunks and offer the
@@ -195,6 +236,7 @@ class Scheduler:
         seq.num_cached_tokens = seq.num_computed = 0
         seq.prefilled = False
         seq.prompt_hashes = None  # it will prefill prompt + output
+        seq.pooled = None  # an embedding input's mean restarts with its prefill
         seq.preemptions += 1
         self.preemptions += 1
         self._used = max(self._used, INIT_NEW_TOKEN_RATIO / RATIO_MARGIN)  # the estimate was too low
@@ -249,17 +291,24 @@ class Scheduler:
                 computing.update(s.prompt_hashes[s.num_computed // bm.block_size :])
         optimistic = self.admission == "optimistic"
         growth = sum(self._expected_growth(s) for s in self.running) if optimistic else 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        # running sequences and the samples still to fork from them: max_num_seqs bounds the sum
+        seats = len(self.running) + sum(len(s.forks) for s in self.running)
+        while self.waiting:
             seq = self.waiting[0]
+            seats += 1 + len(seq.forks)
+            if seats > self.max_num_seqs:
+                break
             ids = seq.prefill_ids
             if seq.prompt_hashes is None:
                 seq.prompt_hashes = bm.prompt_hashes(ids)
-            hit = bm.match_prefix(seq.prompt_hashes)
-            if hit.end < len(seq.prompt_hashes) and seq.prompt_hashes[hit.end] in computing:
+            mean = seq.pooling == "mean"  # every input token's hidden state is needed: computed, not cached
+            hit = PrefixHit() if mean else bm.match_prefix(seq.prompt_hashes)
+            if not mean and hit.end < len(seq.prompt_hashes) and seq.prompt_hashes[hit.end] in computing:
                 break
             if optimistic:  # hold what its prompt fills (and a choices request's scratch); expect the rest
                 need = self._held(seq, len(ids)) + seq.scratch_blocks
-                expected = growth + self._expected_growth(seq)
+                need += len(seq.forks) * self._fork_blocks(seq, len(ids))
+                expected = growth + self._expected_growth(seq) * (1 + len(seq.forks))
             else:
                 need, expected = self.blocks_needed(seq), 0
             if not bm.can_admit(need + expected, hit.blocks):

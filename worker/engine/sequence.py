@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from worker.engine.block_manager import BlockHash
+from worker.engine.config import Pooling
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.params import GenerationParams
 from worker.engine.reasoning import ReasoningState
 from worker.engine.request import EngineError, EngineResult, FinishReason, LabelScore, TokenLogprob
 
-SequenceStatus = Literal["waiting", "running", "finished"]
+SequenceStatus = Literal["waiting", "running", "finished", "pending"]  # pending: a sample not yet forked
 
 
 @dataclass
@@ -48,6 +49,20 @@ class Sequence:
     reasoning_text: str = ""
     reasoning_detokenizer: IncrementalDetokenizer | None = None
     pending_labels: list[list[int]] | None = None
+    # n > 1 (worker/engine/samples.py): sample `sample_index` of request `group`; the leader (sample 0)
+    # holds the samples still to fork from it once its prompt is computed
+    group: str | None = None
+    sample_index: int = 0
+    forks: list[Sequence] = field(default_factory=list)
+    ranked: bool = False  # best_of > n: its cumulative logprob ranks it among the request's samples
+    cumulative_logprob: float = 0.0  # of its generated tokens, when ranked
+    # An input of an embedding request (`embedding_of` its request id, `embedding_index` its place there):
+    # prefilled, never decoded; its hidden states after the final norm, pooled, are its vector.
+    pooling: Pooling | None = None
+    embedding_of: str | None = None
+    embedding_index: int = 0
+    dimensions: int | None = None  # keep the first d of the pooled vector (Matryoshka)
+    pooled: Any = None  # mean pooling: the runner's running sum of the hidden states computed so far
 
     @property
     def prompt_len(self) -> int:

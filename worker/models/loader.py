@@ -52,6 +52,9 @@ class LoadedModel:
     max_model_len: int
     checkpoint_dir: str  # a local HF directory (the GGUF cache for .gguf inputs) or the hub id
     implementation: Literal["native", "transformers"] = "native"  # which path runs it (`implementation`)
+    # A checkpoint of the bare decoder with no LM head (Qwen3-Embedding-8B): its tied table stands in for the
+    # head it lacks, and it answers embedding requests only
+    embedding_only: bool = False
 
 
 def collect_eos_ids(hf_config: Any, generation_config: Any) -> list[int]:
@@ -139,13 +142,14 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
         gen_config = GenerationConfig.from_model_config(hf_config)
     max_len = context_length(hf_config)
     ours: LlamaFamilyModel | TransformersModel
+    headless = False
     gguf = gguf_source(ckpt)  # a GGUF's metadata folder: its weights are in the file
     if path == "native" and gguf is not None:
         with reading(model, "its weights"):
             ours = _native_gguf(model, gguf, hf_config, max_len, dtype, device)
     elif path == "native":
         with reading(model, "its weights"):
-            ours = _native(model, weights_folder(ckpt), hf_config, max_len, dtype, device)
+            ours, headless = _native(model, weights_folder(ckpt), hf_config, max_len, dtype, device)
     else:  # Hugging Face's model, from the dequantised checkpoint of a GGUF
         ours = _fallback(model, str(gguf_checkpoint(gguf)) if gguf else ckpt, max_len, dtype, device)
     return LoadedModel(
@@ -157,6 +161,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
         max_model_len=max_len,
         checkpoint_dir=ckpt,
         implementation=path,
+        embedding_only=headless,
     )
 
 
@@ -183,9 +188,10 @@ def _fallback(
 
 def _native(
     model: str, folder: Path, hf_config: Any, max_len: int, dtype: torch.dtype, device: torch.device
-) -> LlamaFamilyModel:
+) -> tuple[LlamaFamilyModel, bool]:
     """Our decoder, built empty on `device` in `dtype`, its weights streamed from the checkpoint's files
-    (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most)."""
+    (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most). -> the model,
+    and whether the checkpoint lacks an LM head (see _bare_decoder)."""
     from worker.models.llama import LlamaFamilyModel
     from worker.models.quant_loading import assemble, quantised_linears
     from worker.models.weights import Checkpoint, WeightSource
@@ -195,19 +201,40 @@ def _native(
     except QuantFormatError as e:
         raise ModelLoadError(f"model {model!r}: {e}") from None
     with Checkpoint(folder, quantized=quant is not None) as checkpoint:
+        names, bare = checkpoint.names, _bare_decoder(checkpoint.names)
+        tensors: Iterator[tuple[str, Tensor | WeightSource]] = checkpoint.tensors()
+        if bare:
+            names = {_causal_lm_name(n) for n in names}
+            tensors = ((_causal_lm_name(n), t) for n, t in tensors)
         try:
-            spec = _spec(hf_config, checkpoint.names)
+            spec = _spec(hf_config, names)
         except UnsupportedLayers as e:
             raise ModelLoadError(f"model {model!r}: {e}") from None
+        headless = bare and "lm_head.weight" not in names and not spec.tie_embeddings
+        if headless:  # the embedding table stands in for the missing head; nothing generates with it
+            spec = dataclasses.replace(spec, tie_embeddings=True)
+        if bare:
+            log.info("a bare decoder's checkpoint (no 'model.' prefix%s)",
+                     ", no LM head: embedding requests only" if headless else "")  # fmt: skip
         ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
-        tensors: Iterator[tuple[str, Tensor | WeightSource]] = checkpoint.tensors()
         if quant is not None:  # its linears stay quantised as the checkpoint ships them
-            modules = quantised_linears(quant, checkpoint.names)
+            modules = quantised_linears(quant, names)
             ours.prepare_quantized(modules)
             tensors = assemble(quant, modules, tensors)
             log.info("%s checkpoint: %d linear layers kept quantised", quant.method, len(modules))
         ours.load_weights(tensors, checkpoint.where)
-    return ours.eval()
+    return ours.eval(), headless
+
+
+def _bare_decoder(names: set[str]) -> bool:
+    """Whether a checkpoint holds the decoder without its causal-LM wrapper: `embed_tokens.weight`,
+    `layers.N...`, `norm.weight`, as sentence-transformers saves an embedding model (Qwen3-Embedding ships
+    so), rather than Hugging Face's `model.`-prefixed names."""
+    return "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names)
+
+
+def _causal_lm_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
 
 
 def _native_gguf(

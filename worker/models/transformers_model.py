@@ -46,6 +46,7 @@ class CacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    hidden_size: int  # the width of its final hidden states (an embedding's)
 
 
 @dataclass
@@ -125,6 +126,7 @@ class TransformersModel(nn.Module):
             num_layers=int(cfg.num_hidden_layers),
             num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
             head_dim=int(head_dim),
+            hidden_size=int(cfg.hidden_size),
         )
         self.max_positions = max_len
         # What the causal-LM head does to lm_head's output beyond the matmul (compute_logits); check_exact
