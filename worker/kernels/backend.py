@@ -9,6 +9,7 @@ What a Backend decides:
 - each linear layer's method, and with it its weight's layout (linear_methods): linear.c over packed
   panels on a CPU under float32 compute with the C kernels on, F.linear on [out, in] elsewhere;
 - RMSNorm and rotary rows in C (linear.c's) or in torch ops;
+- a mixture-of-experts layer's experts (moe_methods): moe.c where linear.c runs, else the torch reference;
 - the bf16-GEMM row threshold: bfloat16 weights on a CPU whose bf16 GEMMs are fast take oneDNN's GEMM for
   steps of BF16_GEMM_ROWS rows or more (prompt chunks), linear.c for smaller ones (decode);
 - per decode step, whether decode_stack.c runs it whole (`stack_applies`, `build_decode_stack`); a model
@@ -45,16 +46,20 @@ from worker.kernels.linear_methods import (
     dequantized,
     dequantized_groups,
 )
+from worker.kernels.moe_methods import TORCH_MOE, ExpertActivation, MoEMethod, PackedMoE
 from worker.kernels.native_stack import DecodeStack, StackLayer, StackLinear
 from worker.kernels.torch_attention import TorchAttention
 
 # What model code uses of the kernels: it imports them from here, the one door (tests/test_architecture.py).
 __all__ = [
     "TORCH_LINEAR",
+    "TORCH_MOE",
     "Backend",
     "DecodeStack",
+    "ExpertActivation",
     "Groups",
     "LinearMethod",
+    "MoEMethod",
     "StackLayer",
     "StackLinear",
     "dequantized",
@@ -156,6 +161,7 @@ class Backend:
     rotary_: Callable[[Tensor, Tensor, Tensor], None] | None = None  # float32 [T, H, D] in place in C
     decode_stack: bool = False  # decode steps may run in decode_stack.c (`stack_applies` says which)
     stack_refused: str | None = None  # why the model's decode steps stay layer by layer (for_model)
+    moe: MoEMethod = TORCH_MOE  # a mixture-of-experts layer's experts (moe_methods.py)
 
     @property
     def name(self) -> str:
@@ -193,6 +199,10 @@ class Backend:
         native = getattr(model, "native_layers_unsupported", None)
         if native is not None:
             return Backend(self.attention, TORCH_LINEAR, stack_refused=native)
+        if getattr(model, "attention_sinks", False) and self.attention.name != "torch":
+            # attention sinks (gpt-oss) are computed by the torch attention's ops only
+            log.info("attention sinks: %s attention replaced by torch's", self.attention.name)
+            return dataclasses.replace(self, attention=torch_attention(c_decode=False)).for_model(model)
         why = model.decode_stack_unsupported
         if not self.decode_stack or why is None:
             return self
@@ -201,6 +211,10 @@ class Backend:
     def linear_method(self, weight: Tensor) -> LinearMethod:
         """The method a linear layer with this weight (its dtype and device) runs."""
         return self.linear if self.linear.takes(weight) else TORCH_LINEAR
+
+    def moe_method(self, x_dtype: torch.dtype, weight: Tensor) -> MoEMethod:
+        """The method a mixture-of-experts layer with these experts runs under activations of x_dtype."""
+        return self.moe if self.moe.takes(x_dtype, weight) else TORCH_MOE
 
     def stack_applies(
         self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor, widest: int | None = None
@@ -247,7 +261,8 @@ class StackModel(Protocol):
     @property
     def decode_stack_unsupported(self) -> str | None: ...
 
-    # optional: native_layers_unsupported (str | None), why no C layer kernel but attention runs the model
+    # optional: native_layers_unsupported (str | None), why no C layer kernel but attention runs the model;
+    # attention_sinks (bool), whether its softmax has a sink per head (only torch's attention computes it)
 
 
 class KernelSettings(Protocol):
@@ -288,4 +303,7 @@ def select_backend(
         and attention.plain_native_decode is not None
         and native_stack.library() is not None
     )
-    return Backend(attention, PackedLinear(rows), native_linear.rmsnorm, native_linear.rotary_, stack)
+    # moe.c is built where a model has experts (moe_method), not for every model
+    return Backend(
+        attention, PackedLinear(rows), native_linear.rmsnorm, native_linear.rotary_, stack, moe=PackedMoE()
+    )
