@@ -99,3 +99,67 @@ def test_greedy_matches_hf_generate(tiny: tuple[Path, str], cpu_kernels: str) ->
         if tie is not None:
             ties.append(tie)
     assert len(ties) <= 1, f"{name}: too many near-ties {ties}"
+
+
+def test_stats_and_metrics_count_tokens_per_expert_per_layer(tmp_path: Path) -> None:
+    """Every token each MoE layer computes is routed to top_k experts: the engine's stats count them per
+    expert and layer (dense layers absent), and the worker's metrics expose the same counts."""
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from worker.engine.async_engine import AsyncEngine
+    from worker.health import EngineFacts
+    from worker.metrics import WorkerCollector
+
+    arch, overrides = ARCHS["qwen3_moe"]  # experts in layers 1 and 3, 8 experts top 4
+    path = build_tiny_checkpoint(tmp_path, arch, seed=2, **overrides)
+    engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8))
+    assert engine.stats().expert_tokens == {1: [0] * 8, 3: [0] * 8}  # the load's scratch passes not counted
+    prompts = [list(range(10, 40)), [7, 8, 9], [200] * 11]
+    params = GenerationParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    engine.generate([EngineRequest(f"r{i}", params, prompt_token_ids=p) for i, p in enumerate(prompts)])
+    stats = engine.stats()
+    # each prompt token computed once (no shared prefix to cache), each generated token but the last fed back
+    computed = stats.prompt_tokens - stats.cached_prompt_tokens + len(prompts) * (6 - 1)
+    assert sorted(stats.expert_tokens) == [1, 3]
+    for counts in stats.expert_tokens.values():
+        assert sum(counts) == 4 * computed and len(counts) == 8
+    assert stats.expert_tokens[1] != stats.expert_tokens[3]  # two routers, two distributions
+
+    labels = {"model": "tiny", "queue": "q", "worker": "w"}
+    aengine = AsyncEngine(engine)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerCollector(labels, aengine, EngineFacts.of(aengine), lambda: None))
+    text = generate_latest(registry).decode()
+    for layer, counts in stats.expert_tokens.items():
+        for e, n in enumerate(counts):
+            line = f'batchq_moe_expert_tokens_total{{expert="{e}",layer="{layer}",model="tiny",queue="q",worker="w"}}'
+            assert f"{line} {float(n)}" in text, line
+
+
+def test_bfloat16_weights_keep_the_experts_bfloat16(tmp_path: Path) -> None:
+    """weight_dtype bfloat16 stores the experts (and every linear) as bfloat16, which moe.c widens as it
+    reads: greedy equal to HF float32 on the same weights rounded to bfloat16."""
+    arch, overrides = ARCHS["mixtral"]
+    path = build_tiny_checkpoint(tmp_path, arch, seed=4, **overrides)
+    cfg = EngineConfig(
+        dtype="float32", weight_dtype="bfloat16", model=str(path), kv_cache_gb=0.01, block_size=8
+    )
+    try:
+        engine = Engine.load(cfg)
+    except ValueError as e:  # no C linear kernel here
+        pytest.skip(str(e))
+    moes = [m for m in engine.model_runner.model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.gate_up.dtype == m.down.dtype == torch.bfloat16 for m in moes)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and "embed_tokens" not in name:  # the linears', the router's and the experts'
+                p.copy_(p.bfloat16().float())
+    params = GenerationParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
+    results = engine.generate(
+        [EngineRequest(f"r{i}", params, prompt_token_ids=p) for i, p in enumerate(PROMPTS)]
+    )
+    ties = [t for i, (p, r) in enumerate(zip(PROMPTS, results, strict=True))
+            if (t := check_greedy(i, r.token_ids, *hf_greedy(hf, p, NEW, ignore_eos=True))) is not None]  # fmt: skip
+    assert len(ties) <= 1, ties

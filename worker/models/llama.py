@@ -177,6 +177,23 @@ class LlamaFamilyModel(nn.Module):
         """The positions the rotary table covers: the longest sequence the model runs."""
         return int(self.rotary.cos.shape[0])
 
+    def expert_tokens(self) -> dict[int, list[int]]:
+        """Per layer with experts: the (token, pick) routings each expert received since the last reset (one
+        read of the counts every MoE layer keeps on its device)."""
+        layers = [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
+        counted = [(i, m.counts) for i, m in layers if m.counts is not None]
+        if not counted:
+            return {i: [0] * m.moe.num_experts for i, m in layers}
+        rows = torch.stack([c for _, c in counted]).tolist()
+        out = {i: [0] * m.moe.num_experts for i, m in layers}
+        out.update({i: row for (i, _), row in zip(counted, rows, strict=True)})
+        return out
+
+    def reset_expert_tokens(self) -> None:
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.counts = None
+
     def attentions(self) -> list[Attention]:
         """Every layer's attention module, in order."""
         out = []
@@ -214,6 +231,9 @@ class LlamaFamilyModel(nn.Module):
             )
         for lin in self.linears():
             lin.quantize(dtype)
+        for m in self.modules():  # experts: bfloat16 as the linears (moe.c widens it); int8 only for linears
+            if isinstance(m, MoE) and dtype == torch.bfloat16:
+                m.store_experts(torch.bfloat16)
         self._stack = None
 
     def quantised_linears(self) -> list[Linear]:

@@ -51,6 +51,13 @@ class MoE(nn.Module):
             self.down = nn.Parameter(method.store(down), requires_grad=False)
         self.method = method
 
+    @torch.no_grad()
+    def store_experts(self, dtype: torch.dtype) -> None:
+        """Keep the experts' weights as `dtype` (weight_dtype bfloat16), before use_method."""
+        assert self.method.layout == "torch"
+        self.gate_up = nn.Parameter(self.gate_up.to(dtype), requires_grad=False)
+        self.down = nn.Parameter(self.down.to(dtype), requires_grad=False)
+
     def experts(self) -> tuple[Tensor, Tensor]:
         """gate_up [E, 2I, hidden] and down [E, hidden, I], whatever the layout."""
         e, i = self.moe.num_experts, self.moe.intermediate_size
