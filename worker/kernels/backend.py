@@ -9,7 +9,8 @@ What a Backend decides:
 - each linear layer's method, and with it its weight's layout (linear_methods): linear.c over packed
   panels on a CPU under float32 compute with the C kernels on, F.linear on [out, in] elsewhere;
 - RMSNorm and rotary rows in C (linear.c's) or in torch ops;
-- a mixture-of-experts layer's experts (moe_methods): moe.c where linear.c runs, else the torch reference;
+- a mixture-of-experts layer's experts (moe_methods): moe.c where linear.c runs, Triton's grouped GEMMs
+  where Triton's attention does, else the torch reference;
 - the bf16-GEMM row threshold: bfloat16 weights on a CPU whose bf16 GEMMs are fast take oneDNN's GEMM for
   steps of BF16_GEMM_ROWS rows or more (prompt chunks), linear.c for smaller ones (decode);
 - per decode step, whether decode_stack.c runs it whole (`stack_applies`, `build_decode_stack`); a model
@@ -46,7 +47,7 @@ from worker.kernels.linear_methods import (
     dequantized,
     dequantized_groups,
 )
-from worker.kernels.moe_methods import TORCH_MOE, ExpertActivation, MoEMethod, PackedMoE
+from worker.kernels.moe_methods import TORCH_MOE, ExpertActivation, MoEMethod, PackedMoE, TritonMoE
 from worker.kernels.native_stack import DecodeStack, StackLayer, StackLinear
 from worker.kernels.torch_attention import TorchAttention
 
@@ -292,7 +293,7 @@ def select_backend(
         device, settings.attention_backend, c and native_attention.library() is not None
     )
     if attention.name == "triton":  # quantised weights through Triton's GEMM, the rest through F.linear
-        return Backend(attention, TritonLinear())
+        return Backend(attention, TritonLinear(), moe=TritonMoE())
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
     rows = 0

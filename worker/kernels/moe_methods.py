@@ -5,7 +5,8 @@ the backend picks one method at load, and the experts' weights live in its layou
   picked, each expert's rows gathered and run through F.linear: every device, every dtype.
 - PackedMoE: moe.c on the CPU under float32 activations, each expert packed as linear.c packs a layer
   (native_moe.py), float32 or bfloat16.
-- TritonMoE: a grouped GEMM over the rows sorted by expert on CUDA (triton_moe.py).
+- TritonMoE: two grouped GEMMs over the rows sorted by expert on CUDA (triton_moe.py), wherever the
+  backend runs Triton's attention.
 
 Every method takes the experts as [E, 2I, H] gate_up (gate outputs first, then up) and [E, H, I] down, in
 torch's layout before `store`, and the router's picks: ids [T, k] int64, weights [T, k] float32.
@@ -165,3 +166,37 @@ class PackedMoE:
 
 
 TORCH_MOE = TorchMoE()
+
+
+class TritonMoE:
+    """triton_moe.py's grouped GEMMs on CUDA (imported at first use: Triton loads only where it runs)."""
+
+    name, layout = "triton", "torch"
+
+    def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
+        return weight.device.type == "cuda"
+
+    def store(self, w: Tensor) -> Tensor:
+        return w.contiguous()
+
+    def unpack(self, stored: Tensor, n: int) -> Tensor:
+        return stored
+
+    def apply(
+        self,
+        x: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        gate_up_bias: Tensor | None,
+        down_bias: Tensor | None,
+        inter: int,
+        act: ExpertActivation,
+    ) -> Tensor:
+        from worker.kernels import triton_moe
+
+        return triton_moe.moe_experts(
+            x, ids, weights, gate_up.to(x.dtype), down.to(x.dtype), gate_up_bias, down_bias, act.kind,
+            act.alpha, act.limit,
+        )  # fmt: skip
