@@ -214,11 +214,20 @@ class TorchAttention:
     ) -> Tensor:
         """q: [batch, heads, head_dim]; block_tables: [batch, max_blocks] int32; context_lens: [batch].
         window, softcap: reference.py's; sinks: [heads], a logit per head in the softmax's denominator
-        (gpt-oss; computed here in torch ops only). -> [batch, heads, head_dim]
+        (gpt-oss: the C kernel's output rescaled by its log-sum-exp, or the torch ops). -> [batch, heads,
+        head_dim]
 
         Sequences are sorted by length and cut into groups of similar length, each padded only to its
         own longest context, so a few long contexts do not make every short one pay for their padding.
         """
+        if self.native and sinks is not None and native_attention.supports(q, k_cache):
+            # the sink joins the softmax's denominator: out * S / (S + e^sink), S = e^lse of the row's scores
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32)
+            o = native_attention.paged_decode(
+                q, k_cache, v_cache, block_tables, context_lens, scale, lse, window=window, softcap=softcap
+            )
+            if o is not None:
+                return (o * torch.sigmoid(lse - sinks.float())[..., None]).to(q.dtype)
         if self.native and sinks is None and native_attention.supports(q, k_cache):
             out = None
             # cascade's shared prefix is seen whole by every member: not where a window cuts a context

@@ -3,13 +3,13 @@
 The step's (token, pick) slots are sorted by expert on the device (`expert_blocks`: a stable argsort, each
 expert's run padded to BLOCK_M rows, no host sync), so every block of BLOCK_M rows belongs to one expert.
 `gate_up_kernel` computes a block's gate and up tiles against its expert's [2I, H] rows and applies the
-activation in registers (silu(gate) * up, or gpt-oss's clamped SwiGLU), writing h [slots, INTER];
-`down_kernel` multiplies h by the expert's [H, INTER] rows, adds its bias and scales each row by its routing
+activation in registers (silu(gate) * up, or gpt-oss's clamped SwiGLU), writing h [slots, I];
+`down_kernel` multiplies h by the expert's [H, I] rows, adds its bias and scales each row by its routing
 weight. A block reads only its own expert's weights, so each active expert's weights stream once per
 (block of rows, column tile): once per step at decode sizes. The grid is sized for the worst case
 (cdiv(slots, BLOCK_M) + experts blocks); blocks past the last expert's exit at once. Each token's picks are
 then added in increasing expert order (experts_reference's order). Weights stay in torch's layout ([E, 2I,
-H], [E, H, INTER]), in the compute dtype; tl.dot accumulates in float32. Without a GPU the kernels run on CPU
+H], [E, H, I]), in the compute dtype; tl.dot accumulates in float32. Without a GPU the kernels run on CPU
 tensors under the Triton interpreter (TRITON_INTERPRET=1 before import), which is how the tests check them.
 """
 

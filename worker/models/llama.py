@@ -70,7 +70,7 @@ class Attention(nn.Module):
         # the output is multiplied by s_v, so the kernels never see a scale.
         self.k_scale = self.v_scale = 1.0
         self.c_rotary: Callable[[Tensor, Tensor, Tensor], None] | None = None  # the backend's, at load
-        # gpt-oss: a logit per head in every softmax's denominator (float32, whatever the compute dtype)
+        # gpt-oss: a logit per head in every softmax's denominator
         self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.attention_sinks else None
 
     def forward(
