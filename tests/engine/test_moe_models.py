@@ -163,3 +163,21 @@ def test_bfloat16_weights_keep_the_experts_bfloat16(tmp_path: Path) -> None:
     ties = [t for i, (p, r) in enumerate(zip(PROMPTS, results, strict=True))
             if (t := check_greedy(i, r.token_ids, *hf_greedy(hf, p, NEW, ignore_eos=True))) is not None]  # fmt: skip
     assert len(ties) <= 1, ties
+
+
+def test_a_missing_expert_or_an_impossible_top_k_is_a_clear_load_error(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from worker.models.errors import ModelLoadError
+
+    arch, overrides = ARCHS["mixtral"]
+    path = build_tiny_checkpoint(tmp_path / "m", arch, **overrides)
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.block_sparse_moe.experts.3.w3.weight' is not in"):
+        Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01))
+
+    bad = build_tiny_checkpoint(tmp_path / "k", arch, **{**overrides, "num_experts_per_tok": 5})
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok 5: expected 1 to 4"):
+        Engine.load(EngineConfig(dtype="float32", model=str(bad), kv_cache_gb=0.01))
