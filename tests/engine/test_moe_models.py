@@ -175,7 +175,9 @@ def test_a_missing_expert_or_an_impossible_top_k_is_a_clear_load_error(tmp_path:
     weights = load_file(path / "model.safetensors")
     del weights["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"'model.layers.1.block_sparse_moe.experts.3.w3.weight' is not in"):
+    with pytest.raises(
+        ModelLoadError, match=r"'model.layers.1.block_sparse_moe.experts.3.w3.weight' is not in"
+    ):
         Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01))
 
     bad = build_tiny_checkpoint(tmp_path / "k", arch, **{**overrides, "num_experts_per_tok": 5})

@@ -1,11 +1,13 @@
-"""Attention sinks (gpt-oss: a learned logit per head in every softmax's denominator) in the torch attention
-backend, decode (the C kernel rescaled by its log-sum-exp, and the torch workspace) and prefill (causal
-tiles, over new K/V and from the cache), with sliding windows, against the reference's formula; and the
-reference's sinks against Hugging Face's eager gpt-oss attention formula written out."""
+"""Attention sinks (gpt-oss: a learned logit per head in every softmax's denominator) in every attention
+backend, with sliding windows, against the reference's formula: the torch backend's decode (the C kernel
+rescaled by its log-sum-exp, and the torch workspace) and prefill (causal tiles, over new K/V and from the
+cache); the Triton decode (one split, and split-K's merge) and prefill, on a GPU when there is one, else under
+the Triton interpreter; and the reference's sinks against Hugging Face's eager gpt-oss formula written out."""
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import pytest
 import torch
@@ -107,3 +109,41 @@ def test_the_reference_sinks_are_gpt_oss_eager_formula() -> None:
     logits = torch.cat([scores, sinks.view(h, 1, 1).expand(h, n, 1)], dim=-1)
     probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
     torch.testing.assert_close(ours, torch.einsum("hqk,khd->qhd", probs, v))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "3-splits"])
+@pytest.mark.parametrize("case", GRID[:4], ids=str)
+def test_triton_decode_with_sinks_matches_reference(
+    kernels: ModuleType, device: torch.device, case: Case, num_splits: int
+) -> None:
+    gen = torch.Generator().manual_seed(700 + case.seed)
+    lens = [1, case.block_size + 1, 77, 300]
+    q = random_queries(case, len(lens), gen, device)
+    scale = 1 / math.sqrt(case.head_dim)
+    for window in (None, 40):
+        cache = build_cache(case, lens, gen, device)
+        sinks = sinks_for(case, gen)
+        args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, scale)
+        got = kernels.paged_decode_attention(
+            *args, num_splits=num_splits, window=window, sinks=sinks.to(device)
+        )
+        assert_close(got, reference.paged_decode_attention(*args, window, None, sinks.to(device)), case.dtype)
+
+
+@pytest.mark.parametrize("case", GRID[:4], ids=str)
+def test_triton_prefill_with_sinks_matches_reference(
+    kernels: ModuleType, device: torch.device, case: Case
+) -> None:
+    gen = torch.Generator().manual_seed(800 + case.seed)
+    bs = case.block_size
+    seqs = [(1, 1), (2 * bs + 5, 2 * bs + 5), (7, 90), (70, 70)]
+    q_lens = torch.tensor([0] + [n for n, _ in seqs])
+    cu = q_lens.cumsum(0).to(device=device, dtype=torch.int32)
+    q = random_queries(case, int(q_lens.sum()), gen, device)
+    scale = 1 / math.sqrt(case.head_dim)
+    for window in (None, 6):
+        cache = build_cache(case, [ctx for _, ctx in seqs], gen, device)
+        sinks = sinks_for(case, gen).to(device)
+        args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cu, cache.context_lens, scale)
+        got = kernels.paged_prefill_attention(*args, window=window, sinks=sinks)
+        assert_close(got, reference.paged_prefill_attention(*args, window, None, sinks), case.dtype)

@@ -19,7 +19,8 @@ What a Backend decides:
   fallback) says so too, and `for_model` leaves it the attention kernels only.
 
 Every attention backend takes reference.py's three functions' arguments, plus the cache layout it wants
-(`kv_cache_shape`): a layer's sliding window and soft-capping among them (keywords `window`, `softcap`),
+(`kv_cache_shape`): a layer's sliding window, soft-capping and attention sinks among them (keywords `window`,
+`softcap`, `sinks`; sinks only where a model has them),
 which every backend computes and within which no kernel reads the blocks before a window. Prefill also
 receives this step's new k/v; a backend may attend to them directly instead of reading them back from the
 cache (torch does, the Triton kernel reads the cache).
@@ -115,8 +116,9 @@ def _prefill_from_cache(mod: object) -> Callable[..., Tensor]:
         v: Tensor | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        out: Tensor = mod.paged_prefill_attention(*args, window=window, softcap=softcap)  # type: ignore[attr-defined]
+        out: Tensor = mod.paged_prefill_attention(*args, window=window, softcap=softcap, sinks=sinks)  # type: ignore[attr-defined]
         return out
 
     return prefill
@@ -200,10 +202,6 @@ class Backend:
         native = getattr(model, "native_layers_unsupported", None)
         if native is not None:
             return Backend(self.attention, TORCH_LINEAR, stack_refused=native)
-        if getattr(model, "attention_sinks", False) and self.attention.name != "torch":
-            # attention sinks (gpt-oss) are computed by the torch attention's ops only
-            log.info("attention sinks: %s attention replaced by torch's", self.attention.name)
-            return dataclasses.replace(self, attention=torch_attention(c_decode=False)).for_model(model)
         why = model.decode_stack_unsupported
         if not self.decode_stack or why is None:
             return self
@@ -262,8 +260,7 @@ class StackModel(Protocol):
     @property
     def decode_stack_unsupported(self) -> str | None: ...
 
-    # optional: native_layers_unsupported (str | None), why no C layer kernel but attention runs the model;
-    # attention_sinks (bool), whether its softmax has a sink per head (only torch's attention computes it)
+    # optional: native_layers_unsupported (str | None), why no C layer kernel but attention runs the model
 
 
 class KernelSettings(Protocol):

@@ -287,8 +287,8 @@ def paged_attention(
     the softmax scale times s_k, and the output is multiplied by s_v, so the kernels never see a scale.
     window: the layer's sliding window, keys a query sees with its own (None: all); softcap: its
     attention-logit soft-capping, scores = softcap * tanh(scores / softcap) (None: none); sinks: [heads],
-    a logit per head in every softmax's denominator (gpt-oss; only the torch attention takes them,
-    Backend.for_model), or None.
+    a logit per head in every softmax's denominator (gpt-oss), or None (then not passed: a backend sees the
+    keyword only where a model has sinks).
     """
     variant: dict[str, object] = {"window": window, "softcap": softcap}
     if sinks is not None:

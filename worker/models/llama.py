@@ -158,11 +158,6 @@ class LlamaFamilyModel(nn.Module):
         return None
 
     @property
-    def attention_sinks(self) -> bool:
-        """Whether attention has a sink per head (gpt-oss): the backend then runs torch's attention."""
-        return self.spec.attention_sinks
-
-    @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window, None for full attention (what the engine's block manager reads)."""
         return tuple(a.window for a in self.attentions())
