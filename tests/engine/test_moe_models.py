@@ -183,3 +183,22 @@ def test_a_missing_expert_or_an_impossible_top_k_is_a_clear_load_error(tmp_path:
     bad = build_tiny_checkpoint(tmp_path / "k", arch, **{**overrides, "num_experts_per_tok": 5})
     with pytest.raises(ModelLoadError, match="num_experts_per_tok 5: expected 1 to 4"):
         Engine.load(EngineConfig(dtype="float32", model=str(bad), kv_cache_gb=0.01))
+
+
+def test_the_transformers_fallback_runs_gpt_oss_sinks_through_the_paged_kernels(tmp_path: Path) -> None:
+    """model_impl 'transformers': Hugging Face's gpt-oss modules, its sinks passed to batchq's attention."""
+    arch, overrides = ARCHS["gpt_oss"]
+    path = build_tiny_checkpoint(tmp_path, arch, seed=1, **overrides)
+    cfg = EngineConfig(
+        dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8, model_impl="transformers"
+    )
+    engine = Engine.load(cfg)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = GenerationParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    results = engine.generate(
+        [EngineRequest(f"r{i}", params, prompt_token_ids=p) for i, p in enumerate(prompts)]
+    )
+    ties = [t for i, (p, r) in enumerate(zip(prompts, results, strict=True))
+            if (t := check_greedy(i, r.token_ids, *hf_greedy(hf, p, NEW, ignore_eos=True))) is not None]  # fmt: skip
+    assert len(ties) <= 1, ties
