@@ -6,7 +6,9 @@ and the torch reference; run by `python benchmarks/kernel_bench.py --moe`.
 Each row M is one step of M tokens, routed top-k over the experts at random (distinct experts per token);
 the active experts are those any token picked. The bound is the longer of streaming the active experts'
 float32 gate_up and down weights once (their bytes / the memory bandwidth measured in the same run, a
-512 MB sum) and their FLOPs at the FMA peak of the instruction set moe.c was built for. `--moe-layers`
+512 MB sum) and their FLOPs at the FMA peak of the instruction set moe.c was built for; beside it, the
+same experts' products run one by one through linear.c (the streaming rate moe.c builds on), and the torch
+reference (Hugging Face's loop over experts, F.linear). `--moe-layers`
 copies of the layer's experts are cycled so that weights come from DRAM, as in a model. Times are the
 best of --passes passes.
 """
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         down = torch.randn(e, h, i, generator=gen) / i**0.5
         layers.append((gate_up, down, method.store(gate_up), method.store(down)))
     print(
-        f"{'M':>3} {'active':>6} | {'moe.c ms':>8} {'GB/s':>6} | {'bound ms':>8} {'x bound':>7} | {'torch ms':>8} {'speed-up':>8}"
+        f"{'M':>3} {'active':>6} | {'moe.c ms':>8} {'GB/s':>6} | {'bound ms':>8} {'x bound':>7} | "
+        f"{'linear.c ms':>11} | {'torch ms':>8} {'speed-up':>8}"
     )
     for r in [int(x) for x in args.moe_rows.split(",")]:
         x = torch.randn(r, h, generator=gen)
@@ -90,14 +93,24 @@ def run(args: argparse.Namespace) -> int:
             for gu, dn, _, _ in layers:
                 experts_reference(x, ids, w, gu, dn, None, None, act)
 
+        picked = [(e_, int((ids == e_).sum())) for e_ in ids.unique().tolist()]
+
+        def linears_pass(x: torch.Tensor = x, picked: list[tuple[int, int]] = picked) -> None:
+            # the active experts' products one by one through linear.c: the rate moe.c builds on
+            for _, _, gu, dn in layers:
+                for e_, rows in picked:
+                    native_linear.linear(x[:rows], gu[e_], None, None, 2 * i)
+                    native_linear.linear(x[:rows, :i].contiguous(), dn[e_], None, None, h)
+
         for gu, dn, pgu, pdn in layers[:1]:  # the two agree before they are timed
             got = method.apply(x, ids, w, pgu, pdn, None, None, i, act)
             torch.testing.assert_close(got, experts_reference(x, ids, w, gu, dn, None, None, act))
         c = _best_ms(c_pass, args.passes) / args.moe_layers
         t = _best_ms(torch_pass, args.passes) / args.moe_layers
+        lin = _best_ms(linears_pass, args.passes) / args.moe_layers
         bound = max(active * expert_bytes / bandwidth, 2 * r * k * 3 * h * i / peak) * 1e3
         print(
             f"{r:>3} {active:>6} | {c:>8.3f} {active * expert_bytes / c / 1e6:>6.1f} | {bound:>8.3f} "
-            f"{c / bound:>6.2f}x | {t:>8.3f} {t / c:>7.1f}x"
+            f"{c / bound:>6.2f}x | {lin:>11.3f} | {t:>8.3f} {t / c:>7.1f}x"
         )
     return 0
