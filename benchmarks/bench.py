@@ -64,13 +64,29 @@ def isa_kernels() -> list[dict[str, Any]]:
     return out
 
 
+def moe_row() -> dict[str, Any] | None:
+    """A small random MoE (Qwen3-MoE) on the engine against HF generate (benchmarks/moe_model_bench.py, in
+    a process of its own)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "moe_model_bench.py"), "--json", f.name]
+        proc = subprocess.run(cmd, capture_output=True, check=False)
+        if proc.returncode != 0:
+            print(f"moe_model_bench failed: {proc.stderr.decode()[-500:]}")
+            return None
+        out: dict[str, Any] = orjson.loads(Path(f.name).read_bytes())
+        return out
+
+
 def side_measurements(skip: list[str]) -> dict[str, Any]:
-    """The figures beside the contenders' table: producer submit's rate, the linear kernel per ISA."""
+    """The figures beside the contenders' table: producer submit's rate, the linear kernel per ISA, the MoE
+    row."""
     out: dict[str, Any] = {}
     if "enqueue" not in skip:
         out["enqueue"] = enqueue_rate()
     if "isa" not in skip:
         out["isa_kernels"] = isa_kernels()
+    if "moe" not in skip and (moe := moe_row()) is not None:
+        out["moe"] = moe
     return out
 
 
@@ -314,6 +330,12 @@ def print_findings(info: dict[str, Any]) -> None:
     if "enqueue" in info:
         e = info["enqueue"]
         print(f"producer submit: {e['lines']} lines in {e['wall_s']:.2f}s = {e['lines_per_s']:.0f} lines/s")
+    if (m := info.get("moe")) is not None:
+        print(
+            f"MoE ({m['model']}, {m['dtype']}, {m['prompts']} x {m['new_tokens']} tokens): engine "
+            f"{m['engine_tokens_per_s']:.1f} tok/s, HF generate {m['hf_tokens_per_s']:.1f} = "
+            f"{m['engine_vs_hf']:.2f}x; greedy equal to HF {m['greedy_equal_to_hf']} (moe_model_bench.py)"
+        )
     for k in info.get("isa_kernels", []):
         rows = " / ".join(
             f"{r['ms']:.1f} ms ({100 * r['bound_ms'] / r['ms']:.0f}%)" for r in k["decode_rows"].values()
@@ -344,7 +366,7 @@ def main() -> int:
         "--skip",
         action="append",
         default=[],
-        choices=["hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp", "isa"],
+        choices=["hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp", "isa", "moe"],
     )
     p.add_argument("--out", default=None)
     ns = p.parse_args()

@@ -1,6 +1,8 @@
 """Paged decode attention: Triton kernel vs the torch reference on one CUDA GPU; on the CPU, the C
 kernel (worker/kernels/paged_decode.c) vs the torch path of worker/kernels/torch_attention.py. With
---linear, the CPU linear kernel (worker/kernels/linear.c) against torch and against what the machine allows.
+--linear, the CPU linear kernel (worker/kernels/linear.c) against torch and against what the machine allows;
+with --moe, the CPU mixture-of-experts kernel (worker/kernels/moe.c) against its weight-streaming bound
+(benchmarks/moe_bench.py).
 
     .venv/bin/python benchmarks/kernel_bench.py [--heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16]
     .venv/bin/python benchmarks/kernel_bench.py --cpu [--heads 9 --kv-heads 3 --head-dim 64 --dtype float32]
@@ -47,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import moe_bench
 import torch
 
 from worker.kernels.native_build import cpu_isa
@@ -324,6 +327,7 @@ def cpu_decode_step(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--linear", action="store_true", help="the CPU linear kernel (linear.c)")
+    moe_bench.add_arguments(parser)
     parser.add_argument(
         "--decode-step",
         action="store_true",
@@ -363,6 +367,8 @@ def main() -> int:
         return 0
     if args.decode_step:
         return cpu_decode_step(args)
+    if args.moe:
+        return moe_bench.run(args)
     if args.linear:
         args.heads, args.kv_heads, args.head_dim = args.heads or 9, args.kv_heads or 3, args.head_dim or 64
         return cpu_linear(args)

@@ -77,7 +77,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
-    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3, and cohere |
+    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3, the
+    mixture-of-experts mixtral | qwen2_moe | qwen3_moe | gpt_oss (their expert counts in `overrides`), and cohere |
     starcoder2 | gemma | gemma2 | gemma3 (its text model), which run through the transformers fallback) with
     peaky random logits."""
     from transformers import (
@@ -85,13 +86,17 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        GptOssConfig,
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Olmo2Config,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
         Starcoder2Config,
     )
 
@@ -124,6 +129,10 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         "gemma": GemmaConfig,
         "gemma2": Gemma2Config,
         "gemma3": Gemma3TextConfig,
+        "mixtral": MixtralConfig,
+        "qwen2_moe": Qwen2MoeConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+        "gpt_oss": GptOssConfig,
     }
     return classes[arch](**common)
 
@@ -138,7 +147,8 @@ def build_tiny_checkpoint(
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
+            # biases of every kind (gpt-oss's experts' too) and gpt-oss's attention sinks
+            if "norm" in name or name.endswith(("bias", ".sinks")):
                 param.add_(torch.randn_like(param) * NORM_NOISE)
     model.save_pretrained(path)
     byte_tokenizer(chat_template).save_pretrained(path)

@@ -190,6 +190,16 @@ class WorkerCollector(Collector):
             "batchq_engine_step_seconds", "time in forward passes by phase", "phase",
             {"prefill": s.prefill_s, "decode": s.decode_s, "score": s.score_s},
         )  # fmt: skip
+        if s.expert_tokens:
+            experts = CounterMetricFamily(
+                "batchq_moe_expert_tokens",
+                "mixture-of-experts routings: tokens each expert of each layer received (a pick of top-k each)",
+                labels=[*LABELS, "layer", "expert"],
+            )
+            for layer, counts in s.expert_tokens.items():
+                for e, n in enumerate(counts):
+                    experts.add_metric([*self.values, str(layer), str(e)], n)
+            yield experts
         depth = self.depth()
         if depth is not None:
             yield self._gauge(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -69,8 +70,16 @@ class RateWindow:
 
 
 class Progress:
-    def __init__(self, stream: TextIO, *, tty: bool | None = None, line_every_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        stream: TextIO,
+        *,
+        tty: bool | None = None,
+        line_every_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.stream = stream
+        self.clock = clock  # the rates' wall clock
         self.tty = stream.isatty() if tty is None else tty
         self.line_every_s = line_every_s
         self.rates = RateWindow()
@@ -83,7 +92,7 @@ class Progress:
             self.bar = RichProgress(*columns, console=console, auto_refresh=False)
 
     def text(self, s: BatchStatus) -> str:
-        rate = self.rates.update(s)
+        rate = self.rates.update(s, self.clock())
         eta = rate.eta(s)
         pct = 100.0 * s.done / s.total if s.total else 100.0
         extra = f" failed={s.failed}" if s.failed else ""

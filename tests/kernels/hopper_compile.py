@@ -25,7 +25,7 @@ def signature(fn: triton.JITFunction, dtype: str, constexprs: dict[str, object])
             sig[name] = "constexpr"
         elif name in INDEX_ARGS:
             sig[name] = "*i32"
-        elif name.startswith("part_"):
+        elif name.startswith("part_") or name == "sinks_ptr":
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = f"*{dtype}"
@@ -45,7 +45,7 @@ def main() -> None:
     for dtype in ("bf16", "fp32"):
         precision = "ieee" if dtype == "fp32" else "tf32"
         for windowed, softcap in ((False, False), (True, True)):
-            variant = {"WINDOWED": windowed, "SOFTCAP": softcap}
+            variant = {"WINDOWED": windowed, "SOFTCAP": softcap, "SINKS": windowed}  # gpt-oss: sinks, windows
             for splits in (1, 4):
                 compile_for_hopper(
                     triton_decode.decode_kernel, dtype,
@@ -60,7 +60,7 @@ def main() -> None:
         compile_for_hopper(
             triton_decode.decode_merge_kernel,
             dtype,
-            {"HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 4, "SPLITS_PAD": 4},
+            {"HEADS": 32, "HEAD_DIM": 128, "NUM_SPLITS": 4, "SPLITS_PAD": 4, "SINKS": True},
         )
         compile_for_hopper(
             triton_cache.write_kv_kernel, dtype, {"KV_HEADS": 3, "KV_HEADS_PAD": 4, "HEAD_DIM": 64}

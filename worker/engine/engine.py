@@ -205,6 +205,9 @@ class Engine:
             cuda_graphs=cfg.cuda_graphs,
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else 0,
         )
+        reset = getattr(loaded.model, "reset_expert_tokens", None)
+        if reset is not None:  # the scratch passes above (pool sizing, calibration) routed tokens too
+            reset()
         log.info(
             "loaded %s in %.1fs: %s%s %s, %s, %d KV blocks of %d tokens (%s)",
             cfg.model,
@@ -363,8 +366,13 @@ class Engine:
             window_idle_blocks=(
                 0 if self.idle_window is None else self.scheduler.window_idle_blocks(self.idle_window)
             ),
+            expert_tokens=self._expert_tokens(),
             **vars(self.counters),
         )
+
+    def _expert_tokens(self) -> dict[int, list[int]]:
+        read = getattr(self.model_runner.model, "expert_tokens", None)  # the native decoder's
+        return {} if read is None else dict(read())
 
     def abort_all(self, error: EngineError) -> list[EngineResult]:
         """Fail every request the engine holds (used after an unexpected internal error)."""

@@ -97,7 +97,9 @@ class ModelRunner:
         # The transformers fallback's steps are not captured: Hugging Face's layers were never checked
         # under graph capture.
         native = isinstance(model, LlamaFamilyModel)
+        # Nor are a mixture of experts': routing decides on the host which experts run (moe_methods).
         use_graphs = native and cuda_graphs and device.type == "cuda" and backend.name == "triton"
+        use_graphs = use_graphs and getattr(s, "moe", None) is None
         # Graphs pad batches with rows that write and read one extra block, never handed to a sequence.
         shape = backend.attention.kv_cache_shape(
             num_blocks + int(use_graphs), block_size, s.num_kv_heads, s.head_dim

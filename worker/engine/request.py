@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from worker.engine.params import GenerationParams
@@ -173,3 +173,6 @@ class EngineStats:
     window_released_blocks: int = 0
     window_idle_blocks: int = 0
     prefill_tokens: int = 0  # prompt tokens computed in prompt chunks (a preempted one's recomputation too)
+    # A mixture-of-experts model: per layer with experts (its index), the (token, pick) routings each expert
+    # received since load, prompts and generated tokens alike (a skewed batch shows as a few hot experts).
+    expert_tokens: dict[int, list[int]] = field(default_factory=dict)

@@ -9,6 +9,8 @@ What a Backend decides:
 - each linear layer's method, and with it its weight's layout (linear_methods): linear.c over packed
   panels on a CPU under float32 compute with the C kernels on, F.linear on [out, in] elsewhere;
 - RMSNorm and rotary rows in C (linear.c's) or in torch ops;
+- a mixture-of-experts layer's experts (moe_methods): moe.c where linear.c runs, Triton's grouped GEMMs
+  where Triton's attention does, else the torch reference;
 - the bf16-GEMM row threshold: bfloat16 weights on a CPU whose bf16 GEMMs are fast take oneDNN's GEMM for
   steps of BF16_GEMM_ROWS rows or more (prompt chunks), linear.c for smaller ones (decode);
 - per decode step, whether decode_stack.c runs it whole (`stack_applies`, `build_decode_stack`); a model
@@ -17,7 +19,8 @@ What a Backend decides:
   fallback) says so too, and `for_model` leaves it the attention kernels only.
 
 Every attention backend takes reference.py's three functions' arguments, plus the cache layout it wants
-(`kv_cache_shape`): a layer's sliding window and soft-capping among them (keywords `window`, `softcap`),
+(`kv_cache_shape`): a layer's sliding window, soft-capping and attention sinks among them (keywords `window`,
+`softcap`, `sinks`; sinks only where a model has them),
 which every backend computes and within which no kernel reads the blocks before a window. Prefill also
 receives this step's new k/v; a backend may attend to them directly instead of reading them back from the
 cache (torch does, the Triton kernel reads the cache).
@@ -45,16 +48,20 @@ from worker.kernels.linear_methods import (
     dequantized,
     dequantized_groups,
 )
+from worker.kernels.moe_methods import TORCH_MOE, ExpertActivation, MoEMethod, PackedMoE, TritonMoE
 from worker.kernels.native_stack import DecodeStack, StackLayer, StackLinear
 from worker.kernels.torch_attention import TorchAttention
 
 # What model code uses of the kernels: it imports them from here, the one door (tests/test_architecture.py).
 __all__ = [
     "TORCH_LINEAR",
+    "TORCH_MOE",
     "Backend",
     "DecodeStack",
+    "ExpertActivation",
     "Groups",
     "LinearMethod",
+    "MoEMethod",
     "StackLayer",
     "StackLinear",
     "dequantized",
@@ -109,8 +116,9 @@ def _prefill_from_cache(mod: object) -> Callable[..., Tensor]:
         v: Tensor | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        out: Tensor = mod.paged_prefill_attention(*args, window=window, softcap=softcap)  # type: ignore[attr-defined]
+        out: Tensor = mod.paged_prefill_attention(*args, window=window, softcap=softcap, sinks=sinks)  # type: ignore[attr-defined]
         return out
 
     return prefill
@@ -156,6 +164,7 @@ class Backend:
     rotary_: Callable[[Tensor, Tensor, Tensor], None] | None = None  # float32 [T, H, D] in place in C
     decode_stack: bool = False  # decode steps may run in decode_stack.c (`stack_applies` says which)
     stack_refused: str | None = None  # why the model's decode steps stay layer by layer (for_model)
+    moe: MoEMethod = TORCH_MOE  # a mixture-of-experts layer's experts (moe_methods.py)
 
     @property
     def name(self) -> str:
@@ -201,6 +210,10 @@ class Backend:
     def linear_method(self, weight: Tensor) -> LinearMethod:
         """The method a linear layer with this weight (its dtype and device) runs."""
         return self.linear if self.linear.takes(weight) else TORCH_LINEAR
+
+    def moe_method(self, x_dtype: torch.dtype, weight: Tensor) -> MoEMethod:
+        """The method a mixture-of-experts layer with these experts runs under activations of x_dtype."""
+        return self.moe if self.moe.takes(x_dtype, weight) else TORCH_MOE
 
     def stack_applies(
         self, k_cache: Tensor, block_tables: Tensor, context_lens: Tensor, widest: int | None = None
@@ -277,7 +290,7 @@ def select_backend(
         device, settings.attention_backend, c and native_attention.library() is not None
     )
     if attention.name == "triton":  # quantised weights through Triton's GEMM, the rest through F.linear
-        return Backend(attention, TritonLinear())
+        return Backend(attention, TritonLinear(), moe=TritonMoE())
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
     rows = 0
@@ -288,4 +301,7 @@ def select_backend(
         and attention.plain_native_decode is not None
         and native_stack.library() is not None
     )
-    return Backend(attention, PackedLinear(rows), native_linear.rmsnorm, native_linear.rotary_, stack)
+    # moe.c is built where a model has experts (moe_method), not for every model
+    return Backend(
+        attention, PackedLinear(rows), native_linear.rmsnorm, native_linear.rotary_, stack, moe=PackedMoE()
+    )

@@ -17,13 +17,15 @@ def causal_tiles(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of one sequence, TILE_ROWS query positions at a time, as batched matmuls.
 
     q: [q_len, H, D] (packed rows); k, v: [KVH, n, D] (any strides with a unit last one); query j
     sits at position offset + j and sees keys 0..offset+j, the last `window` of them where a window is
     given (key positions count from k's first row). softcap: attention-logit soft-capping of the scaled
-    scores (reference.py). -> [q_len, H, D]
+    scores (reference.py); sinks: [H] float32, a logit per head in every softmax's denominator (gpt-oss),
+    or None. -> [q_len, H, D]
 
     Each tile reads only the keys its rows can see (from its first row's window start to its last row), so
     the causal half and what lies before the window are skipped, its scores stay in cache, and only the
@@ -56,7 +58,7 @@ def causal_tiles(
             qpos = torch.arange(offset + a, end, device=q.device).view(rows, 1, 1)
             kpos = torch.arange(start, end, device=q.device).view(1, 1, -1)
             by_row.masked_fill_((kpos > qpos) | (kpos <= qpos - window), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1) if sinks is None else with_sinks(scores, sinks, rows, g)
         out[a:b] = torch.bmm(probs, v[:, start:end]).view(kvh, rows, g, d).transpose(0, 1)
     return out.view(q_len, h, d)
 
@@ -65,3 +67,11 @@ def first_block(earliest_query: int, window: int | None, block_size: int) -> int
     """The first cache block a sequence's queries read, the earliest at position earliest_query: the blocks
     before it hold only keys before every query's window (the engine may have released them)."""
     return 0 if window is None else max(0, earliest_query - window + 1) // block_size
+
+
+def with_sinks(scores: Tensor, sinks: Tensor, rows: int, g: int) -> Tensor:
+    """softmax over each row's scores and its head's sink, the sink's own share dropped (gpt-oss).
+    scores: [KVH, rows * G, keys] (query rows of one kv head, G heads each); sinks: [KVH * G]."""
+    kvh = scores.shape[0]
+    sink = sinks.to(scores.dtype).view(kvh, 1, g, 1).expand(kvh, rows, g, 1).reshape(kvh, rows * g, 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]

@@ -43,7 +43,14 @@ def _first_block(earliest_query: int, window: int | None, block_size: int) -> in
 
 
 def _attend(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int, window: int | None, softcap: float | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    offset: int,
+    window: int | None,
+    softcap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     # q: [Lq, H, D]; k, v: [Lk, KVH, D] -> [Lq, H, D]; math in float32. Query i sits at position offset + i
     # and sees the keys at positions (offset + i - window, offset + i].
@@ -62,7 +69,12 @@ def _attend(
     if window is not None:
         hidden |= kpos <= qpos - window
     scores = scores.masked_fill(hidden, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [H, Lq, D]
+    if sinks is not None:  # one more logit per head in the denominator, its probability dropped (gpt-oss)
+        sink = sinks.float().view(h, 1, 1).expand(h, lq, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vf)  # [H, Lq, D]
     return out.transpose(0, 1).to(q.dtype)
 
 
@@ -75,9 +87,11 @@ def paged_decode_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """One new query token per sequence, attending over its cached context (itself included), the last
-    `window` tokens of it where a window is given.
+    `window` tokens of it where a window is given; sinks: [heads], a logit per head in every softmax's
+    denominator (gpt-oss's attention sinks), or None.
 
     q: [batch, heads, head_dim]; block_tables: [batch, max_blocks] int32;
     context_lens: [batch] int32, tokens in the cache for each sequence -> [batch, heads, head_dim].
@@ -88,7 +102,8 @@ def paged_decode_attention(
         first = _first_block(n - 1, window, k_cache.shape[1])
         k = _gather(k_cache, block_tables[b], first, n)
         v = _gather(v_cache, block_tables[b], first, n)
-        out[b] = _attend(q[b : b + 1], k, v, scale, n - 1 - first * k_cache.shape[1], window, softcap)[0]
+        offset = n - 1 - first * k_cache.shape[1]
+        out[b] = _attend(q[b : b + 1], k, v, scale, offset, window, softcap, sinks)[0]
     return out
 
 
@@ -102,6 +117,7 @@ def paged_prefill_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention for packed new tokens of several sequences, over their cached prefix and themselves
     (within `window` where given).
@@ -118,5 +134,6 @@ def paged_prefill_attention(
         first = _first_block(n - (e - s), window, k_cache.shape[1])
         k = _gather(k_cache, block_tables[b], first, n)
         v = _gather(v_cache, block_tables[b], first, n)
-        out[s:e] = _attend(q[s:e], k, v, scale, n - (e - s) - first * k_cache.shape[1], window, softcap)
+        offset = n - (e - s) - first * k_cache.shape[1]
+        out[s:e] = _attend(q[s:e], k, v, scale, offset, window, softcap, sinks)
     return out

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from worker.kernels import native_attention
 from worker.kernels.cascade import CascadePlanner, cascade_decode
-from worker.kernels.causal_tiles import TILE_ROWS, causal_tiles, first_block
+from worker.kernels.causal_tiles import TILE_ROWS, causal_tiles, first_block, with_sinks
 
 MAX_GROUP = 64  # sequences per padded group
 WORKSPACE_BYTES = 64 << 20  # per K and per V; a group that needs more is split
@@ -210,14 +210,25 @@ class TorchAttention:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """q: [batch, heads, head_dim]; block_tables: [batch, max_blocks] int32; context_lens: [batch].
-        window, softcap: reference.py's. -> [batch, heads, head_dim]
+        window, softcap: reference.py's; sinks: [heads], a logit per head in the softmax's denominator
+        (gpt-oss: the C kernel's output rescaled by its log-sum-exp, or the torch ops). -> [batch, heads,
+        head_dim]
 
         Sequences are sorted by length and cut into groups of similar length, each padded only to its
         own longest context, so a few long contexts do not make every short one pay for their padding.
         """
-        if self.native and native_attention.supports(q, k_cache):
+        if self.native and sinks is not None and native_attention.supports(q, k_cache):
+            # the sink joins the softmax's denominator: out * S / (S + e^sink), S = e^lse of the row's scores
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32)
+            o = native_attention.paged_decode(
+                q, k_cache, v_cache, block_tables, context_lens, scale, lse, window=window, softcap=softcap
+            )
+            if o is not None:
+                return (o * torch.sigmoid(lse - sinks.float())[..., None]).to(q.dtype)
+        if self.native and sinks is None and native_attention.supports(q, k_cache):
             out = None
             # cascade's shared prefix is seen whole by every member: not where a window cuts a context
             if window is None or window >= int(context_lens.max()):
@@ -250,7 +261,11 @@ class TorchAttention:
             scores = torch.matmul(qg, k.view(kvh, c.n, c.tokens, d).transpose(-1, -2))  # [KVH, n, G, T]
             if softcap is not None:
                 scores = torch.tanh(scores / softcap).mul_(softcap)
-            probs = torch.softmax(scores.masked_fill_(c.masked, float("-inf")), dim=-1)
+            scores = scores.masked_fill_(c.masked, float("-inf"))
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1)
+            else:
+                probs = with_sinks(scores.view(kvh, c.n * g, -1), sinks, c.n, g).view(scores.shape)
             o = torch.matmul(probs, v.view(kvh, c.n, c.tokens, d))  # [KVH, n, G, D]
             out_sorted[c.start : c.start + c.n] = o.transpose(0, 1).reshape(c.n, h, d)
         return out_sorted.index_select(0, plan.inverse)
@@ -268,6 +283,7 @@ class TorchAttention:
         v: Tensor | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """q: [new_tokens, heads, head_dim] packed; cu_seqlens_q: [batch + 1]; context_lens: [batch].
 
@@ -279,7 +295,7 @@ class TorchAttention:
         h = q.shape[1]
         kvh, _, bs, _ = k_cache.shape
         tiled = q.dtype != torch.float32
-        plain = window is None and softcap is None
+        plain = window is None and softcap is None and sinks is None
         out = torch.empty_like(q)
         starts = cu_seqlens_q.tolist()
         lens = context_lens.tolist()
@@ -300,7 +316,7 @@ class TorchAttention:
                 vi = self._gather("v", v_cache, blocks, nblk * bs)[:, 0, :keys].to(q.dtype)
             offset = n - (e - s) - first * bs  # the first query's position among the keys read
             if not plain or (tiled and e - s >= TILE_ROWS // 2):
-                out[s:e] = causal_tiles(q[s:e], ki, vi, offset, scale, window, softcap)
+                out[s:e] = causal_tiles(q[s:e], ki, vi, offset, scale, window, softcap, sinks)
                 continue
             qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
             # 4-D inputs: CPU SDPA only takes its fused flash kernel for [batch, heads, len, dim].

@@ -75,9 +75,11 @@ def paged_decode_attention(
     out: Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """One new query token per sequence over its cached context (itself included), its last `window`
-    tokens where a window is given; softcap: attention-logit soft-capping (reference.py's).
+    tokens where a window is given; softcap: attention-logit soft-capping; sinks: [heads], a logit per head
+    in the softmax's denominator (reference.py's).
 
     q: [batch, heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch], each >= 1
     -> [batch, heads, head_dim] contiguous, dtype of q, written into `out` when given (a preallocated
@@ -111,22 +113,23 @@ def paged_decode_attention(
         part_ml = torch.empty((batch, heads, num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # unused by the kernel when NUM_SPLITS == 1
+    sink_rows = _sinks(sinks, heads, q)
     triton_decode.decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_ml,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_ml, sink_rows,
         scale * _LOG2E, tokens_per_split, window or 0, (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype),
-        WINDOWED=window is not None, SOFTCAP=softcap is not None,
+        WINDOWED=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         triton_decode.decode_merge_kernel[(batch, heads)](
-            part_o, part_ml, out,
+            part_o, part_ml, out, sink_rows,
             HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None,
         )  # fmt: skip
     return out
 
@@ -147,9 +150,10 @@ def paged_prefill_attention(
     out: Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention for packed new tokens over their cached prefix and themselves (within `window`
-    where given; softcap: reference.py's).
+    where given; softcap, sinks: reference.py's).
 
     q: [new_tokens, heads, head_dim]; cu_seqlens_q: [batch + 1]; context_lens: [batch] (cached prefix +
     new tokens, new K/V already written); block_tables: [batch, max_blocks]
@@ -177,17 +181,26 @@ def paged_prefill_attention(
     block_m = max(block_m, triton.next_power_of_2(group))  # a tile holds at least one token's group
     block_q = block_m // group
     triton_prefill.prefill_kernel[(tokens // block_q + batch, kv_heads)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, _sinks(sinks, heads, q),
         scale * _LOG2E, batch, window or 0, (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype),
-        WINDOWED=window is not None, SOFTCAP=softcap is not None,
+        WINDOWED=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _sinks(sinks: Tensor | None, heads: int, q: Tensor) -> Tensor:
+    """The kernels' sinks: float32 [heads] (q itself where there are none: a pointer they never read)."""
+    if sinks is None:
+        return q
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks must be [{heads}] (one per query head), got {tuple(sinks.shape)}")
+    return sinks.to(device=q.device, dtype=torch.float32).contiguous()
 
 
 # --- launch parameters --------------------------------------------------------------------------------

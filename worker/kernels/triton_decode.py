@@ -7,6 +7,8 @@ Split-K: with few sequences the context is cut into NUM_SPLITS chunks processed 
 a second kernel merges their partial results by their softmax statistics.
 A sliding window (WINDOWED): the splits cover the last `window` tokens of each context only, so no tile
 before it is loaded. Soft-capping (SOFTCAP): scores = softcap * tanh(scores / softcap) before the mask.
+Attention sinks (SINKS, gpt-oss): a logit per head added to the softmax's denominator, at the end (or in
+the merge), where the row's max and sum are known.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import triton.language as tl
 
 # Finite "minus infinity" for the running max: exp2(-inf - -inf) would be NaN for an empty split.
 NEG_BIG = tl.constexpr(-1.0e30)  # jit code may only read constexpr globals
+LOG2E = tl.constexpr(1.4426950408889634)  # a sink's logit in the scores' log2 units
 
 
 @triton.jit
@@ -39,6 +42,7 @@ def decode_kernel(
     out_ptr,
     part_o_ptr,
     part_ml_ptr,
+    sinks_ptr,
     scale_log2,
     tokens_per_split,
     window,
@@ -60,6 +64,7 @@ def decode_kernel(
     UPCAST: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -114,6 +119,9 @@ def decode_kernel(
     # An empty split (start >= ctx) has l_i == 0; it contributes nothing to the merge.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
+        if SINKS:  # the sink joins the denominator: acc / (l + 2^(sink - m))
+            sink = tl.load(sinks_ptr + head, mask=h_mask, other=0.0) * LOG2E
+            o = o * (l_i / (l_i + tl.exp2(sink - m_i)))[:, None]
         o_off = b.to(tl.int64) * (HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     else:
@@ -129,10 +137,12 @@ def decode_merge_kernel(
     part_o_ptr,
     part_ml_ptr,
     out_ptr,
+    sinks_ptr,
     HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     # One program per (sequence, query head): softmax-weighted sum of the split results.
     b = tl.program_id(0).to(tl.int64)
@@ -144,6 +154,10 @@ def decode_merge_kernel(
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=NEG_BIG)
     l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
     o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    w = l_s * tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]
-    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    m_max = tl.max(m, 0)
+    w = l_s * tl.exp2(m - m_max)  # [SPLITS_PAD]
+    denom = tl.sum(w, 0)
+    if SINKS:  # the sink's share of the denominator, at the splits' common max
+        denom += tl.exp2(tl.load(sinks_ptr + h) * LOG2E - m_max)
+    res = tl.sum(o * w[:, None], 0) / denom
     tl.store(out_ptr + (b * HEADS + h) * HEAD_DIM + offs_d, res.to(out_ptr.dtype.element_ty))

@@ -19,6 +19,7 @@ from worker.kernels.triton_decode import softcapped
 # Finite running-max start: keeps fully masked rows free of NaN. A constexpr, as jit code may only
 # read constexpr globals.
 NEG_BIG = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)  # a sink's logit in the scores' log2 units
 
 
 @triton.jit
@@ -30,6 +31,7 @@ def prefill_kernel(
     cu_seqlens_ptr,
     context_lens_ptr,
     out_ptr,
+    sinks_ptr,
     scale_log2,
     num_seqs,
     window,
@@ -51,6 +53,7 @@ def prefill_kernel(
     UPCAST: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -118,6 +121,10 @@ def prefill_kernel(
             m_i = m_new
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if SINKS:  # gpt-oss: the sink joins the denominator, acc / (l + 2^(sink - m))
+            sink = tl.load(sinks_ptr + head, mask=r_mask, other=0.0) * LOG2E
+            # rows past the tile's tokens saw no key (m at NEG_BIG): their exponent is held at 0
+            o = o * (l_i / (l_i + tl.exp2(tl.where(l_i > 0, sink - m_i, 0.0))))[:, None]
         o_off = (q_start + tok).to(tl.int64) * (HEADS * HEAD_DIM) + head * HEAD_DIM
         tl.store(
             out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None]

@@ -1,7 +1,7 @@
 """The native families and which path runs a model.
 
 SUPPORTED: the model types our decoder runs (with silu), and what each changes in it beyond what its config
-says; `implementation`: the native decoder or the transformers fallback (EngineConfig.model_impl: auto,
+says (mixture-of-experts families: which experts' layout and routing, moe_config.py); `implementation`: the native decoder or the transformers fallback (EngineConfig.model_impl: auto,
 native, transformers); the checks that refuse what neither path runs. No torch here: `worker` runs the
 architecture check before anything heavy loads.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from worker.models.errors import ModelLoadError
+from worker.models.moe_config import MoEKind
 from worker.models.spec import WindowRule
 
 
@@ -25,12 +26,18 @@ class Family:
     qkv_bias: bool | None = None  # None: from config.attention_bias
     post_norms: bool = False  # OLMo 2: each sublayer's output normed before the residual, no pre-norm
     windows: WindowRule = "none"  # which layers slide, as the family's Hugging Face mask decides (spec.py)
+    qkv_bias_field: str | None = None  # the config field that biases q/k/v (Qwen2-MoE's qkv_bias)
+    moe: MoEKind | None = None  # its experts' checkpoint layout and math (moe_config.py); None: dense
 
 
 SUPPORTED: dict[str, Family] = {
     "granite": Family(),
     "llama": Family(),
     "mistral": Family(windows="every_layer"),
+    "mixtral": Family(windows="every_layer", moe="mixtral"),
+    "qwen2_moe": Family(windows="layer_types", qkv_bias_field="qkv_bias", moe="qwen2_moe"),
+    "qwen3_moe": Family(qk_norm="head", windows="every_layer", moe="qwen3_moe"),
+    "gpt_oss": Family(windows="layer_types", moe="gpt_oss"),
     "olmo2": Family(qk_norm="projection", post_norms=True),
     "phi3": Family(windows="every_layer"),
     "qwen2": Family(qkv_bias=True, windows="layer_types"),

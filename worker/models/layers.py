@@ -278,6 +278,7 @@ def paged_attention(
     v_scale: float = 1.0,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Write this step's K/V into one layer's paged cache, then attend over each sequence's cached context.
 
@@ -285,9 +286,13 @@ def paged_attention(
     holds K / k_scale and V / v_scale (an FP8 cache's calibrated scales; 1 otherwise): q.k/s_k scores with
     the softmax scale times s_k, and the output is multiplied by s_v, so the kernels never see a scale.
     window: the layer's sliding window, keys a query sees with its own (None: all); softcap: its
-    attention-logit soft-capping, scores = softcap * tanh(scores / softcap) (None: none).
+    attention-logit soft-capping, scores = softcap * tanh(scores / softcap) (None: none); sinks: [heads],
+    a logit per head in every softmax's denominator (gpt-oss), or None (then not passed: a backend sees the
+    keyword only where a model has sinks).
     """
-    variant = {"window": window, "softcap": softcap}
+    variant: dict[str, object] = {"window": window, "softcap": softcap}
+    if sinks is not None:
+        variant["sinks"] = sinks
     if k_scale != 1.0 or v_scale != 1.0:
         k, v, scale = k / k_scale, v / v_scale, scale * k_scale
     k_cache, v_cache = kv

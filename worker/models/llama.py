@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker.kernels.backend import TORCH_LINEAR, Backend, DecodeStack, StackLayer, StackLinear
@@ -26,6 +25,8 @@ from worker.models.layers import (
     apply_rotary,
     paged_attention,
 )
+from worker.models.mlp import MLP
+from worker.models.moe import MoE, gpt_oss_layout
 from worker.models.quant_loading import QuantizedModule
 from worker.models.spec import DecoderSpec
 from worker.models.weights import Slot, WeightSource, fill
@@ -37,6 +38,15 @@ __all__ = ["DecoderSpec", "KVCache", "LlamaFamilyModel"]
 # buffer, which the rotary table computes from the config (Hugging Face drops them too).
 IGNORED = ("rotary_emb.inv_freq",)
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _read(w: Tensor | WeightSource) -> Tensor:
+    """A checkpoint tensor in memory (for a conversion before it reaches its slot)."""
+    if isinstance(w, Tensor):
+        return w
+    t = torch.empty(w.shape, dtype=w.dtype if w.dtype.is_floating_point else torch.float32)
+    w.read_into(t)
+    return t
 
 
 class Attention(nn.Module):
@@ -60,6 +70,8 @@ class Attention(nn.Module):
         # the output is multiplied by s_v, so the kernels never see a scale.
         self.k_scale = self.v_scale = 1.0
         self.c_rotary: Callable[[Tensor, Tensor, Tensor], None] | None = None  # the backend's, at load
+        # gpt-oss: a logit per head in every softmax's denominator
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.attention_sinks else None
 
     def forward(
         self,
@@ -87,22 +99,10 @@ class Attention(nn.Module):
         if kv_absmax is not None:
             kv_absmax.append((float(k.abs().max()), float(v.abs().max())))
         o = paged_attention(
-            q, k, v, kv, meta, backend, self.scale, self.k_scale, self.v_scale, self.window, self.softcap
-        )
+            q, k, v, kv, meta, backend, self.scale, self.k_scale, self.v_scale, self.window, self.softcap,
+            self.sinks,
+        )  # fmt: skip
         return self.o_proj(o.reshape(t, self.q_size))
-
-
-class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
-        super().__init__()
-        self.inter = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -115,7 +115,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = None if spec.post_norms else RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp: MLP | MoE
+        if spec.moe is not None and spec.moe.sparse_layers[layer]:
+            self.mlp = MoE(spec)
+        else:
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
         self.post_feedforward_layernorm = (
             RMSNorm(spec.hidden_size, spec.rms_norm_eps) if spec.post_norms else None
         )
@@ -143,6 +147,8 @@ class LlamaFamilyModel(nn.Module):
     def decode_stack_unsupported(self) -> str | None:
         """Why decode_stack.c cannot run this model's decode step exactly, or None: the backend then keeps
         its decode steps layer by layer (Backend.for_model)."""
+        if self.spec.moe is not None:
+            return "mixture-of-experts layers"
         if self.spec.post_norms or self.spec.qk_norm_over_projection:
             return "OLMo 2's norms: after each sublayer, and over whole q / k projections"
         if self.rotary.dim != self.spec.head_dim:
@@ -165,6 +171,23 @@ class LlamaFamilyModel(nn.Module):
     def max_positions(self) -> int:
         """The positions the rotary table covers: the longest sequence the model runs."""
         return int(self.rotary.cos.shape[0])
+
+    def expert_tokens(self) -> dict[int, list[int]]:
+        """Per layer with experts: the (token, pick) routings each expert received since the last reset (one
+        read of the counts every MoE layer keeps on its device)."""
+        layers = [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
+        counted = [(i, m.counts) for i, m in layers if m.counts is not None]
+        if not counted:
+            return {i: [0] * m.moe.num_experts for i, m in layers}
+        rows = torch.stack([c for _, c in counted]).tolist()
+        out = {i: [0] * m.moe.num_experts for i, m in layers}
+        out.update({i: row for (i, _), row in zip(counted, rows, strict=True)})
+        return out
+
+    def reset_expert_tokens(self) -> None:
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.counts = None
 
     def attentions(self) -> list[Attention]:
         """Every layer's attention module, in order."""
@@ -189,6 +212,8 @@ class LlamaFamilyModel(nn.Module):
                 m.c_rows = backend.rmsnorm
             elif isinstance(m, Attention):
                 m.c_rotary = backend.rotary_
+            elif isinstance(m, MoE):
+                m.use_method(backend.moe_method(self.dtype, m.gate_up))
         self._stack = None
 
     def quantize_weights(self, dtype: torch.dtype) -> None:
@@ -201,6 +226,9 @@ class LlamaFamilyModel(nn.Module):
             )
         for lin in self.linears():
             lin.quantize(dtype)
+        for m in self.modules():  # experts: bfloat16 as the linears (moe.c widens it); int8 only for linears
+            if isinstance(m, MoE) and dtype == torch.bfloat16:
+                m.store_experts(torch.bfloat16)
         self._stack = None
 
     def quantised_linears(self) -> list[Linear]:
@@ -308,6 +336,7 @@ class LlamaFamilyModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer) and layer.input_layernorm is not None
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, MLP)  # decode_stack_unsupported declines experts
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             qkv, o, gate_up, down = (
                 StackLinear(lin.weight, lin.scale, lin.bias, lin.groups()) for lin in projections
@@ -363,6 +392,7 @@ class LlamaFamilyModel(nn.Module):
         stack runs Granite as it runs Llama. A missing, unexpected, misshapen or doubled tensor raises
         CheckpointError naming it and its file (`where`: what should have held a missing one)."""
         perms: dict[str, tuple[str, Tensor]] = {}  # our linear -> (its first part's name, act-order's order)
+        moe = self.spec.moe
 
         def kept(
             pairs: Iterable[tuple[str, Tensor | WeightSource]],
@@ -372,6 +402,9 @@ class LlamaFamilyModel(nn.Module):
                     continue
                 if n.endswith(".in_perm") and isinstance(w, Tensor):
                     self._take_perm(n, w, perms)
+                    continue
+                if moe is not None and moe.kind == "gpt_oss" and ".mlp.experts." in n:
+                    yield n, gpt_oss_layout(n, _read(w), moe)
                     continue
                 yield n, w
 
@@ -442,18 +475,29 @@ class LlamaFamilyModel(nn.Module):
         assert self.lm_head.method is TORCH_LINEAR, "weights load before use_backend packs them"
         s, r = self.spec, self.spec.residual_multiplier
         kv = s.num_kv_heads * s.head_dim
-        parts = {"qkv_proj": [("q_proj", s.num_heads * s.head_dim), ("k_proj", kv), ("v_proj", kv)],
-                 "gate_up_proj": [("gate_proj", s.intermediate_size), ("up_proj", s.intermediate_size)]}  # fmt: skip
+        qkv = [("q_proj", s.num_heads * s.head_dim), ("k_proj", kv), ("v_proj", kv)]
         slots: dict[str, Slot] = {}
+        moe_owned: set[int] = set()  # what a MoE layer's own slots place (MoE.slots)
+        for name, m in self.named_modules():
+            if isinstance(m, MoE):
+                slots.update(m.slots(name, int(name.split(".")[1])))
+                moe_owned.update(id(p) for p in m.own_parameters())
         if self.embed_tokens is None:  # tied: one table, which the checkpoint may give under either name
             slots["model.embed_tokens.weight"] = Slot("lm_head.weight", self.lm_head.weight, 0, s.vocab_size)
         # a quantised linear's (s, o) table or FP8 scales beside its parameters (quant_loading names them)
         quantised = [(f"{n}.{b}", t) for n, lin in self._linears_by_name().items()
                      for b, t in (("group_table", lin.group_table), ("scale", lin.scale)) if t is not None]  # fmt: skip
         for name, t in [*self.named_parameters(), *quantised]:
+            if id(t) in moe_owned:
+                continue
             hf = name if name.startswith("lm_head.") else "model." + name
             module = name.split(".")[-2]
             start = 0
+            # a gate_up_proj's halves: the dense MLP's or a shared expert's intermediate size
+            parts = {
+                "qkv_proj": qkv,
+                "gate_up_proj": [("gate_proj", t.shape[0] // 2), ("up_proj", t.shape[0] // 2)],
+            }
             for part, rows in parts.get(module, []):  # before the fused name: a missing part is named first
                 slots[hf.replace(module, part)] = Slot(name, t, start, start + rows)
                 start += rows

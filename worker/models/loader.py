@@ -24,6 +24,7 @@ from worker.models.families import (
     check_causal_lm,
     implementation,
 )
+from worker.models.moe_config import moe_spec
 from worker.models.quant_formats import QuantFormatError, quant_config
 from worker.models.resolve import gguf_checkpoint, gguf_source, resolve_checkpoint, weights_folder
 from worker.models.spec import UnsupportedLayers
@@ -217,6 +218,11 @@ def _native(
             log.info("a bare decoder's checkpoint (no 'model.' prefix%s)",
                      ", no LM head: embedding requests only" if headless else "")  # fmt: skip
         ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
+        if quant is not None and spec.moe is not None:
+            raise ModelLoadError(
+                f"model {model!r}: a quantised ({quant.method}) mixture-of-experts checkpoint; batchq loads "
+                "MoE experts from float checkpoints only"
+            )
         if quant is not None:  # its linears stay quantised as the checkpoint ships them
             modules = quantised_linears(quant, names)
             ours.prepare_quantized(modules)
@@ -249,6 +255,9 @@ def _native_gguf(
         spec = _spec(hf_config, checkpoint.names)
     except UnsupportedLayers as e:
         raise ModelLoadError(f"model {model!r}: {e}") from None
+    if spec.moe is not None:
+        raise ModelLoadError(f"model {model!r}: a mixture-of-experts GGUF; batchq loads MoE experts from "
+                             "safetensors / pytorch_model.bin checkpoints only")  # fmt: skip
     ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
     modules = checkpoint.keep_quantised(ours.hf_linear_modules(), FUSED_PARTS)
     ours.prepare_quantized(modules)
@@ -262,14 +271,19 @@ def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
 
     family = SUPPORTED[str(hf_config.model_type)]
     attn_bias = bool(getattr(hf_config, "attention_bias", False))
+    qkv_bias = attn_bias if family.qkv_bias is None else family.qkv_bias
+    if family.qkv_bias_field is not None:
+        qkv_bias = bool(getattr(hf_config, family.qkv_bias_field))
     spec = DecoderSpec.from_hf_config(
         hf_config,
         qk_norm=family.qk_norm == "head",
-        qkv_bias=attn_bias if family.qkv_bias is None else family.qkv_bias,
+        qkv_bias=qkv_bias,
         o_bias=attn_bias,
         qk_norm_over_projection=family.qk_norm == "projection",
         post_norms=family.post_norms,
         windows=family.windows,
+        moe=None if family.moe is None else moe_spec(hf_config, family.moe),
+        attention_sinks=family.moe == "gpt_oss",
     )
     if any(w is not None for w in spec.layer_windows):
         log.info("sliding windows per layer: %s", _windows_summary(spec.layer_windows))

@@ -31,6 +31,8 @@ def sliding_windows(cfg: Any, rule: WindowRule) -> tuple[int | None, ...]:
     mask keeps kv_idx > q_idx - sliding_window), or None for full attention. Raises UnsupportedLayers."""
     layers = int(cfg.num_hidden_layers)
     window = getattr(cfg, "sliding_window", None)
+    if window == 0 and not getattr(cfg, "use_sliding_window", True):  # Qwen2-MoE's "no window"
+        window = None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise UnsupportedLayers(f"sliding_window {window!r}: expected a positive number of tokens")
     if rule == "none":
@@ -52,6 +54,42 @@ def sliding_windows(cfg: Any, rule: WindowRule) -> tuple[int | None, ...]:
             "layer_types has sliding_attention layers but the config sets no sliding_window"
         )
     return tuple(window if LAYER_TYPES[t] else None for t in types)
+
+
+Routing = Literal["softmax_topk", "topk_softmax"]
+# How a family's checkpoint names its router and experts (moe.MoE.slots): mixtral: block_sparse_moe.{gate,
+# experts.E.w1/w3/w2}; qwen2_moe / qwen3_moe: mlp.{gate, experts.E.gate_proj/up_proj/down_proj} (Qwen2-MoE
+# with mlp.shared_expert and mlp.shared_expert_gate); gpt_oss: mlp.{router, experts.gate_up_proj [E, hidden,
+# 2I] (gate and up interleaved), experts.down_proj [E, I, hidden]} with biases, and self_attn.sinks.
+MoEKind = Literal["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+Activation = Literal["silu", "clamped_swiglu"]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP as its family's Hugging Face code computes it.
+
+    routing: "softmax_topk" (Mixtral, Qwen2/3-MoE: softmax over every expert's logit, the top_k kept, then
+    renormalised to sum 1 where norm_topk_prob) or "topk_softmax" (gpt-oss: the top_k logits, router bias
+    included, then a softmax over those). activation: "silu" (silu(gate) * up) or "clamped_swiglu"
+    (gpt-oss: gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).
+    sparse_layers: which layers hold experts (Qwen2/3-MoE's decoder_sparse_step and mlp_only_layers; the
+    others a dense MLP of the config's intermediate_size). shared_intermediate: Qwen2-MoE's shared expert,
+    its output times sigmoid(shared_expert_gate(x)), added to the experts'; None: none."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    sparse_layers: tuple[bool, ...]
+    routing: Routing = "softmax_topk"
+    norm_topk_prob: bool = True
+    activation: Activation = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False  # gpt-oss: a bias per expert on gate_up and on down
+    router_bias: bool = False
+    shared_intermediate: int | None = None
+    kind: MoEKind = "qwen3_moe"
 
 
 @dataclass(frozen=True)
@@ -82,6 +120,8 @@ class DecoderSpec:
     # every layer (Gemma 2's attn_logit_softcapping); None: none.
     layer_windows: tuple[int | None, ...] = ()
     attention_softcap: float | None = None
+    moe: MoESpec | None = None  # None: a dense MLP in every layer
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None for full attention."""
@@ -103,6 +143,8 @@ class DecoderSpec:
         qk_norm_over_projection: bool = False,
         post_norms: bool = False,
         windows: WindowRule = "none",
+        moe: MoESpec | None = None,
+        attention_sinks: bool = False,
     ) -> DecoderSpec:
         """Raises UnsupportedLayers where sliding_windows does."""
         heads = cfg.num_attention_heads
@@ -129,4 +171,6 @@ class DecoderSpec:
             logits_scaling=float(getattr(cfg, "logits_scaling", 1.0)),
             layer_windows=sliding_windows(cfg, windows),
             attention_softcap=getattr(cfg, "attn_logit_softcapping", None),
+            moe=moe,
+            attention_sinks=attention_sinks,
         )

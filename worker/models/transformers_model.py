@@ -16,8 +16,8 @@ and interleaved local/global layers, Gemma 3's, Mistral's and Qwen2's windows ru
 context. The windows the modules pass are recorded on the first pass (`layer_windows`, what the engine's
 block manager reads) and checked against what the config's mask says (spec.sliding_windows): a layer the mask
 windows but whose module passes no such window would attend to what Hugging Face hides, and is refused.
-What our attention cannot compute is refused at load: attention sinks, layer types other than full and
-sliding attention, a model whose attention does not go through the interface (`check_exact` then finds
+Attention sinks (`s_aux`, a module's `sinks`) go to the kernels as they are. What our attention cannot
+compute is refused at load: layer types other than full and sliding attention, a model whose attention does not go through the interface (`check_exact` then finds
 layers that never called it or logits that differ from Hugging Face's).
 """
 
@@ -79,8 +79,9 @@ def paged_hf_attention(
     step = kwargs.get(STEP_KWARG)
     if not isinstance(step, _Step):
         raise RuntimeError(f"{ATTN_NAME} attention runs only inside batchq's forward pass (no step metadata)")
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise UnsupportedAttention("batchq's paged attention has no attention sinks")
+    sinks = kwargs.get("s_aux")  # gpt-oss-style attention sinks, a logit per head: every backend takes them
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise UnsupportedAttention(
@@ -96,7 +97,7 @@ def paged_hf_attention(
     k_scale, v_scale = step.scales[layer]
     o = paged_attention(
         q, k, v, step.kv_caches[layer], step.meta, step.backend, scale, k_scale, v_scale, window,
-        None if softcap is None else float(softcap),
+        None if softcap is None else float(softcap), sinks,
     )  # fmt: skip
     step.calls.append(layer)
     step.windows.append(window)

@@ -1,0 +1,202 @@
+"""How a mixture-of-experts layer's experts are stored and computed (as linear_methods.py for linear layers):
+the backend picks one method at load, and the experts' weights live in its layout from then on.
+
+- TorchMoE: the torch reference (`experts_reference`), Hugging Face's loop over the experts any token
+  picked, each expert's rows gathered and run through F.linear: every device, every dtype.
+- PackedMoE: moe.c on the CPU under float32 activations, each expert packed as linear.c packs a layer
+  (native_moe.py), float32 or bfloat16.
+- TritonMoE: two grouped GEMMs over the rows sorted by expert on CUDA (triton_moe.py), wherever the
+  backend runs Triton's attention.
+
+Every method takes the experts as [E, 2I, H] gate_up (gate outputs first, then up) and [E, H, I] down, in
+torch's layout before `store`, and the router's picks: ids [T, k] int64, weights [T, k] float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from worker.kernels import native_moe
+
+
+class ExpertActivation(NamedTuple):
+    """silu: silu(gate) * up; clamped_swiglu (gpt-oss): gate clamped above at `limit`, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    kind: str
+    alpha: float = 0.0
+    limit: float = 0.0
+
+
+def activate(gate_up: Tensor, inter: int, act: ExpertActivation) -> Tensor:
+    # gate_up: [rows, 2I] -> [rows, I]
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if act.kind == "silu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=act.limit), up.clamp(-act.limit, act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
+def experts_reference(
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
+    act: ExpertActivation,
+) -> Tensor:
+    """x: [T, H]; ids, weights: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I]; biases [E, 2I], [E, H] or
+    None. -> [T, H] in x's dtype: each token's picks weighted and added in increasing expert order."""
+    num_experts, k, inter = gate_up.shape[0], ids.shape[1], down.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # the (token, pick) slots grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    y = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start : start + n]
+        start += n
+        tokens = slots // k
+        gu = F.linear(x[tokens], gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
+        out = F.linear(activate(gu, inter, act), down[e], None if down_bias is None else down_bias[e])
+        y.index_add_(0, tokens, (out * weights.reshape(-1)[slots, None]).to(y.dtype))
+    return y
+
+
+class MoEMethod(Protocol):
+    name: str
+    layout: str  # what `store` returns
+
+    def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
+        """Whether this method runs experts of this dtype and device under activations of x_dtype."""
+        ...
+
+    def store(self, w: Tensor) -> Tensor:
+        """Experts [E, N, K] -> this method's layout."""
+        ...
+
+    def unpack(self, stored: Tensor, n: int) -> Tensor:
+        """store's inverse: -> [E, n, K]."""
+        ...
+
+    def apply(
+        self,
+        x: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        gate_up_bias: Tensor | None,
+        down_bias: Tensor | None,
+        inter: int,
+        act: ExpertActivation,
+    ) -> Tensor:
+        """The experts' output [T, H] (experts_reference's), the weights in this method's layout."""
+        ...
+
+
+class TorchMoE:
+    name, layout = "torch", "torch"
+
+    def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
+        return True
+
+    def store(self, w: Tensor) -> Tensor:
+        return w.contiguous()
+
+    def unpack(self, stored: Tensor, n: int) -> Tensor:
+        return stored
+
+    def apply(
+        self,
+        x: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        gate_up_bias: Tensor | None,
+        down_bias: Tensor | None,
+        inter: int,
+        act: ExpertActivation,
+    ) -> Tensor:
+        return experts_reference(x, ids, weights, gate_up.to(x.dtype), down.to(x.dtype), gate_up_bias,
+                                 down_bias, act)  # fmt: skip
+
+
+class PackedMoE:
+    name, layout = "c", "packed"
+
+    def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
+        return (
+            x_dtype == torch.float32
+            and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and native_moe.library() is not None
+        )
+
+    def store(self, w: Tensor) -> Tensor:
+        return native_moe.pack_experts(w)
+
+    def unpack(self, stored: Tensor, n: int) -> Tensor:
+        return native_moe.unpack_experts(stored, n)
+
+    def apply(
+        self,
+        x: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        gate_up_bias: Tensor | None,
+        down_bias: Tensor | None,
+        inter: int,
+        act: ExpertActivation,
+    ) -> Tensor:
+        return native_moe.experts(
+            x, ids, weights, gate_up, down, gate_up_bias, down_bias, inter, act.kind, act.alpha, act.limit
+        )
+
+
+TORCH_MOE = TorchMoE()
+
+
+class TritonMoE:
+    """triton_moe.py's grouped GEMMs on CUDA (imported at first use: Triton loads only where it runs)."""
+
+    name, layout = "triton", "torch"
+
+    def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
+        return weight.device.type == "cuda"
+
+    def store(self, w: Tensor) -> Tensor:
+        return w.contiguous()
+
+    def unpack(self, stored: Tensor, n: int) -> Tensor:
+        return stored
+
+    def apply(
+        self,
+        x: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        gate_up_bias: Tensor | None,
+        down_bias: Tensor | None,
+        inter: int,
+        act: ExpertActivation,
+    ) -> Tensor:
+        from worker.kernels import triton_moe
+
+        return triton_moe.moe_experts(
+            x, ids, weights, gate_up.to(x.dtype), down.to(x.dtype), gate_up_bias, down_bias, act.kind,
+            act.alpha, act.limit,
+        )  # fmt: skip
