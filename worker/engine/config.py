@@ -125,7 +125,7 @@ class EngineConfig(BaseModel):
     reasoning_parser: ReasoningParser = Field(
         default="auto",
         description="how a reasoning model marks its thinking in chat requests (returned as reasoning_content, "
-        "apart from the answer). auto: harmony for gpt-oss (or a vocabulary with its channel tokens), think "
+        "apart from the answer). auto: harmony where the vocabulary has gpt-oss's channel tokens, think "
         "where the vocabulary has <think> and </think> tokens (Qwen3, DeepSeek-R1 distills, Phi-4-reasoning), "
         "else none; none: the thinking stays in the text",
     )

@@ -45,8 +45,8 @@ class ReasoningMarkers:
     @classmethod
     def detect(cls, tokenizer: Any, model_type: str | None, setting: str) -> ReasoningMarkers | None:
         """`setting`: EngineConfig.reasoning_parser ("auto", "none", "think", "harmony"). auto: harmony for
-        gpt-oss or a vocabulary with its channel tokens, think for a vocabulary with <think> and </think>
-        as single tokens, else none. A named parser the vocabulary cannot serve raises ValueError."""
+        a vocabulary with gpt-oss's channel tokens, think for one with <think> and </think> as single tokens,
+        else none (`model_type` only names the model in errors). A named parser the vocabulary cannot serve raises ValueError."""
         if setting == "none":
             return None
         vocab = tokenizer.get_vocab()
@@ -54,14 +54,15 @@ class ReasoningMarkers:
         think = "<think>" in vocab and "</think>" in vocab
         kind = setting
         if setting == "auto":
-            kind = "harmony" if harmony or model_type == "gpt_oss" else "think" if think else "none"
+            # (a gpt-oss checkpoint whose tokenizer lacks the channel tokens has nothing to split at)
+            kind = "harmony" if harmony else "think" if think else "none"
             if kind == "none":
                 return None
         if kind == "harmony":
             if not harmony:
                 raise ValueError(
-                    "reasoning_parser 'harmony': the tokenizer has no <|channel|>, <|message|>, <|end|> and "
-                    "<|start|> tokens"
+                    f"reasoning_parser 'harmony': the tokenizer of this {model_type or 'model'} has no <|channel|>, "
+                    "<|message|>, <|end|> and <|start|> tokens"
                 )
             ids = _encoder(tokenizer)
             return cls(
