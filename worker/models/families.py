@@ -1,7 +1,8 @@
 """The native families and which path runs a model.
 
-SUPPORTED: the model types our decoder runs (with silu), and what each changes in it beyond what its config
-says (mixture-of-experts families: which experts' layout and routing, moe_config.py); `implementation`: the native decoder or the transformers fallback (EngineConfig.model_impl: auto,
+SUPPORTED: the model types our decoder runs (with an activation it computes, spec.ACTIVATIONS), and what
+each changes in it beyond what its config says (mixture-of-experts families: which experts' layout and
+routing, moe_config.py); `implementation`: the native decoder or the transformers fallback (EngineConfig.model_impl: auto,
 native, transformers); the checks that refuse what neither path runs. No torch here: `worker` runs the
 architecture check before anything heavy loads.
 """
@@ -13,7 +14,7 @@ from typing import Any, Literal
 
 from worker.models.errors import ModelLoadError
 from worker.models.moe_config import MoEKind
-from worker.models.spec import WindowRule
+from worker.models.spec import ACTIVATIONS, WindowRule
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,12 @@ class Family:
     windows: WindowRule = "none"  # which layers slide, as the family's Hugging Face mask decides (spec.py)
     qkv_bias_field: str | None = None  # the config field that biases q/k/v (Qwen2-MoE's qkv_bias)
     moe: MoEKind | None = None  # its experts' checkpoint layout and math (moe_config.py); None: dense
+    gemma: bool = False  # Gemma 2 / 3: (1 + w) norms around sublayers, soft-caps, ... (spec.from_hf_config)
 
 
 SUPPORTED: dict[str, Family] = {
+    "gemma2": Family(windows="layer_types", gemma=True),
+    "gemma3_text": Family(qk_norm="head", windows="layer_types", gemma=True),
     "granite": Family(),
     "llama": Family(),
     "mistral": Family(windows="every_layer"),
@@ -50,7 +54,7 @@ def check_architecture(
 ) -> None:
     """A native family (SUPPORTED, silu), or a decoder-only `*ForCausalLM` for the transformers fallback.
     Without an architectures list the load decides (which AutoModelForCausalLM class the config maps to)."""
-    if model_type in SUPPORTED and hidden_act == "silu":
+    if model_type in SUPPORTED and hidden_act in ACTIVATIONS:
         return
     native = ", ".join(sorted(SUPPORTED))
     if encoder_decoder:
@@ -68,7 +72,7 @@ def check_architecture(
 def implementation(model_type: Any, hidden_act: Any, model_impl: str) -> Literal["native", "transformers"]:
     """Which path runs a model: its native family where it has one (model_impl auto | native), else the
     transformers fallback. model_impl 'native' for a model without a native path raises ModelLoadError."""
-    native = model_type in SUPPORTED and hidden_act == "silu"
+    native = model_type in SUPPORTED and hidden_act in ACTIVATIONS
     if model_impl == "transformers" or (model_impl == "auto" and not native):
         return "transformers"
     if not native:
@@ -76,7 +80,8 @@ def implementation(model_type: Any, hidden_act: Any, model_impl: str) -> Literal
             "activation " + repr(hidden_act) if model_type in SUPPORTED else "model_type " + repr(model_type)
         )
         raise ModelLoadError(
-            f"model_impl 'native': no native path for {why} (native: {', '.join(sorted(SUPPORTED))}, silu); "
+            f"model_impl 'native': no native path for {why} (native: {', '.join(sorted(SUPPORTED))}, with "
+            f"{' / '.join(ACTIVATIONS)}); "
             "use model_impl 'auto' or 'transformers'"
         )
     return "native"

@@ -27,7 +27,7 @@ from worker.models.families import (
 from worker.models.moe_config import moe_spec
 from worker.models.quant_formats import QuantFormatError, quant_config
 from worker.models.resolve import gguf_checkpoint, gguf_source, resolve_checkpoint, weights_folder
-from worker.models.spec import UnsupportedLayers
+from worker.models.spec import UnsupportedLayers, activation
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -124,7 +124,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     with reading(model, "its config.json"):
         hf_config = AutoConfig.from_pretrained(ckpt)
     model_type = getattr(hf_config, "model_type", None)
-    hidden_act = getattr(hf_config, "hidden_act", "silu")
+    hidden_act = activation(hf_config)
     check_architecture(
         model,
         model_type,
@@ -153,6 +153,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
             ours, headless = _native(model, weights_folder(ckpt), hf_config, max_len, dtype, device)
     else:  # Hugging Face's model, from the dequantised checkpoint of a GGUF
         ours = _fallback(model, str(gguf_checkpoint(gguf)) if gguf else ckpt, max_len, dtype, device)
+    if path == "native":
+        log.info("native decoder: %s", model_type)
     return LoadedModel(
         name=model,
         model=ours,
@@ -217,7 +219,8 @@ def _native(
         if bare:
             log.info("a bare decoder's checkpoint (no 'model.' prefix%s)",
                      ", no LM head: embedding requests only" if headless else "")  # fmt: skip
-        ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
+        rotary, local = _rotary(model, hf_config, max_len, device)
+        ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local)
         if quant is not None and spec.moe is not None:
             raise ModelLoadError(
                 f"model {model!r}: a quantised ({quant.method}) mixture-of-experts checkpoint; batchq loads "
@@ -258,7 +261,8 @@ def _native_gguf(
     if spec.moe is not None:
         raise ModelLoadError(f"model {model!r}: a mixture-of-experts GGUF; batchq loads MoE experts from "
                              "safetensors / pytorch_model.bin checkpoints only")  # fmt: skip
-    ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
+    rotary, local = _rotary(model, hf_config, max_len, device)
+    ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local)
     modules = checkpoint.keep_quantised(ours.hf_linear_modules(), FUSED_PARTS)
     ours.prepare_quantized(modules)
     log.info("GGUF %s: %d linear layers kept quantised", gguf.name, len(modules))
@@ -284,6 +288,7 @@ def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
         windows=family.windows,
         moe=None if family.moe is None else moe_spec(hf_config, family.moe),
         attention_sinks=family.moe == "gpt_oss",
+        gemma=family.gemma,
     )
     if any(w is not None for w in spec.layer_windows):
         log.info("sliding windows per layer: %s", _windows_summary(spec.layer_windows))
@@ -295,9 +300,13 @@ def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
     return spec
 
 
-def _rotary(model: str, hf_config: Any, max_len: int, device: torch.device) -> RotaryTable:
-    """The cos/sin table, from a fresh Hugging Face rotary module of the model's own class: it computes
-    inv_freq in float32 for whatever rope type the config names, without any weights."""
+def _rotary(
+    model: str, hf_config: Any, max_len: int, device: torch.device
+) -> tuple[RotaryTable, RotaryTable | None]:
+    """The cos/sin tables, every layer's and Gemma 3's sliding layers' (or None), from a fresh Hugging Face rotary module of
+    the model's own class: it computes inv_freq in float32 for whatever rope type the config names, without
+    any weights. Gemma 3's module holds one per layer type: the full layers' (rope_theta and its scaling)
+    first, the sliding layers' (rope_local_base_freq) last; every other model has one table, and None."""
     import torch
 
     from worker.models.layers import RotaryTable
@@ -307,7 +316,19 @@ def _rotary(model: str, hf_config: Any, max_len: int, device: torch.device) -> R
         sys.modules[cls.__module__], cls.__name__.removesuffix("ForCausalLM") + "RotaryEmbedding"
     )
     rotary_hf = rotary_cls(config=hf_config)
-    inv_freq = rotary_hf.inv_freq.to(device)
+    if hasattr(rotary_hf, "inv_freq"):
+        tables = [(rotary_hf.inv_freq, rotary_hf.attention_scaling), None]
+    else:  # per layer type (Gemma 3): each type's inv_freq and scaling, where the config has that type
+        tables = [
+            (getattr(rotary_hf, f"{t}_inv_freq"), getattr(rotary_hf, f"{t}_attention_scaling"))
+            if hasattr(rotary_hf, f"{t}_inv_freq")
+            else None
+            for t in ("full_attention", "sliding_attention")
+        ]
+        if tables[0] is None:  # every layer slides: the sliding table serves them all
+            tables = [tables[1], None]
+    assert tables[0] is not None
+    inv_freq = tables[0][0].to(device)
     long_rope = _long_rope(hf_config, device)
     if long_rope is not None and max_len > long_rope[1]:
         log.warning(
@@ -317,4 +338,6 @@ def _rotary(model: str, hf_config: Any, max_len: int, device: torch.device) -> R
             long_rope[1], long_rope[1], long_rope[1],
         )  # fmt: skip
     with torch.device(device):  # float32 (exact), cast per step
-        return RotaryTable(inv_freq, float(rotary_hf.attention_scaling), max_len, long_rope)
+        main = RotaryTable(inv_freq, float(tables[0][1]), max_len, long_rope)
+        local = tables[1]
+        return main, None if local is None else RotaryTable(local[0].to(device), float(local[1]), max_len)
