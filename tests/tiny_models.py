@@ -54,11 +54,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
-    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3, the
-    mixture-of-experts mixtral | qwen2_moe | qwen3_moe | gpt_oss (their expert counts in `overrides`), and cohere |
-    starcoder2 | gemma | gemma2 | gemma3 (its text model), which run through the transformers fallback) with
+    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3 | gemma2 | gemma3
+    (its text model), the mixture-of-experts mixtral | qwen2_moe | qwen3_moe | gpt_oss (their expert counts in
+    `overrides`), and cohere | cohere2 | starcoder2 | gemma, which run through the transformers fallback) with
     peaky random logits."""
     from transformers import (
+        Cohere2Config,
         CohereConfig,
         Gemma2Config,
         Gemma3TextConfig,
@@ -102,6 +103,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         "olmo2": Olmo2Config,
         "phi3": Phi3Config,
         "cohere": CohereConfig,
+        "cohere2": Cohere2Config,
         "starcoder2": Starcoder2Config,
         "gemma": GemmaConfig,
         "gemma2": Gemma2Config,
