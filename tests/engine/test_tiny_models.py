@@ -86,6 +86,7 @@ ARCHS = {
     "llama-dynamic-rope": ("llama", {"rope_parameters": DYNAMIC_ROPE}),
     "qwen2-yarn-rope": ("qwen2", {"rope_parameters": YARN_ROPE}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-gelu": ("llama", {"hidden_act": "gelu"}),  # the exact GELU: its own MLP activation
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
     "mistral": ("mistral", {"sliding_window": 16}),  # every layer windowed, most prompts longer than it
@@ -205,7 +206,7 @@ def test_label_scores_and_token_logprobs_match_hf(new_family: tuple[Path, str], 
 # the family's structure (Granite's multipliers are folded into weights and scales it already takes), layer
 # by layer where it does not.
 STACK = {"granite": True, "granite-tied": True, "olmo2": False, "phi3": True, "phi3-longrope": True,
-         "phi4-mini-like": False, "gemma2": False, "gemma3": False}  # fmt: skip
+         "phi4-mini-like": False, "gemma2": True, "gemma3": True}  # fmt: skip
 
 
 def test_each_family_decodes_on_the_path_the_backend_names(new_family: tuple[Path, str]) -> None:

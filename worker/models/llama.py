@@ -164,8 +164,6 @@ class LlamaFamilyModel(nn.Module):
             return "mixture-of-experts layers"
         if self.spec.post_norms or self.spec.qk_norm_over_projection:
             return "OLMo 2's norms: after each sublayer, and over whole q / k projections"
-        if self.spec.sandwich_norms or self.spec.activation != "silu" or self.rotary_local is not None:
-            return "Gemma's norms after each sublayer, its GELU and its local rotary table"
         if self.rotary.dim != self.spec.head_dim:
             return "a partial rotary factor"
         if any(lin.in_perm is not None for lin in self.linears()):
@@ -295,7 +293,9 @@ class LlamaFamilyModel(nn.Module):
             stack = self.decode_stack(kv_caches, backend)
             if stack is not None:  # every layer in one C call (same kernels, without the ops between them)
                 cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
-                return stack(h, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens)
+                local = self.rotary_local
+                rows = None if local is None else (local.cos[positions], local.sin[positions])
+                return stack(h, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, rows)
         return self._layers(h, positions, meta, kv_caches, backend, None)
 
     @torch.inference_mode()
@@ -352,7 +352,8 @@ class LlamaFamilyModel(nn.Module):
         return self._stack[1]
 
     def _build_stack(self, kv_caches: list[KVCache], backend: Backend) -> DecodeStack | None:
-        if self.rotary.cos.dtype != torch.float32:  # the step's rotary rows are read as float32
+        tables = [self.rotary] + ([] if self.rotary_local is None else [self.rotary_local])
+        if any(t.cos.dtype != torch.float32 for t in tables):  # the step's rotary rows are read as float32
             return None
         if self.decode_stack_unsupported is not None:
             return None
@@ -362,6 +363,11 @@ class LlamaFamilyModel(nn.Module):
             assert isinstance(layer, DecoderLayer) and layer.input_layernorm is not None
             attn, mlp = layer.self_attn, layer.mlp
             assert isinstance(mlp, MLP)  # decode_stack_unsupported declines experts
+            # sandwich norms (Gemma): the MLP's input norm is pre_feedforward_layernorm, and
+            # post_attention_layernorm norms attention's output
+            sandwich = layer.pre_feedforward_layernorm is not None
+            before_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            assert before_mlp is not None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             qkv, o, gate_up, down = (
                 StackLinear(lin.weight, lin.scale, lin.bias, lin.groups()) for lin in projections
@@ -372,10 +378,10 @@ class LlamaFamilyModel(nn.Module):
                     o,
                     gate_up,
                     down,
-                    input_norm=layer.input_layernorm.weight,
-                    post_attention_norm=layer.post_attention_layernorm.weight,
-                    q_norm=None if attn.q_norm is None else attn.q_norm.weight,
-                    k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+                    input_norm=layer.input_layernorm.scale(),
+                    post_attention_norm=before_mlp.scale(),
+                    q_norm=None if attn.q_norm is None else attn.q_norm.scale(),
+                    k_norm=None if attn.k_norm is None else attn.k_norm.scale(),
                     k_cache=k_cache,
                     v_cache=v_cache,
                     q_scale=attn.scale * attn.k_scale,  # as forward() scales q (double, then float32)
@@ -383,10 +389,18 @@ class LlamaFamilyModel(nn.Module):
                     v_scale=attn.v_scale,
                     window=attn.window,
                     softcap=attn.softcap,
+                    attention_out_norm=layer.post_attention_layernorm.scale() if sandwich else None,
+                    mlp_out_norm=(
+                        layer.post_feedforward_layernorm.scale()
+                        if sandwich and layer.post_feedforward_layernorm is not None
+                        else None
+                    ),
+                    activation=s.activation,
+                    local_rope=attn.local_rope and self.rotary_local is not None,
                 )
             )
         return backend.build_decode_stack(
-            layers, self.norm.weight, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
+            layers, self.norm.scale(), s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
         )
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
