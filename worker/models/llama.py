@@ -273,8 +273,10 @@ class LlamaFamilyModel(nn.Module):
             h = self.lm_head.rows(input_ids, self.dtype)
         else:
             h = self.embed_tokens(input_ids)
-        if self.spec.embedding_normalizer is not None:  # a tensor in the model dtype, as Hugging Face's
-            h = h * torch.tensor(self.spec.embedding_normalizer, dtype=h.dtype, device=h.device)
+        if self.spec.embedding_normalizer is not None:
+            # Hugging Face multiplies by a tensor of it cast to the model dtype (sqrt(3072) is 55.5 in
+            # bfloat16): the same value as a Python scalar, which creates no device tensor (CUDA graphs)
+            h = h * float(torch.tensor(self.spec.embedding_normalizer).to(h.dtype))
         return h if self.embedding_multiplier == 1.0 else h * self.embedding_multiplier
 
     def forward(
