@@ -30,10 +30,14 @@ class Family:
     qkv_bias_field: str | None = None  # the config field that biases q/k/v (Qwen2-MoE's qkv_bias)
     moe: MoEKind | None = None  # its experts' checkpoint layout and math (moe_config.py); None: dense
     gemma: bool = False  # Gemma 2 / 3: (1 + w) norms around sublayers, soft-caps, ... (spec.from_hf_config)
+    # Gemma 3's image-text checkpoints: the decoder is config.text_config (its own model type's family), its
+    # weights under language_model.; the vision tower's are not read (text_weight)
+    text_config: bool = False
 
 
 SUPPORTED: dict[str, Family] = {
     "gemma2": Family(windows="layer_types", gemma=True),
+    "gemma3": Family(text_config=True),
     "gemma3_text": Family(qk_norm="head", windows="layer_types", gemma=True),
     "granite": Family(),
     "llama": Family(),
@@ -49,13 +53,35 @@ SUPPORTED: dict[str, Family] = {
 }
 
 
+def decoder_config(hf_config: Any) -> Any:
+    """The config of the decoder batchq runs: a multimodal family's text_config (Gemma 3's), else itself."""
+    family = SUPPORTED.get(str(getattr(hf_config, "model_type", None)))
+    return hf_config.text_config if family is not None and family.text_config else hf_config
+
+
+# An image-text checkpoint's decoder tensors under the causal LM's names: transformers' own layout (older
+# and hub checkpoints) and the one its newer model classes name; everything else (the vision tower, the
+# projector) is not the decoder's.
+TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))  # fmt: skip
+
+
+def text_weight(name: str) -> str | None:
+    """An image-text checkpoint's tensor `name` as the text decoder's causal LM names it, or None (not the
+    decoder's)."""
+    for prefix, ours in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return name if name.startswith("lm_head.") else None
+
+
 def check_architecture(
     model: str, model_type: Any, architectures: Any, hidden_act: Any, encoder_decoder: Any = False
 ) -> None:
     """A native family (SUPPORTED, silu), or a decoder-only `*ForCausalLM` for the transformers fallback.
     Without an architectures list the load decides (which AutoModelForCausalLM class the config maps to)."""
     if model_type in SUPPORTED and hidden_act in ACTIVATIONS:
-        return
+        return  # a text_config family's architectures name its multimodal class: its decoder is what runs
     native = ", ".join(sorted(SUPPORTED))
     if encoder_decoder:
         raise ModelLoadError(

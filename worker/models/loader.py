@@ -22,7 +22,9 @@ from worker.models.families import (
     causal_lm_class,
     check_architecture,
     check_causal_lm,
+    decoder_config,
     implementation,
+    text_weight,
 )
 from worker.models.moe_config import moe_spec
 from worker.models.quant_formats import QuantFormatError, quant_config
@@ -135,32 +137,34 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     path = implementation(model_type, hidden_act, model_impl)
     if path == "transformers":
         check_causal_lm(model, hf_config)
+    decoder = decoder_config(hf_config) if path == "native" else hf_config  # Gemma 3's text_config
     with reading(model, "its tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
     try:
         gen_config = GenerationConfig.from_pretrained(ckpt)
     except OSError:  # no generation_config.json: what transformers derives from the config
         gen_config = GenerationConfig.from_model_config(hf_config)
-    max_len = context_length(hf_config)
+    max_len = context_length(decoder)
     ours: LlamaFamilyModel | TransformersModel
     headless = False
     gguf = gguf_source(ckpt)  # a GGUF's metadata folder: its weights are in the file
     if path == "native" and gguf is not None:
         with reading(model, "its weights"):
-            ours = _native_gguf(model, gguf, hf_config, max_len, dtype, device)
+            ours = _native_gguf(model, gguf, decoder, max_len, dtype, device)
     elif path == "native":
         with reading(model, "its weights"):
-            ours, headless = _native(model, weights_folder(ckpt), hf_config, max_len, dtype, device)
+            ours, headless = _native(model, weights_folder(ckpt), hf_config, decoder, max_len, dtype, device)
     else:  # Hugging Face's model, from the dequantised checkpoint of a GGUF
         ours = _fallback(model, str(gguf_checkpoint(gguf)) if gguf else ckpt, max_len, dtype, device)
     if path == "native":
-        log.info("native decoder: %s", model_type)
+        text = f" (its text_config, {decoder.model_type})" if decoder is not hf_config else ""
+        log.info("native decoder: %s%s", model_type, text)
     return LoadedModel(
         name=model,
         model=ours,
         tokenizer=tokenizer,
         hf_config=hf_config,
-        eos_token_ids=collect_eos_ids(hf_config, gen_config),
+        eos_token_ids=collect_eos_ids(decoder, gen_config),
         max_model_len=max_len,
         checkpoint_dir=ckpt,
         implementation=path,
@@ -190,11 +194,18 @@ def _fallback(
 
 
 def _native(
-    model: str, folder: Path, hf_config: Any, max_len: int, dtype: torch.dtype, device: torch.device
+    model: str,
+    folder: Path,
+    hf_config: Any,
+    decoder: Any,
+    max_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[LlamaFamilyModel, bool]:
     """Our decoder, built empty on `device` in `dtype`, its weights streamed from the checkpoint's files
-    (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most). -> the model,
-    and whether the checkpoint lacks an LM head (see _bare_decoder)."""
+    (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most). decoder: the
+    decoder's config, hf_config's text_config in an image-text checkpoint (whose other tensors are not
+    read). -> the model, and whether the checkpoint lacks an LM head (see _bare_decoder)."""
     from worker.models.llama import LlamaFamilyModel
     from worker.models.quant_loading import assemble, quantised_linears
     from worker.models.weights import Checkpoint, WeightSource
@@ -206,11 +217,15 @@ def _native(
     with Checkpoint(folder, quantized=quant is not None) as checkpoint:
         names, bare = checkpoint.names, _bare_decoder(checkpoint.names)
         tensors: Iterator[tuple[str, Tensor | WeightSource]] = checkpoint.tensors()
-        if bare:
+        if decoder is not hf_config:  # the text decoder's tensors only (the others are never read)
+            names = {n for x in names if (n := text_weight(x))}
+            tensors = ((n, w) for x, w in tensors if (n := text_weight(x)))
+        elif bare:
             names = {_causal_lm_name(n) for n in names}
             tensors = ((_causal_lm_name(n), t) for n, t in tensors)
         try:
-            spec = _spec(hf_config, names)
+            tie = None if decoder is hf_config else bool(getattr(hf_config, "tie_word_embeddings", True))
+            spec = _spec(decoder, names, tie)
         except UnsupportedLayers as e:
             raise ModelLoadError(f"model {model!r}: {e}") from None
         headless = bare and "lm_head.weight" not in names and not spec.tie_embeddings
@@ -219,7 +234,7 @@ def _native(
         if bare:
             log.info("a bare decoder's checkpoint (no 'model.' prefix%s)",
                      ", no LM head: embedding requests only" if headless else "")  # fmt: skip
-        rotary, local = _rotary(model, hf_config, max_len, device)
+        rotary, local = _rotary(model, decoder, max_len, device)
         ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local)
         if quant is not None and spec.moe is not None:
             raise ModelLoadError(
@@ -270,7 +285,9 @@ def _native_gguf(
     return ours.eval()
 
 
-def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
+def _spec(hf_config: Any, names: set[str], tie: bool | None = None) -> DecoderSpec:
+    """tie: whether the embeddings are tied where the config's own flag is not what decides (an image-text
+    model ties by its top-level config, transformers' tie_weights, not by its text_config's)."""
     from worker.models.spec import DecoderSpec
 
     family = SUPPORTED[str(hf_config.model_type)]
@@ -290,6 +307,8 @@ def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
         attention_sinks=family.moe == "gpt_oss",
         gemma=family.gemma,
     )
+    if tie is not None:
+        spec = dataclasses.replace(spec, tie_embeddings=tie)
     if any(w is not None for w in spec.layer_windows):
         log.info("sliding windows per layer: %s", _windows_summary(spec.layer_windows))
     if spec.tie_embeddings and {"lm_head.weight", "model.embed_tokens.weight"} <= names:

@@ -24,12 +24,18 @@ LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # the types 
 # The MLP activations the native decoder computes, by transformers' ACT2FN names (Gemma's tanh GELU too)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 HIDDEN_ACTIVATION = ("gemma2", "gemma3_text")  # model types whose MLP reads config.hidden_activation
+TEXT_CONFIG = {"gemma3": "gemma3_text"}  # image-text model types -> their decoder's (in text_config)
 
 
 def activation(cfg: Any) -> Any:
     """The MLP's activation as the family's Hugging Face MLP reads it: Gemma's from hidden_activation (its
     checkpoints may carry a hidden_act beside it, which Gemma 2 / 3 ignore), every other's from hidden_act."""
     fields = cfg if isinstance(cfg, dict) else vars(cfg) | {"model_type": getattr(cfg, "model_type", None)}
+    if fields.get("model_type") in TEXT_CONFIG:  # the decoder's, in its text_config (a config or a dict)
+        text = fields.get("text_config") or {}
+        return activation(
+            {"model_type": TEXT_CONFIG[fields["model_type"]]} | text if isinstance(text, dict) else text
+        )
     if fields.get("model_type") in HIDDEN_ACTIVATION:  # its config's default where a checkpoint omits it
         return fields.get("hidden_activation") or "gelu_pytorch_tanh"
     return fields.get("hidden_act", "silu")
