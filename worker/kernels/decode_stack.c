@@ -201,8 +201,9 @@ static void add_normed(float *h, float *y, const float *w, int hid, float eps) {
    cache slots of the new tokens; block_tables: [M, width]; context_lens: [M] (this token included);
    max_len: the largest context; ws: batchq_decode_stack_workspace(...) floats. Returns 0. */
 int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out, int M, const float *cos,
-                        const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots, const int32_t *block_tables,
-                        const int32_t *context_lens, int width, int max_len, float *ws, int threads) {
+                        const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
+                        const int32_t *block_tables, const int32_t *context_lens, int width, int max_len, float *ws,
+                        int threads) {
     const int H = s->heads, KVH = s->kv_heads, D = s->head_dim, I = s->inter, hid = s->hidden;
     const int q_size = H * D, kv_size = KVH * D, nqkv = q_size + 2 * kv_size;
     const Sizes z = sizes(s, M, max_len);

@@ -237,8 +237,8 @@ class DecodeStack:
         rc = self._lib.batchq_decode_stack(
             ctypes.byref(self.spec), self.layers, h.data_ptr(), out.data_ptr(), m, cos.data_ptr(),
             sin.data_ptr(), None if cos_l is None else cos_l.data_ptr(),
-            None if sin_l is None else sin_l.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], max_len,
-            self._workspace.data_ptr(), threads,
+            None if sin_l is None else sin_l.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            tables.shape[1], max_len, self._workspace.data_ptr(), threads,
         )  # fmt: skip
         assert rc == 0
         return out

@@ -2,9 +2,9 @@
 
 SUPPORTED: the model types our decoder runs (with an activation it computes, spec.ACTIVATIONS), and what
 each changes in it beyond what its config says (mixture-of-experts families: which experts' layout and
-routing, moe_config.py); `implementation`: the native decoder or the transformers fallback (EngineConfig.model_impl: auto,
-native, transformers); the checks that refuse what neither path runs. No torch here: `worker` runs the
-architecture check before anything heavy loads.
+routing, moe_config.py); `implementation`: the native decoder or the transformers fallback
+(EngineConfig.model_impl: auto, native, transformers); the checks that refuse what neither path runs. No
+torch here: `worker` runs the architecture check before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def text_weight(name: str) -> str | None:
 def check_architecture(
     model: str, model_type: Any, architectures: Any, hidden_act: Any, encoder_decoder: Any = False
 ) -> None:
-    """A native family (SUPPORTED, silu), or a decoder-only `*ForCausalLM` for the transformers fallback.
+    """A native family (SUPPORTED, with an activation of spec.ACTIVATIONS), or a decoder-only `*ForCausalLM` for the transformers fallback.
     Without an architectures list the load decides (which AutoModelForCausalLM class the config maps to)."""
     if model_type in SUPPORTED and hidden_act in ACTIVATIONS:
         return  # a text_config family's architectures name its multimodal class: its decoder is what runs

@@ -322,9 +322,9 @@ def _spec(hf_config: Any, names: set[str], tie: bool | None = None) -> DecoderSp
 def _rotary(
     model: str, hf_config: Any, max_len: int, device: torch.device
 ) -> tuple[RotaryTable, RotaryTable | None]:
-    """The cos/sin tables, every layer's and Gemma 3's sliding layers' (or None), from a fresh Hugging Face rotary module of
-    the model's own class: it computes inv_freq in float32 for whatever rope type the config names, without
-    any weights. Gemma 3's module holds one per layer type: the full layers' (rope_theta and its scaling)
+    """The cos/sin tables, every layer's and Gemma 3's sliding layers' (or None), from a fresh Hugging Face
+    rotary module of the model's own class: it computes inv_freq in float32 for whatever rope type the config
+    names, without any weights. Gemma 3's module holds one per layer type: the full layers' (rope_theta and its scaling)
     first, the sliding layers' (rope_local_base_freq) last; every other model has one table, and None."""
     import torch
 
