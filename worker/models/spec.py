@@ -29,16 +29,19 @@ TEXT_CONFIG = {"gemma3": "gemma3_text"}  # image-text model types -> their decod
 
 def activation(cfg: Any) -> Any:
     """The MLP's activation as the family's Hugging Face MLP reads it: Gemma's from hidden_activation (its
-    checkpoints may carry a hidden_act beside it, which Gemma 2 / 3 ignore), every other's from hidden_act."""
-    fields = cfg if isinstance(cfg, dict) else vars(cfg) | {"model_type": getattr(cfg, "model_type", None)}
-    if fields.get("model_type") in TEXT_CONFIG:  # the decoder's, in its text_config (a config or a dict)
-        text = fields.get("text_config") or {}
-        return activation(
-            {"model_type": TEXT_CONFIG[fields["model_type"]]} | text if isinstance(text, dict) else text
-        )
-    if fields.get("model_type") in HIDDEN_ACTIVATION:  # its config's default where a checkpoint omits it
-        return fields.get("hidden_activation") or "gelu_pytorch_tanh"
-    return fields.get("hidden_act", "silu")
+    checkpoints may carry a hidden_act beside it, which Gemma 2 / 3 ignore), every other's from hidden_act.
+    cfg: a config, or config.json's dict."""
+
+    def get(key: str) -> Any:
+        return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+
+    model_type = get("model_type")
+    if model_type in TEXT_CONFIG:  # the decoder's, in its text_config (a config, or a dict in config.json)
+        text = get("text_config") or {}
+        return activation({"model_type": TEXT_CONFIG[model_type]} | text if isinstance(text, dict) else text)
+    if model_type in HIDDEN_ACTIVATION:  # its config's default where a checkpoint omits it
+        return get("hidden_activation") or "gelu_pytorch_tanh"
+    return get("hidden_act") or "silu"
 
 
 class UnsupportedLayers(ValueError):
