@@ -203,6 +203,15 @@ def run_contender(mode: str, workload: Path, dtype: str, extra: list[str]) -> di
     return orjson.loads(out.read_bytes())
 
 
+def family_row(out: Path) -> dict[str, Any]:
+    """One non-Llama family (a random Gemma 2, family_bench.py), engine and HF on a model of its own, in its
+    own process."""
+    print("  running family_bench (random Gemma 2) ...", file=sys.stderr, flush=True)
+    script = str(ROOT / "benchmarks" / "family_bench.py")
+    subprocess.run([sys.executable, script, "--out", str(out)], check=True, cwd=ROOT)
+    return dict(orjson.loads(out.read_bytes()))
+
+
 def agreement(wide: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
     """Greedy outputs of a narrower KV cache or narrower weights against full precision, same prompts."""
     first = []
@@ -272,6 +281,10 @@ def table(info: dict[str, Any], rows: list[dict[str, Any]], hf_tps: float | None
                 "(bound: the step's weight bytes read once at the memory bandwidth its process measured right "
                 f"after its decode runs, {rates[0] / 1e9:.0f}-{rates[-1] / 1e9:.0f} GB/s in this run)"
             )
+    if "family" in info:
+        import family_bench
+
+        lines += ["", family_bench.table(info["family"])]
     return "\n".join(lines)
 
 
@@ -366,7 +379,7 @@ def main() -> int:
         "--skip",
         action="append",
         default=[],
-        choices=["hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp", "isa", "moe"],
+        choices=["hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp", "isa", "moe", "family"],
     )
     p.add_argument("--out", default=None)
     ns = p.parse_args()
@@ -417,6 +430,8 @@ def main() -> int:
             info["llamacpp"] = llama["skipped"]
             llama = None
         rows += [*narrow.values(), *weights.values(), *(r for r in (queue, llama, hf) if r is not None)]
+        if "family" not in ns.skip:
+            info["family"] = family_row(Path(d) / "family.json")
     ceiling = gemm_ceiling(ns.dtype, native=True)
     params = engine.get("params") or SMOLLM2_PARAMS
     info["gemm_ceiling_gflops"] = ceiling / 1e9

@@ -77,11 +77,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
-    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3, the
-    mixture-of-experts mixtral | qwen2_moe | qwen3_moe | gpt_oss (their expert counts in `overrides`), and cohere |
-    starcoder2 | gemma | gemma2 | gemma3 (its text model), which run through the transformers fallback) with
+    """A small config of `arch` (llama | qwen2 | qwen3 | mistral | granite | olmo2 | phi3 | gemma2 | gemma3
+    (its text model), the mixture-of-experts mixtral | qwen2_moe | qwen3_moe | gpt_oss (their expert counts in
+    `overrides`), and cohere | cohere2 | starcoder2 | gemma, which run through the transformers fallback) with
     peaky random logits."""
     from transformers import (
+        Cohere2Config,
         CohereConfig,
         Gemma2Config,
         Gemma3TextConfig,
@@ -125,6 +126,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         "olmo2": Olmo2Config,
         "phi3": Phi3Config,
         "cohere": CohereConfig,
+        "cohere2": Cohere2Config,
         "starcoder2": Starcoder2Config,
         "gemma": GemmaConfig,
         "gemma2": Gemma2Config,
@@ -198,4 +200,33 @@ def build_think_checkpoint(path: Path, seed: int = 9) -> Path:
     with torch.no_grad():
         head[END_THINK] = head[closer] * 1.05
     hf.save_pretrained(path)
+    return path
+
+
+def build_tiny_gemma3_image_text(path: Path, seed: int = 0, **text_overrides: Any) -> Path:
+    """A random tiny Gemma 3 image-text checkpoint (Gemma3ForConditionalGeneration: a one-layer SigLIP
+    vision tower and projector beside the text decoder, tied as its top-level config says) plus the byte
+    tokenizer; its image token ids are the last byte ids, which the tests' prompts leave out."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14,
+    )  # fmt: skip
+    cfg = Gemma3Config(
+        text_config=tiny_config("gemma3", **text_overrides).to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB_SIZE - 1,
+        boi_token_index=VOCAB_SIZE - 2,
+        eoi_token_index=VOCAB_SIZE - 3,
+    )
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * NORM_NOISE)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
     return path

@@ -1,7 +1,8 @@
 """Chat templates, special tokens and EOS sets of the families, as Hugging Face handles them.
 
 Each family gets a tokenizer with its own special tokens and its published chat template (Gemma's
-`<start_of_turn>` / `<end_of_turn>` turns with a `<bos>` in the template and no system role; Phi-3's
+`<start_of_turn>` / `<end_of_turn>` turns with a `<bos>` in the template and no system role, on Gemma 1
+through transformers and Gemma 2 natively; Phi-3's
 `<|user|>` / `<|assistant|>` / `<|end|>`), and a generation config whose EOS set holds the end-of-turn
 token beside the model's EOS, as the instruct checkpoints ship them. The tiny model's LM-head row of the
 end-of-turn token is scaled so that some answers end on it and others run to max_new_tokens: the
@@ -64,6 +65,18 @@ FAMILIES = {
         end_of_turn="<end_of_turn>",
         template=GEMMA_TEMPLATE,
         overrides={"head_dim": 16, "hidden_activation": "gelu_pytorch_tanh"},
+        end_of_turn_boost=2.0,
+        system_refused=True,
+    ),
+    # Gemma 2 on the native decoder, with Gemma's template and <end_of_turn> in its EOS set
+    "gemma2": ChatFamily(
+        "gemma2",
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        bos="<bos>",
+        eos="<eos>",
+        end_of_turn="<end_of_turn>",
+        template=GEMMA_TEMPLATE,
+        overrides={"head_dim": 16, "sliding_window": 16},
         end_of_turn_boost=2.0,
         system_refused=True,
     ),

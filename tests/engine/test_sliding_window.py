@@ -1,11 +1,11 @@
 """Sliding-window models against Hugging Face float32, through the production loader: tiny Mistral (every
-layer windowed: the window releases blocks as sequences advance) and tiny Qwen2 with max_window_layers
-leaving its first layer full (one table for every layer: nothing released, the idle blocks counted). Greedy
+layer windowed: the window releases blocks as sequences advance), tiny Qwen2 with max_window_layers
+leaving its first layer full (one table for every layer: nothing released, the idle blocks counted), and
+Gemma 2 / Gemma 3 on the native decoder, their local and global layers interleaved by layer_types (Gemma 2
+soft-capped, Gemma 3 with its own rotary base for the local layers). Greedy
 tokens over prompts longer than the window in mixed batches, label scores and logprobs, the prefix cache
 over a shared prefix longer than the window, and a sequence far longer than the pool could hold without the
 window. The layers' windows are read from each config as transformers builds its modules.
-(Gemma 2 / 3, interleaved and soft-capped, run through the transformers fallback:
-tests/engine/test_transformers_fallback.py.)
 """
 
 from __future__ import annotations
@@ -36,6 +36,24 @@ MODELS = {
             "num_hidden_layers": 3,
         },
     ),
+    # local, global, local (Gemma 2 alternates from a sliding first layer)
+    "gemma2": (
+        "gemma2",
+        {"head_dim": 16, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 4.0, "sliding_window": WINDOW}
+        | {"num_hidden_layers": 3},
+    ),
+    # local, local, global
+    "gemma3": (
+        "gemma3",
+        {"head_dim": 16, "sliding_window": WINDOW, "num_hidden_layers": 3, "sliding_window_pattern": 3}
+        | {"rope_local_base_freq": 100.0},
+    ),
+}
+LAYER_WINDOWS = {
+    "mistral": (WINDOW, WINDOW),
+    "qwen2-mixed": (None, WINDOW, WINDOW),
+    "gemma2": (WINDOW, None, WINDOW),
+    "gemma3": (WINDOW, WINDOW, None),
 }
 # Five prompts, three well longer than the window (up to 5x), one shorter, one a single token
 PROMPTS = [[5, 6, 7], list(range(10, 60)), [200, 100] * 40, [42], list(range(3, 120, 2))]
@@ -111,8 +129,7 @@ def test_greedy_matches_hf_generate_in_mixed_batches(model: tuple[Path, str], cp
     engine = load(
         path, cpu_kernels=cpu_kernels, max_num_batched_tokens=40, max_num_seqs=8
     )  # chunks beside decodes
-    windows = engine.model_runner.model.layer_windows
-    assert windows == ((WINDOW,) * 2 if name == "mistral" else (None, WINDOW, WINDOW))
+    assert engine.model_runner.model.layer_windows == LAYER_WINDOWS[name]
     results = run_checked(
         engine, [EngineRequest(f"r{i}", greedy(), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]
     )

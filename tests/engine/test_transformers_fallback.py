@@ -1,8 +1,8 @@
 """The transformers fallback (models/transformers_model.py): families without a native path (Cohere, Starcoder2,
-Gemma 2 with its attention-logit softcap and interleaved sliding windows, Gemma 3's text model) run Hugging
-Face's own layers over batchq's paged cache, exact against Hugging Face in float32 and continuously batched,
-prefix cache included (a shared prefix longer than the windows); Llama gives the same tokens on either path;
-what the fallback cannot compute exactly is refused at load, in one line.
+Cohere 2 with its interleaved sliding windows) run Hugging Face's own layers over batchq's paged cache, exact
+against Hugging Face in float32 and continuously batched, prefix cache included (a shared prefix longer than
+the windows); Llama, and Gemma 2 with its soft-caps and interleaved windows, give the same tokens on either
+path; what the fallback cannot compute exactly is refused at load, in one line.
 
 Each checkpoint goes through the production loader (save_pretrained dir -> Engine.load).
 """
@@ -33,20 +33,17 @@ from worker.models.transformers_model import TransformersModel
 FAMILIES = {
     "cohere": ("cohere", {"logit_scale": 0.5, "use_qk_norm": True}),
     "starcoder2": ("starcoder2", {}),
-    # Gemma 2: a softmax scale of query_pre_attn_scalar ** -0.5, not head_dim's, norms after each sublayer
-    # too, attention-logit softcapping (low enough to bend these scores), a final logit softcap, and layers
-    # alternately windowed, the window shorter than most prompts here
-    "gemma2": (
-        "gemma2",
-        {"head_dim": 16, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 4.0, "sliding_window": 12},
-    ),
-    # Gemma 3's text model: q/k norms, rotary bases per layer type, two windowed layers to a global one
-    "gemma3": (
-        "gemma3",
-        {"head_dim": 16, "query_pre_attn_scalar": 64, "sliding_window": 10, "num_hidden_layers": 3}
-        | {"sliding_window_pattern": 3},
-    ),
+    # Cohere 2: layers alternately windowed (rotary in the windowed ones only), the window shorter than
+    # most prompts here
+    "cohere2": ("cohere2", {"sliding_window": 12, "sliding_window_pattern": 2, "logit_scale": 0.5}),
 }
+# Gemma 2 (native, tests/engine/test_tiny_models.py) through the fallback too: a softmax scale of
+# query_pre_attn_scalar ** -0.5, attention-logit softcapping low enough to bend these scores, a final logit
+# softcap, layers alternately windowed
+GEMMA2 = (
+    "gemma2",
+    {"head_dim": 16, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 4.0, "sliding_window": 12},
+)
 SHARED = list(range(10, 58))  # six blocks of 8: what the second batch's prompts find in the prefix cache
 PROMPTS = [[5, 6, 7], [*SHARED, 3, 4], list(range(10, 60)), [200, 100] * 20, [42], [*SHARED, 77]]
 NEW = 16
@@ -189,14 +186,14 @@ def test_a_bfloat16_model_passes_the_load_check_and_serves(family: tuple[Path, s
 
 
 def test_every_layer_the_config_masks_with_a_window_passes_that_window(tmp_path: Path) -> None:
-    """The windows Gemma 2's modules pass (recorded on the load's check) are the ones its config's mask
+    """The windows Cohere 2's modules pass (recorded on the load's check) are the ones its config's mask
     names; a config whose mask windowed a layer its module attends to in full would be refused, as would
     layer types batchq's attention does not compute."""
     import copy
 
     from worker.models.transformers_model import check_windows
 
-    arch, overrides = FAMILIES["gemma2"]
+    arch, overrides = FAMILIES["cohere2"]
     engine = load(build_tiny_checkpoint(tmp_path, arch, **overrides))
     model = engine.model_runner.model
     assert isinstance(model, TransformersModel) and model.layer_windows == (12, None)
@@ -212,20 +209,21 @@ def test_every_layer_the_config_masks_with_a_window_passes_that_window(tmp_path:
     assert "layer types ['chunked_attention']" in str(check_windows(model, both))
 
 
-def test_gemma2s_softcap_and_window_change_hf_logits_here(tmp_path: Path) -> None:
-    """The Gemma 2 comparisons above can fail: without its attention-logit softcap, or with a window past
-    the prompt (its eager attention windows by the config's mask), Hugging Face's own model gives these
-    prompts other logits."""
-    arch, overrides = FAMILIES["gemma2"]
-    hf = AutoModelForCausalLM.from_pretrained(build_tiny_checkpoint(tmp_path, arch, **overrides)).eval()
-    ids = torch.tensor([PROMPTS[2]])  # 50 tokens, the window 12
-    with torch.no_grad():
-        base = hf(ids).logits
-        for layer in hf.model.layers:
-            layer.self_attn.attn_logit_softcapping = None
-        assert (hf(ids).logits - base).abs().max() > 0.1
-        for layer in hf.model.layers:
-            layer.self_attn.attn_logit_softcapping = overrides["attn_logit_softcapping"]
-        assert torch.equal(hf(ids).logits, base)
-        hf.config.sliding_window = 1000
-        assert (hf(ids).logits - base).abs().max() > 0.1
+def test_gemma2_gives_hf_tokens_through_the_fallback_as_natively(tmp_path: Path) -> None:
+    """Gemma 2's soft-caps and interleaved windows through Hugging Face's own layers (model_impl
+    'transformers'): the tokens Hugging Face generates, the native decoder's too, over the prefix cache."""
+    arch, overrides = GEMMA2
+    path = build_tiny_checkpoint(tmp_path, arch, **overrides)
+    native, fallback = load(path, model_impl="native"), load(path, model_impl="transformers")
+    assert isinstance(fallback.model_runner.model, TransformersModel)
+    assert fallback.model_runner.model.layer_windows == (12, None)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for engine in (native, fallback):
+        engine.generate([EngineRequest("warm", greedy(2), prompt_token_ids=SHARED)])
+    reqs = [EngineRequest(f"r{i}", greedy(), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]
+    a, b = native.generate(reqs), fallback.generate(reqs)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert fallback.counters.cached_prompt_tokens >= 2 * len(SHARED) - 16
+    for i, (prompt, res) in enumerate(zip(PROMPTS, b, strict=True)):
+        theirs, logits = hf_greedy(hf, prompt, NEW)
+        assert check_greedy(i, res.token_ids, theirs, logits) is None

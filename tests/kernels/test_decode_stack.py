@@ -1,5 +1,5 @@
 """The C decode stack (decode_stack.c): a whole decode step in one call computes what the layer-by-layer
-path computes, for every Llama-family variant, weight and cache dtype it takes, and steps aside where it
+path computes, for every Llama-family variant (Gemma 2 / 3 too), weight and cache dtype it takes, and steps aside where it
 does not apply. Tiny random checkpoints through the production loader; HF parity of the same decode
 steps is tests/engine/test_tiny_models.py's (the engine runs the stack there)."""
 
@@ -28,7 +28,14 @@ ARCHS = {
     "qwen2": ("qwen2", {}),  # q/k/v biases only
     "qwen3": ("qwen3", {"head_dim": 32}),  # per-head q/k RMSNorm, head_dim != hidden / heads
     "mha": ("llama", {"num_key_value_heads": 4}),  # one query head per kv head
-}
+    "llama-gelu": ("llama", {"hidden_act": "gelu"}),  # the exact GELU
+    # (1 + w) norms around both sublayers, GELU-tanh, soft-caps, a window; Gemma 3's q/k norms and its
+    # sliding layers' own rotary table
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 4.0,
+                          "sliding_window": 12, "attention_bias": True}),
+    "gemma3": ("gemma3", {"head_dim": 16, "sliding_window": 10, "num_hidden_layers": 3,
+                          "sliding_window_pattern": 3, "rope_local_base_freq": 100.0}),
+}  # fmt: skip
 # contexts from one token to several blocks (block_size 8), so rows straddle block edges
 PROMPTS = [[5], list(range(10, 47)), [200, 100] * 20, [42, 43, 44, 45, 46, 47, 48], list(range(3, 120, 2))]
 
@@ -259,8 +266,8 @@ WINDOWED = {
 @pytest.mark.parametrize("name", sorted(WINDOWED))
 def test_stack_computes_windowed_and_softcapped_layers_as_layer_by_layer(tmp_path: Path, name: str) -> None:
     """Each layer's sliding window and an attention-logit softcap reach decode_stack.c's layers: the stack's
-    step equals the layer-by-layer step, which paged_decode.c computes within the same windows. (No native
-    family has a softcap: it is set on the decoder's layers, as a family with one would set it.)"""
+    step equals the layer-by-layer step, which paged_decode.c computes within the same windows. (The softcap
+    is set on the decoder's layers here; Gemma 2's own, from its config, runs in ARCHS.)"""
     arch, overrides = WINDOWED[name]
     engine = load(build_tiny_checkpoint(tmp_path / name, arch, **overrides))
     model = engine.model_runner.model

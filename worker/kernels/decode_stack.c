@@ -18,9 +18,13 @@
                                              layer's sliding window and soft-capped where it has them
      h += att Wo^T (+ b)                     the residual added in the linear's epilogue
      xn = rmsnorm(h)
-     gu = xn Wgu^T (+ b); act = silu(gate) * up
+     gu = xn Wgu^T (+ b); act = silu(gate) * up   (GELU, tanh or exact, in Gemma's)
      h += act Wdown^T (+ b)
    then out = rmsnorm(h) with the final norm.
+
+   Gemma 2 / 3 norm each sublayer's output too (post_attn, post_ff): o and down then write into xn, and
+   h += rmsnorm(xn) follows; their norms' weights arrive as 1 + w (float32, llama.py's RMSNorm.scale), and
+   Gemma 3's sliding layers rotate by their own table (cos_local, sin_local).
 
    Caches: [kv_heads, num_blocks, block_size, head_dim], float32, bfloat16 or FP8 E4M3 (kv_elem 0, 1, 2:
    paged_decode.c's), written rounded as torch's .to() rounds. An FP8 cache holds K / k_scale and
@@ -58,7 +62,12 @@ typedef struct {
     float k_scale, v_scale; /* the cache holds K / k_scale, V / v_scale (1 but for FP8) */
     int window;             /* > 0: the layer's sliding window (paged_decode.c's) */
     float softcap;          /* > 0: its attention-logit soft-capping */
+    const float *post_attn, *post_ff; /* norms of attention's and the MLP's outputs (Gemma), or NULL */
+    int act;                /* the MLP's activation: ACT_SILU, ACT_GELU_TANH, ACT_GELU */
+    int local_rope;         /* 1: rotated by cos_local / sin_local (Gemma 3's sliding layers) */
 } Layer;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
 
 typedef struct {
     int num_layers, hidden, heads, kv_heads, head_dim, inter;
@@ -166,13 +175,35 @@ static void silu_mul(const float *gate, const float *up, float *act, long n) {
     }
 }
 
+/* act[i] = gelu(gate[i]) * up[i], torch's GELU: its tanh approximation (ACT_GELU_TANH, Gemma's
+   gelu_pytorch_tanh) 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in torch's order of operations, or
+   the exact 0.5 x (1 + erf(x / sqrt 2)); libm's tanhf / erff differ from torch's vectorised ones by about
+   one float32 rounding. */
+static void gelu_mul(const float *gate, const float *up, float *act, long n, int tanh_form) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f, rsqrt2 = 0.7071067811865476f;
+    for (long i = 0; i < n; i++) {
+        const float x = gate[i];
+        const float g = tanh_form ? 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))))
+                                  : x * 0.5f * (1.0f + erff(x * rsqrt2));
+        act[i] = g * up[i];
+    }
+}
+
+/* h += rmsnorm(y) for one row of h and y (y normed in place): a sublayer's output norm (Gemma). */
+static void add_normed(float *h, float *y, const float *w, int hid, float eps) {
+    batchq_rmsnorm_row(y, w, y, hid, eps);
+    for (int i = 0; i < hid; i++) h[i] += y[i];
+}
+
 /* h: [M, hidden] float32, the embedded tokens in, the last layer's residual stream out; out: [M, hidden]
-   receives rmsnorm(h) with the final norm. cos, sin: [M, head_dim] each row's rotary factors; slots: [M]
+   receives rmsnorm(h) with the final norm. cos, sin: [M, head_dim] each row's rotary factors; cos_local,
+   sin_local: the same of the local table (layers with local_rope; NULL where none has it); slots: [M]
    cache slots of the new tokens; block_tables: [M, width]; context_lens: [M] (this token included);
    max_len: the largest context; ws: batchq_decode_stack_workspace(...) floats. Returns 0. */
 int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out, int M, const float *cos,
-                        const float *sin, const int64_t *slots, const int32_t *block_tables,
-                        const int32_t *context_lens, int width, int max_len, float *ws, int threads) {
+                        const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
+                        const int32_t *block_tables, const int32_t *context_lens, int width, int max_len, float *ws,
+                        int threads) {
     const int H = s->heads, KVH = s->kv_heads, D = s->head_dim, I = s->inter, hid = s->hidden;
     const int q_size = H * D, kv_size = KVH * D, nqkv = q_size + 2 * kv_size;
     const Sizes z = sizes(s, M, max_len);
@@ -196,7 +227,8 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) {
                 float *row = qkv + (size_t)m * nqkv;
-                const float *c = cos + (size_t)m * D, *sn = sin + (size_t)m * D;
+                const float *c = (L->local_rope ? cos_local : cos) + (size_t)m * D;
+                const float *sn = (L->local_rope ? sin_local : sin) + (size_t)m * D;
                 for (int hh = 0; hh < H; hh++) {
                     float *qh = row + (size_t)hh * D, *dst = qs + ((size_t)m * H + hh) * D;
                     if (L->q_norm) batchq_rmsnorm_row(qh, L->q_norm, qh, D, s->eps);
@@ -221,7 +253,14 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
                     for (int j = 0; j < (H / KVH) * D; j++) o[j] *= L->v_scale;
                 }
             }
-            batchq_linear_part_w(att, &L->o, h, M, q_size, hid, t, nt, 1);
+            if (L->post_attn) { /* xn is free: the QKV linear read it before the last barrier */
+                batchq_linear_part_w(att, &L->o, xn, M, q_size, hid, t, nt, 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+                for (int m = 0; m < M; m++) add_normed(h + (size_t)m * hid, xn + (size_t)m * hid, L->post_attn, hid, s->eps);
+            } else {
+                batchq_linear_part_w(att, &L->o, h, M, q_size, hid, t, nt, 1);
+            }
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, L->ln2, xn + (size_t)m * hid, hid, s->eps);
@@ -232,13 +271,22 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
                 const long n = (long)M * I, a = n * t / nt, b = n * (t + 1) / nt;
                 for (long r = a; r < b;) {
                     const long m = r / I, i0 = r % I, len = (b - r < I - i0) ? b - r : I - i0;
-                    silu_mul(gu + (size_t)m * 2 * I + i0, gu + (size_t)m * 2 * I + I + i0, act + (size_t)m * I + i0, len);
+                    const float *g = gu + (size_t)m * 2 * I + i0, *u = g + I;
+                    if (L->act == ACT_SILU) silu_mul(g, u, act + (size_t)m * I + i0, len);
+                    else gelu_mul(g, u, act + (size_t)m * I + i0, len, L->act == ACT_GELU_TANH);
                     r += len;
                 }
             }
 #pragma omp barrier
-            batchq_linear_part_w(act, &L->down, h, M, I, hid, t, nt, 1);
+            if (L->post_ff) { /* xn is free: the gate/up linear read it before the activation's barrier */
+                batchq_linear_part_w(act, &L->down, xn, M, I, hid, t, nt, 0);
 #pragma omp barrier
+#pragma omp for schedule(static)
+                for (int m = 0; m < M; m++) add_normed(h + (size_t)m * hid, xn + (size_t)m * hid, L->post_ff, hid, s->eps);
+            } else {
+                batchq_linear_part_w(act, &L->down, h, M, I, hid, t, nt, 1);
+#pragma omp barrier
+            }
         }
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, s->final_norm, out + (size_t)m * hid, hid, s->eps);

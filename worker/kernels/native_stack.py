@@ -35,7 +35,7 @@ from worker.kernels.native_linear import (
 SOURCES = (KERNELS / "decode_stack.c", *native_linear.SOURCES, *native_attention.SOURCES)
 SIGNATURES = {
     "batchq_decode_stack": Signature(
-        c_int, [c_void_p] * 4 + [c_int] + [c_void_p] * 5 + [c_int] * 2 + [c_void_p, c_int]
+        c_int, [c_void_p] * 4 + [c_int] + [c_void_p] * 7 + [c_int] * 2 + [c_void_p, c_int]
     ),
     "batchq_decode_stack_workspace": Signature(c_long, [c_void_p] + [c_int] * 3),
     "batchq_to_fp8": Signature(None, [c_void_p, c_void_p, c_long]),  # its FP8 rounding, for the tests
@@ -59,7 +59,14 @@ class _Layer(ctypes.Structure):
         *((name, ctypes.c_float) for name in ("q_scale", "k_scale", "v_scale")),
         ("window", ctypes.c_int),
         ("softcap", ctypes.c_float),
+        ("post_attn", ctypes.c_void_p),
+        ("post_ff", ctypes.c_void_p),
+        ("act", ctypes.c_int),
+        ("local_rope", ctypes.c_int),
     ]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}  # decode_stack.c's ACT_*
 
 
 class _Spec(ctypes.Structure):
@@ -123,8 +130,8 @@ class StackLayer:
     o: StackLinear
     gate_up: StackLinear  # gate rows, then up rows
     down: StackLinear
-    input_norm: Tensor  # [hidden] float32
-    post_attention_norm: Tensor
+    input_norm: Tensor  # [hidden] float32: what the rows are multiplied by (Gemma's 1 + w)
+    post_attention_norm: Tensor  # before the MLP (Gemma's pre_feedforward_layernorm)
     q_norm: Tensor | None  # [head_dim] (Qwen3)
     k_norm: Tensor | None
     k_cache: Tensor  # [kv_heads, num_blocks, block_size, head_dim]: float32, bfloat16 or FP8 E4M3
@@ -134,6 +141,10 @@ class StackLayer:
     v_scale: float = 1.0
     window: int | None = None  # the layer's sliding window (reference.py's)
     softcap: float | None = None  # its attention-logit soft-capping
+    attention_out_norm: Tensor | None = None  # Gemma: attention's output normed before the residual add
+    mlp_out_norm: Tensor | None = None  # and the MLP's
+    activation: str = "silu"  # ACTIVATIONS
+    local_rope: bool = False  # rotated by the local table (Gemma 3's sliding layers)
 
 
 class DecodeStack:
@@ -153,6 +164,7 @@ class DecodeStack:
         assert lib is not None
         self._lib = lib
         self._keep = (layers, final_norm)  # the pointers below stay valid while these live
+        self.needs_local = any(x.local_rope for x in layers)
         first = layers[0]
         _, nb, bs, _ = first.k_cache.shape
         self.hidden = first.input_norm.shape[0]
@@ -185,6 +197,10 @@ class DecodeStack:
                     x.v_scale,
                     x.window or 0,
                     x.softcap or 0.0,
+                    opt(x.attention_out_norm),
+                    opt(x.mlp_out_norm),
+                    ACTIVATIONS[x.activation],
+                    int(x.local_rope),
                 )
                 for x in layers
             )
@@ -192,17 +208,27 @@ class DecodeStack:
         self._workspace = torch.empty(0, dtype=torch.float32)
 
     def __call__(
-        self, h: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, block_tables: Tensor, context_lens: Tensor
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        slots: Tensor,
+        block_tables: Tensor,
+        context_lens: Tensor,
+        local: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """h: [M, hidden] float32, the embedded tokens (updated in place: the residual stream); cos, sin:
-        [M, head_dim]; slots: [M] int64; block_tables: [M, W] int32; context_lens: [M] int32.
-        -> [M, hidden]: the final norm of the last layer's output."""
+        [M, head_dim]; slots: [M] int64; block_tables: [M, W] int32; context_lens: [M] int32; local: the
+        local table's cos, sin rows (layers with local_rope). -> [M, hidden]: the final norm of the last
+        layer's output."""
+        assert local is not None or not self.needs_local, "layers with local_rope need the local table's rows"
         m = h.shape[0]
         threads = torch.get_num_threads()
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         slots = slots.to(torch.int64).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
+        cos_l, sin_l = (None, None) if local is None else (local[0].contiguous(), local[1].contiguous())
         max_len = max(int(lens.max()), 1) if m else 1
         need = self._lib.batchq_decode_stack_workspace(ctypes.byref(self.spec), m, max_len, threads)
         if self._workspace.numel() < need:
@@ -210,8 +236,9 @@ class DecodeStack:
         out = torch.empty(m, self.hidden, dtype=torch.float32)
         rc = self._lib.batchq_decode_stack(
             ctypes.byref(self.spec), self.layers, h.data_ptr(), out.data_ptr(), m, cos.data_ptr(),
-            sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), tables.shape[1], max_len,
-            self._workspace.data_ptr(), threads,
+            sin.data_ptr(), None if cos_l is None else cos_l.data_ptr(),
+            None if sin_l is None else sin_l.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            tables.shape[1], max_len, self._workspace.data_ptr(), threads,
         )  # fmt: skip
         assert rc == 0
         return out
@@ -242,7 +269,11 @@ def stack_supported(layers: list[StackLayer], heads: int, kv_heads: int, head_di
             (x.post_attention_norm, hidden),
             (x.q_norm, head_dim),
             (x.k_norm, head_dim),
+            (x.attention_out_norm, hidden),
+            (x.mlp_out_norm, hidden),
         )
+        if x.activation not in ACTIVATIONS:
+            return False
         if not all(vector(t, n) for t, n in norms):
             return False
         caches = (x.k_cache, x.v_cache)

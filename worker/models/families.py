@@ -1,9 +1,10 @@
 """The native families and which path runs a model.
 
-SUPPORTED: the model types our decoder runs (with silu), and what each changes in it beyond what its config
-says (mixture-of-experts families: which experts' layout and routing, moe_config.py); `implementation`: the native decoder or the transformers fallback (EngineConfig.model_impl: auto,
-native, transformers); the checks that refuse what neither path runs. No torch here: `worker` runs the
-architecture check before anything heavy loads.
+SUPPORTED: the model types our decoder runs (with an activation it computes, spec.ACTIVATIONS), and what
+each changes in it beyond what its config says (mixture-of-experts families: which experts' layout and
+routing, moe_config.py); `implementation`: the native decoder or the transformers fallback
+(EngineConfig.model_impl: auto, native, transformers); the checks that refuse what neither path runs. No
+torch here: `worker` runs the architecture check before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Literal
 
 from worker.models.errors import ModelLoadError
 from worker.models.moe_config import MoEKind
-from worker.models.spec import WindowRule
+from worker.models.spec import ACTIVATIONS, WindowRule
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,16 @@ class Family:
     windows: WindowRule = "none"  # which layers slide, as the family's Hugging Face mask decides (spec.py)
     qkv_bias_field: str | None = None  # the config field that biases q/k/v (Qwen2-MoE's qkv_bias)
     moe: MoEKind | None = None  # its experts' checkpoint layout and math (moe_config.py); None: dense
+    gemma: bool = False  # Gemma 2 / 3: (1 + w) norms around sublayers, soft-caps, ... (spec.from_hf_config)
+    # Gemma 3's image-text checkpoints: the decoder is config.text_config (its own model type's family), its
+    # weights under language_model.; the vision tower's are not read (text_weight)
+    text_config: bool = False
 
 
 SUPPORTED: dict[str, Family] = {
+    "gemma2": Family(windows="layer_types", gemma=True),
+    "gemma3": Family(text_config=True),
+    "gemma3_text": Family(qk_norm="head", windows="layer_types", gemma=True),
     "granite": Family(),
     "llama": Family(),
     "mistral": Family(windows="every_layer"),
@@ -45,13 +53,35 @@ SUPPORTED: dict[str, Family] = {
 }
 
 
+def decoder_config(hf_config: Any) -> Any:
+    """The config of the decoder batchq runs: a multimodal family's text_config (Gemma 3's), else itself."""
+    family = SUPPORTED.get(str(getattr(hf_config, "model_type", None)))
+    return hf_config.text_config if family is not None and family.text_config else hf_config
+
+
+# An image-text checkpoint's decoder tensors under the causal LM's names: transformers' own layout (older
+# and hub checkpoints) and the one its newer model classes name; everything else (the vision tower, the
+# projector) is not the decoder's.
+TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))  # fmt: skip
+
+
+def text_weight(name: str) -> str | None:
+    """An image-text checkpoint's tensor `name` as the text decoder's causal LM names it, or None (not the
+    decoder's)."""
+    for prefix, ours in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return name if name.startswith("lm_head.") else None
+
+
 def check_architecture(
     model: str, model_type: Any, architectures: Any, hidden_act: Any, encoder_decoder: Any = False
 ) -> None:
-    """A native family (SUPPORTED, silu), or a decoder-only `*ForCausalLM` for the transformers fallback.
+    """A native family (SUPPORTED, with an activation of spec.ACTIVATIONS), or a decoder-only `*ForCausalLM` for the transformers fallback.
     Without an architectures list the load decides (which AutoModelForCausalLM class the config maps to)."""
-    if model_type in SUPPORTED and hidden_act == "silu":
-        return
+    if model_type in SUPPORTED and hidden_act in ACTIVATIONS:
+        return  # a text_config family's architectures name its multimodal class: its decoder is what runs
     native = ", ".join(sorted(SUPPORTED))
     if encoder_decoder:
         raise ModelLoadError(
@@ -68,7 +98,7 @@ def check_architecture(
 def implementation(model_type: Any, hidden_act: Any, model_impl: str) -> Literal["native", "transformers"]:
     """Which path runs a model: its native family where it has one (model_impl auto | native), else the
     transformers fallback. model_impl 'native' for a model without a native path raises ModelLoadError."""
-    native = model_type in SUPPORTED and hidden_act == "silu"
+    native = model_type in SUPPORTED and hidden_act in ACTIVATIONS
     if model_impl == "transformers" or (model_impl == "auto" and not native):
         return "transformers"
     if not native:
@@ -76,7 +106,8 @@ def implementation(model_type: Any, hidden_act: Any, model_impl: str) -> Literal
             "activation " + repr(hidden_act) if model_type in SUPPORTED else "model_type " + repr(model_type)
         )
         raise ModelLoadError(
-            f"model_impl 'native': no native path for {why} (native: {', '.join(sorted(SUPPORTED))}, silu); "
+            f"model_impl 'native': no native path for {why} (native: {', '.join(sorted(SUPPORTED))}, with "
+            f"{' / '.join(ACTIVATIONS)}); "
             "use model_impl 'auto' or 'transformers'"
         )
     return "native"

@@ -186,23 +186,34 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """HF-exact RMSNorm: statistics in float32, weight applied after casting back."""
+    """HF-exact RMSNorm: statistics in float32, weight applied after casting back.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    plus_one (Gemma 2 / 3): the weight is stored as the checkpoint holds it, w, and the norm scales by 1 + w
+    computed in float32, before the cast back, as Hugging Face's Gemma norms do (a bfloat16 1 + w would
+    round, and so would a bfloat16 product)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.eps = eps
+        self.plus_one = plus_one
         self.c_rows: Callable[[Tensor, Tensor, float], Tensor] | None = (
             None  # the backend's (float32), at load
         )
 
+    def scale(self) -> Tensor:
+        """What the normalised rows are multiplied by: the weight, or 1 + w in float32 (plus_one)."""
+        return 1.0 + self.weight.float() if self.plus_one else self.weight
+
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., dim] -> [..., dim]
         if self.c_rows is not None and x.dtype == torch.float32:  # any rows (Qwen3's per-head norms: 3-D)
-            return self.c_rows(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            return self.c_rows(x.reshape(-1, x.shape[-1]), self.scale(), self.eps).view(x.shape)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (xf * self.scale()).to(dtype)
         return self.weight * xf.to(dtype)
 
 

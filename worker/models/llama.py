@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, Granite, OLMo 2, Phi-3) over packed
-tokens with paged KV.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Mistral, Granite, OLMo 2, Phi-3, Gemma 2 / 3)
+over packed tokens with paged KV.
 
 Fused QKV and gate/up projections; optional QKV bias (Qwen2), per-head QK RMSNorm (Qwen3), QK RMSNorm over
-the whole projections and norms after each sublayer instead of before (OLMo 2), Granite's multipliers.
+the whole projections and norms after each sublayer instead of before (OLMo 2), Granite's multipliers;
+Gemma's (1 + w) norms before and after each sublayer, GELU (tanh) MLP, embedding normalizer, soft-capped
+attention and logits, and Gemma 3's own rotary table for its sliding layers.
 Configs and rope variants come from transformers; the weights stream from the checkpoint into the
 parameters (load_weights, under Hugging Face's names).
 """
@@ -60,10 +62,11 @@ class Attention(nn.Module):
         self.qk_norm_over_projection = spec.qk_norm_over_projection
         q_dim, k_dim = (self.q_size, self.kv_size) if spec.qk_norm_over_projection else (spec.head_dim,) * 2
         qk_norm = spec.qk_norm or spec.qk_norm_over_projection
-        self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(q_dim, spec.rms_norm_eps, spec.norm_plus_one) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, spec.rms_norm_eps, spec.norm_plus_one) if qk_norm else None
         self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
         self.window = spec.window(layer)  # its sliding window (None: full attention)
+        self.local_rope = spec.local_rope and self.window is not None  # Gemma 3's sliding layers' table
         self.softcap = spec.attention_softcap
         # K and V are stored divided by these (per-tensor scales of an FP8 cache, calibrated at load by
         # kv_pool.calibrate_kv_scales; 1 otherwise): q.k/s_k scores with the softmax scale times s_k, and
@@ -108,34 +111,44 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm: input_layernorm before attention, post_attention_layernorm before the MLP (Hugging Face's
     names). Post-norm (OLMo 2): post_attention_layernorm on attention's output, post_feedforward_layernorm
-    on the MLP's, and no input_layernorm."""
+    on the MLP's, and no input_layernorm. Sandwich (Gemma 2 / 3): input_layernorm before attention and
+    post_attention_layernorm on its output, pre_feedforward_layernorm before the MLP and
+    post_feedforward_layernorm on its output."""
 
     def __init__(self, spec: DecoderSpec, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = None if spec.post_norms else RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_plus_one)
+
+        self.input_layernorm = None if spec.post_norms else norm()
         self.self_attn = Attention(spec, layer)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if spec.sandwich_norms else None
         self.mlp: MLP | MoE
         if spec.moe is not None and spec.moe.sparse_layers[layer]:
             self.mlp = MoE(spec)
         else:
-            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
-        self.post_feedforward_layernorm = (
-            RMSNorm(spec.hidden_size, spec.rms_norm_eps) if spec.post_norms else None
-        )
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, spec.activation)
+        self.post_feedforward_layernorm = norm() if spec.post_norms or spec.sandwich_norms else None
 
 
 class LlamaFamilyModel(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryTable) -> None:
+    """rotary: every layer's table; rotary_local: Gemma 3's sliding layers' (rope_local_base_freq), or None."""
+
+    def __init__(
+        self, spec: DecoderSpec, rotary: RotaryTable, rotary_local: RotaryTable | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
         # Tied embeddings keep one table, lm_head's [vocab, hidden], whose rows are the embeddings, rather
         # than a second copy of the largest matrix (113 MB in float32 for SmolLM2-135M).
         self.embed_tokens = None if spec.tie_embeddings else nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_plus_one)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = rotary
+        self.rotary_local = rotary_local if spec.local_rope else None
         # Granite's embedding multiplier and logits scaling, applied as scalars rather than folded into the
         # weights: a tied table serves both ends with different factors, and both ops run outside the
         # decode stack, on [T, hidden] and [B, vocab] rows, exactly as Hugging Face computes them.
@@ -260,6 +273,10 @@ class LlamaFamilyModel(nn.Module):
             h = self.lm_head.rows(input_ids, self.dtype)
         else:
             h = self.embed_tokens(input_ids)
+        if self.spec.embedding_normalizer is not None:
+            # Hugging Face multiplies by a tensor of it cast to the model dtype (sqrt(3072) is 55.5 in
+            # bfloat16): the same value as a Python scalar, which creates no device tensor (CUDA graphs)
+            h = h * float(torch.tensor(self.spec.embedding_normalizer).to(h.dtype))
         return h if self.embedding_multiplier == 1.0 else h * self.embedding_multiplier
 
     def forward(
@@ -278,7 +295,9 @@ class LlamaFamilyModel(nn.Module):
             stack = self.decode_stack(kv_caches, backend)
             if stack is not None:  # every layer in one C call (same kernels, without the ops between them)
                 cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
-                return stack(h, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens)
+                local = self.rotary_local
+                rows = None if local is None else (local.cos[positions], local.sin[positions])
+                return stack(h, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens, rows)
         return self._layers(h, positions, meta, kv_caches, backend, None)
 
     @torch.inference_mode()
@@ -307,8 +326,16 @@ class LlamaFamilyModel(nn.Module):
     ) -> Tensor:
         # h: [T, hidden] embedded -> [T, hidden] after the final norm
         cos, sin = self.rotary(positions, h.dtype)
+        local = None if self.rotary_local is None else self.rotary_local(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
+            if layer.pre_feedforward_layernorm is not None:  # sandwich norms (Gemma 2 / 3)
+                assert layer.input_layernorm is not None and layer.post_feedforward_layernorm is not None
+                c, s = local if local is not None and layer.self_attn.local_rope else (cos, sin)
+                attn = layer.self_attn(layer.input_layernorm(h), c, s, kv, meta, backend, kv_absmax)
+                h = h + layer.post_attention_layernorm(attn)
+                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+                continue
             if layer.input_layernorm is None:  # post-norm (OLMo 2)
                 assert layer.post_feedforward_layernorm is not None
                 attn = layer.self_attn(h, cos, sin, kv, meta, backend, kv_absmax)
@@ -327,7 +354,8 @@ class LlamaFamilyModel(nn.Module):
         return self._stack[1]
 
     def _build_stack(self, kv_caches: list[KVCache], backend: Backend) -> DecodeStack | None:
-        if self.rotary.cos.dtype != torch.float32:  # the step's rotary rows are read as float32
+        tables = [self.rotary] + ([] if self.rotary_local is None else [self.rotary_local])
+        if any(t.cos.dtype != torch.float32 for t in tables):  # the step's rotary rows are read as float32
             return None
         if self.decode_stack_unsupported is not None:
             return None
@@ -337,6 +365,11 @@ class LlamaFamilyModel(nn.Module):
             assert isinstance(layer, DecoderLayer) and layer.input_layernorm is not None
             attn, mlp = layer.self_attn, layer.mlp
             assert isinstance(mlp, MLP)  # decode_stack_unsupported declines experts
+            # sandwich norms (Gemma): the MLP's input norm is pre_feedforward_layernorm, and
+            # post_attention_layernorm norms attention's output
+            sandwich = layer.pre_feedforward_layernorm is not None
+            before_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            assert before_mlp is not None
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             qkv, o, gate_up, down = (
                 StackLinear(lin.weight, lin.scale, lin.bias, lin.groups()) for lin in projections
@@ -347,10 +380,10 @@ class LlamaFamilyModel(nn.Module):
                     o,
                     gate_up,
                     down,
-                    input_norm=layer.input_layernorm.weight,
-                    post_attention_norm=layer.post_attention_layernorm.weight,
-                    q_norm=None if attn.q_norm is None else attn.q_norm.weight,
-                    k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+                    input_norm=layer.input_layernorm.scale(),
+                    post_attention_norm=before_mlp.scale(),
+                    q_norm=None if attn.q_norm is None else attn.q_norm.scale(),
+                    k_norm=None if attn.k_norm is None else attn.k_norm.scale(),
                     k_cache=k_cache,
                     v_cache=v_cache,
                     q_scale=attn.scale * attn.k_scale,  # as forward() scales q (double, then float32)
@@ -358,27 +391,45 @@ class LlamaFamilyModel(nn.Module):
                     v_scale=attn.v_scale,
                     window=attn.window,
                     softcap=attn.softcap,
+                    attention_out_norm=layer.post_attention_layernorm.scale() if sandwich else None,
+                    mlp_out_norm=(
+                        layer.post_feedforward_layernorm.scale()
+                        if sandwich and layer.post_feedforward_layernorm is not None
+                        else None
+                    ),
+                    activation=s.activation,
+                    local_rope=attn.local_rope and self.rotary_local is not None,
                 )
             )
         return backend.build_decode_stack(
-            layers, self.norm.weight, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
+            layers, self.norm.scale(), s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
         )
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [B, hidden] -> logits: [B, vocab] float32
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cap = self.spec.final_softcap
+        if cap is not None:  # Gemma 2: in the logits' dtype, as Hugging Face caps them
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits.float()
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     @classmethod
     def empty(
-        cls, spec: DecoderSpec, rotary: RotaryTable, dtype: torch.dtype, device: torch.device
+        cls,
+        spec: DecoderSpec,
+        rotary: RotaryTable,
+        dtype: torch.dtype,
+        device: torch.device,
+        rotary_local: RotaryTable | None = None,
     ) -> LlamaFamilyModel:
         """The decoder on `device` with its parameters allocated in `dtype` and not initialised (no random
-        init, no second copy: load_weights fills them), and `rotary`, which keeps its own dtype."""
+        init, no second copy: load_weights fills them), and its rotary tables, which keep their own dtype."""
         with torch.device("meta"):
             model = cls(spec, RotaryTable(torch.ones(1), 1.0, 1))
         model = model.to(dtype).to_empty(device=device)
         model.rotary = rotary
+        model.rotary_local = rotary_local if spec.local_rope else None
         return model
 
     @torch.no_grad()

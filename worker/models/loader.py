@@ -22,12 +22,14 @@ from worker.models.families import (
     causal_lm_class,
     check_architecture,
     check_causal_lm,
+    decoder_config,
     implementation,
+    text_weight,
 )
 from worker.models.moe_config import moe_spec
 from worker.models.quant_formats import QuantFormatError, quant_config
 from worker.models.resolve import gguf_checkpoint, gguf_source, resolve_checkpoint, weights_folder
-from worker.models.spec import UnsupportedLayers
+from worker.models.spec import UnsupportedLayers, activation
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -124,7 +126,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     with reading(model, "its config.json"):
         hf_config = AutoConfig.from_pretrained(ckpt)
     model_type = getattr(hf_config, "model_type", None)
-    hidden_act = getattr(hf_config, "hidden_act", "silu")
+    hidden_act = activation(hf_config)
     check_architecture(
         model,
         model_type,
@@ -135,30 +137,34 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     path = implementation(model_type, hidden_act, model_impl)
     if path == "transformers":
         check_causal_lm(model, hf_config)
+    decoder = decoder_config(hf_config) if path == "native" else hf_config  # Gemma 3's text_config
     with reading(model, "its tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(ckpt)
     try:
         gen_config = GenerationConfig.from_pretrained(ckpt)
     except OSError:  # no generation_config.json: what transformers derives from the config
         gen_config = GenerationConfig.from_model_config(hf_config)
-    max_len = context_length(hf_config)
+    max_len = context_length(decoder)
     ours: LlamaFamilyModel | TransformersModel
     headless = False
     gguf = gguf_source(ckpt)  # a GGUF's metadata folder: its weights are in the file
     if path == "native" and gguf is not None:
         with reading(model, "its weights"):
-            ours = _native_gguf(model, gguf, hf_config, max_len, dtype, device)
+            ours = _native_gguf(model, gguf, decoder, max_len, dtype, device)
     elif path == "native":
         with reading(model, "its weights"):
-            ours, headless = _native(model, weights_folder(ckpt), hf_config, max_len, dtype, device)
+            ours, headless = _native(model, weights_folder(ckpt), hf_config, decoder, max_len, dtype, device)
     else:  # Hugging Face's model, from the dequantised checkpoint of a GGUF
         ours = _fallback(model, str(gguf_checkpoint(gguf)) if gguf else ckpt, max_len, dtype, device)
+    if path == "native":
+        text = f" (its text_config, {decoder.model_type})" if decoder is not hf_config else ""
+        log.info("native decoder: %s%s", model_type, text)
     return LoadedModel(
         name=model,
         model=ours,
         tokenizer=tokenizer,
         hf_config=hf_config,
-        eos_token_ids=collect_eos_ids(hf_config, gen_config),
+        eos_token_ids=collect_eos_ids(decoder, gen_config),
         max_model_len=max_len,
         checkpoint_dir=ckpt,
         implementation=path,
@@ -188,11 +194,18 @@ def _fallback(
 
 
 def _native(
-    model: str, folder: Path, hf_config: Any, max_len: int, dtype: torch.dtype, device: torch.device
+    model: str,
+    folder: Path,
+    hf_config: Any,
+    decoder: Any,
+    max_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[LlamaFamilyModel, bool]:
     """Our decoder, built empty on `device` in `dtype`, its weights streamed from the checkpoint's files
-    (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most). -> the model,
-    and whether the checkpoint lacks an LM head (see _bare_decoder)."""
+    (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most). decoder: the
+    decoder's config, hf_config's text_config in an image-text checkpoint (whose other tensors are not
+    read). -> the model, and whether the checkpoint lacks an LM head (see _bare_decoder)."""
     from worker.models.llama import LlamaFamilyModel
     from worker.models.quant_loading import assemble, quantised_linears
     from worker.models.weights import Checkpoint, WeightSource
@@ -204,11 +217,15 @@ def _native(
     with Checkpoint(folder, quantized=quant is not None) as checkpoint:
         names, bare = checkpoint.names, _bare_decoder(checkpoint.names)
         tensors: Iterator[tuple[str, Tensor | WeightSource]] = checkpoint.tensors()
-        if bare:
+        if decoder is not hf_config:  # the text decoder's tensors only (the others are never read)
+            names = {n for x in names if (n := text_weight(x))}
+            tensors = ((n, w) for x, w in tensors if (n := text_weight(x)))
+        elif bare:
             names = {_causal_lm_name(n) for n in names}
             tensors = ((_causal_lm_name(n), t) for n, t in tensors)
         try:
-            spec = _spec(hf_config, names)
+            tie = None if decoder is hf_config else bool(getattr(hf_config, "tie_word_embeddings", True))
+            spec = _spec(decoder, names, tie)
         except UnsupportedLayers as e:
             raise ModelLoadError(f"model {model!r}: {e}") from None
         headless = bare and "lm_head.weight" not in names and not spec.tie_embeddings
@@ -217,7 +234,8 @@ def _native(
         if bare:
             log.info("a bare decoder's checkpoint (no 'model.' prefix%s)",
                      ", no LM head: embedding requests only" if headless else "")  # fmt: skip
-        ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
+        rotary, local = _rotary(model, decoder, max_len, device)
+        ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local)
         if quant is not None and spec.moe is not None:
             raise ModelLoadError(
                 f"model {model!r}: a quantised ({quant.method}) mixture-of-experts checkpoint; batchq loads "
@@ -258,7 +276,8 @@ def _native_gguf(
     if spec.moe is not None:
         raise ModelLoadError(f"model {model!r}: a mixture-of-experts GGUF; batchq loads MoE experts from "
                              "safetensors / pytorch_model.bin checkpoints only")  # fmt: skip
-    ours = LlamaFamilyModel.empty(spec, _rotary(model, hf_config, max_len, device), dtype, device)
+    rotary, local = _rotary(model, hf_config, max_len, device)
+    ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local)
     modules = checkpoint.keep_quantised(ours.hf_linear_modules(), FUSED_PARTS)
     ours.prepare_quantized(modules)
     log.info("GGUF %s: %d linear layers kept quantised", gguf.name, len(modules))
@@ -266,7 +285,9 @@ def _native_gguf(
     return ours.eval()
 
 
-def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
+def _spec(hf_config: Any, names: set[str], tie: bool | None = None) -> DecoderSpec:
+    """tie: whether the embeddings are tied where the config's own flag is not what decides (an image-text
+    model ties by its top-level config, transformers' tie_weights, not by its text_config's)."""
     from worker.models.spec import DecoderSpec
 
     family = SUPPORTED[str(hf_config.model_type)]
@@ -284,7 +305,10 @@ def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
         windows=family.windows,
         moe=None if family.moe is None else moe_spec(hf_config, family.moe),
         attention_sinks=family.moe == "gpt_oss",
+        gemma=family.gemma,
     )
+    if tie is not None:
+        spec = dataclasses.replace(spec, tie_embeddings=tie)
     if any(w is not None for w in spec.layer_windows):
         log.info("sliding windows per layer: %s", _windows_summary(spec.layer_windows))
     if spec.tie_embeddings and {"lm_head.weight", "model.embed_tokens.weight"} <= names:
@@ -295,9 +319,13 @@ def _spec(hf_config: Any, names: set[str]) -> DecoderSpec:
     return spec
 
 
-def _rotary(model: str, hf_config: Any, max_len: int, device: torch.device) -> RotaryTable:
-    """The cos/sin table, from a fresh Hugging Face rotary module of the model's own class: it computes
-    inv_freq in float32 for whatever rope type the config names, without any weights."""
+def _rotary(
+    model: str, hf_config: Any, max_len: int, device: torch.device
+) -> tuple[RotaryTable, RotaryTable | None]:
+    """The cos/sin tables, every layer's and Gemma 3's sliding layers' (or None), from a fresh Hugging Face
+    rotary module of the model's own class: it computes inv_freq in float32 for whatever rope type the config
+    names, without any weights. Gemma 3's module holds one per layer type: the full layers' (rope_theta and its scaling)
+    first, the sliding layers' (rope_local_base_freq) last; every other model has one table, and None."""
     import torch
 
     from worker.models.layers import RotaryTable
@@ -307,7 +335,19 @@ def _rotary(model: str, hf_config: Any, max_len: int, device: torch.device) -> R
         sys.modules[cls.__module__], cls.__name__.removesuffix("ForCausalLM") + "RotaryEmbedding"
     )
     rotary_hf = rotary_cls(config=hf_config)
-    inv_freq = rotary_hf.inv_freq.to(device)
+    if hasattr(rotary_hf, "inv_freq"):
+        tables = [(rotary_hf.inv_freq, rotary_hf.attention_scaling), None]
+    else:  # per layer type (Gemma 3): each type's inv_freq and scaling, where the config has that type
+        tables = [
+            (getattr(rotary_hf, f"{t}_inv_freq"), getattr(rotary_hf, f"{t}_attention_scaling"))
+            if hasattr(rotary_hf, f"{t}_inv_freq")
+            else None
+            for t in ("full_attention", "sliding_attention")
+        ]
+        if tables[0] is None:  # every layer slides: the sliding table serves them all
+            tables = [tables[1], None]
+    assert tables[0] is not None
+    inv_freq = tables[0][0].to(device)
     long_rope = _long_rope(hf_config, device)
     if long_rope is not None and max_len > long_rope[1]:
         log.warning(
@@ -317,4 +357,6 @@ def _rotary(model: str, hf_config: Any, max_len: int, device: torch.device) -> R
             long_rope[1], long_rope[1], long_rope[1],
         )  # fmt: skip
     with torch.device(device):  # float32 (exact), cast per step
-        return RotaryTable(inv_freq, float(rotary_hf.attention_scaling), max_len, long_rope)
+        main = RotaryTable(inv_freq, float(tables[0][1]), max_len, long_rope)
+        local = tables[1]
+        return main, None if local is None else RotaryTable(local[0].to(device), float(local[1]), max_len)

@@ -1,21 +1,33 @@
-"""The dense gated MLP: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+"""The dense gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one projection; act SiLU, or
+Gemma's GELU (spec.ACTIVATIONS)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker.models.layers import Linear
 
+# spec.ACTIVATIONS, as transformers' ACT2FN computes each: SiLU, GELU's tanh approximation (Gemma's
+# gelu_pytorch_tanh), exact GELU
+ACT: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool, activation: str = "silu") -> None:
         super().__init__()
         self.inter = inter
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
+        self.act = ACT[activation]
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

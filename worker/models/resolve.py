@@ -24,6 +24,7 @@ from pathlib import Path
 from worker.cache_dir import cache_dir
 from worker.models.errors import ModelLoadError, one_line, reading
 from worker.models.families import check_architecture
+from worker.models.spec import activation
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def _check_config(model: str, config: Path) -> None:
             model,
             raw["model_type"],
             raw.get("architectures"),
-            raw.get("hidden_act", "silu"),
+            activation(raw),
             raw.get("is_encoder_decoder", False),
         )
 

@@ -21,6 +21,29 @@ WindowRule = Literal["none", "every_layer", "layer_types"]
 LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # the types batchq's attention computes
 
 
+# The MLP activations the native decoder computes, by transformers' ACT2FN names (Gemma's tanh GELU too)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+HIDDEN_ACTIVATION = ("gemma2", "gemma3_text")  # model types whose MLP reads config.hidden_activation
+TEXT_CONFIG = {"gemma3": "gemma3_text"}  # image-text model types -> their decoder's (in text_config)
+
+
+def activation(cfg: Any) -> Any:
+    """The MLP's activation as the family's Hugging Face MLP reads it: Gemma's from hidden_activation (its
+    checkpoints may carry a hidden_act beside it, which Gemma 2 / 3 ignore), every other's from hidden_act.
+    cfg: a config, or config.json's dict."""
+
+    def get(key: str) -> Any:
+        return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+
+    model_type = get("model_type")
+    if model_type in TEXT_CONFIG:  # the decoder's, in its text_config (a config, or a dict in config.json)
+        text = get("text_config") or {}
+        return activation({"model_type": TEXT_CONFIG[model_type]} | text if isinstance(text, dict) else text)
+    if model_type in HIDDEN_ACTIVATION:  # its config's default where a checkpoint omits it
+        return get("hidden_activation") or "gelu_pytorch_tanh"
+    return get("hidden_act") or "silu"
+
+
 class UnsupportedLayers(ValueError):
     """A config whose layers attend in a way batchq's kernels do not compute (chunked, linear, ...), or
     that names sliding layers without a window."""
@@ -122,6 +145,18 @@ class DecoderSpec:
     attention_softcap: float | None = None
     moe: MoESpec | None = None  # None: a dense MLP in every layer
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
+    # Gemma 2 / 3: every RMSNorm scales by (1 + w), in float32 before the cast back (norm_plus_one); each
+    # sublayer between two norms, input_layernorm / post_attention_layernorm around attention and
+    # pre_feedforward_layernorm / post_feedforward_layernorm around the MLP (sandwich_norms); embeddings
+    # times hidden ** 0.5 rounded to the model dtype, as Hugging Face's normalizer tensor is
+    # (embedding_normalizer); logits soft-capped, cap * tanh(logits / cap) (final_softcap); sliding layers
+    # rotated by their own table, of rope_local_base_freq (Gemma 3: local_rope).
+    activation: str = "silu"  # the MLP's gate activation, a name of transformers' ACT2FN (ACTIVATIONS)
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    embedding_normalizer: float | None = None
+    final_softcap: float | None = None
+    local_rope: bool = False
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None for full attention."""
@@ -145,10 +180,19 @@ class DecoderSpec:
         windows: WindowRule = "none",
         moe: MoESpec | None = None,
         attention_sinks: bool = False,
+        gemma: bool = False,
     ) -> DecoderSpec:
-        """Raises UnsupportedLayers where sliding_windows does."""
+        """Raises UnsupportedLayers where sliding_windows does. gemma: Gemma 2 / 3's norms, embedding
+        normalizer, softmax scale (query_pre_attn_scalar ** -0.5), soft-caps and Gemma 3's local rotary."""
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        attention_multiplier = getattr(cfg, "attention_multiplier", None)
+        if gemma:
+            if getattr(cfg, "use_bidirectional_attention", False):
+                raise UnsupportedLayers("use_bidirectional_attention: batchq's attention is causal")
+            attention_multiplier = float(cfg.query_pre_attn_scalar) ** -0.5
+        rope = getattr(cfg, "rope_parameters", None)
+        local_rope = gemma and isinstance(rope, dict) and "sliding_attention" in rope
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -167,10 +211,16 @@ class DecoderSpec:
             post_norms=post_norms,
             embedding_multiplier=float(getattr(cfg, "embedding_multiplier", 1.0)),
             residual_multiplier=float(getattr(cfg, "residual_multiplier", 1.0)),
-            attention_multiplier=getattr(cfg, "attention_multiplier", None),
+            attention_multiplier=attention_multiplier,
             logits_scaling=float(getattr(cfg, "logits_scaling", 1.0)),
             layer_windows=sliding_windows(cfg, windows),
             attention_softcap=getattr(cfg, "attn_logit_softcapping", None),
             moe=moe,
             attention_sinks=attention_sinks,
+            activation=activation(cfg),
+            norm_plus_one=gemma,
+            sandwich_norms=gemma,
+            embedding_normalizer=float(cfg.hidden_size) ** 0.5 if gemma else None,
+            final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
+            local_rope=local_rope,
         )
