@@ -41,6 +41,29 @@ def byte_tokenizer(chat_template: bool = True) -> Any:
     return fast
 
 
+# A reasoning model's tokenizer: the byte tokenizer plus <think> and </think> (ids THINK, END_THINK; a
+# model for it needs vocab_size=THINK_VOCAB_SIZE). Its template opens thinking in the prompt where
+# `open_thinking` is set (DeepSeek-R1's), closes it there with enable_thinking=false (Qwen3's), else
+# leaves it to the model; reasoning_effort, where given, lands in the prompt.
+THINK, END_THINK = VOCAB_SIZE, VOCAB_SIZE + 1
+THINK_VOCAB_SIZE = VOCAB_SIZE + 2
+THINK_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<s>system\nReasoning: {{ reasoning_effort }}</s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% elif open_thinking is defined and open_thinking %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def think_tokenizer() -> Any:
+    fast = byte_tokenizer(chat_template=False)
+    fast.add_special_tokens({"additional_special_tokens": ["<unk>", "<s>", "</s>", "<think>", "</think>"]})
+    assert fast.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK, END_THINK]
+    fast.chat_template = THINK_TEMPLATE
+    return fast
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenisation emits)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -131,6 +154,52 @@ def build_tiny_checkpoint(
                 param.add_(torch.randn_like(param) * NORM_NOISE)
     model.save_pretrained(path)
     byte_tokenizer(chat_template).save_pretrained(path)
+    return path
+
+
+OPEN = {"open_thinking": True}  # THINK_TEMPLATE's variable: the prompt opens the thinking (DeepSeek-R1's way)
+THINK_ASK = [{"role": "user", "content": "Is the food good?"}]
+
+
+def think_prompt_ids(tok: Any, **kwargs: Any) -> list[int]:
+    """THINK_ASK through THINK_TEMPLATE with the generation prompt."""
+    text = tok.apply_chat_template(THINK_ASK, tokenize=False, add_generation_prompt=True, **kwargs)
+    return list(tok(text, add_special_tokens=False).input_ids)
+
+
+@torch.no_grad()
+def hf_greedy(hf: Any, ids: list[int], n: int, forced: dict[int, int] | None = None) -> list[int]:
+    """HF's greedy continuation (up to EOS, included), with `forced` tokens {output index: id} in place of
+    what it would pick there."""
+    out: list[int] = []
+    while len(out) < n:
+        logits = hf(torch.tensor([ids + out])).logits[0, -1]
+        token = (forced or {}).get(len(out), int(logits.argmax()))
+        out.append(token)
+        if token == EOS_ID:
+            break
+    return out
+
+
+def build_think_checkpoint(path: Path, seed: int = 9) -> Path:
+    """A tiny random Qwen3 with think_tokenizer whose greedy decoding of THINK_ASK thinks on its own: the
+    output rows of <think> and </think> are scaled copies of those of tokens its greedy path takes (where it
+    would have written its first token, and a token it first writes some steps later)."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_checkpoint(path, "qwen3", seed=seed, vocab_size=THINK_VOCAB_SIZE)
+    tok = think_tokenizer()
+    tok.save_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    plain = hf_greedy(hf, think_prompt_ids(tok), 1)
+    head = hf.lm_head.weight
+    with torch.no_grad():
+        head[THINK] = head[plain[0]] * 1.05
+    opened = hf_greedy(hf, think_prompt_ids(tok, **OPEN), 24)
+    closer = next(t for i, t in enumerate(opened) if i >= 6 and t not in opened[:i] and t != plain[0])
+    with torch.no_grad():
+        head[END_THINK] = head[closer] * 1.05
+    hf.save_pretrained(path)
     return path
 
 

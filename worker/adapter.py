@@ -35,8 +35,9 @@ from worker.engine.request import EmbeddingInputs, EngineRequest, EngineResult, 
 # Contract fields with another type in the engine; every other field keeps its name and value.
 _TUPLES = ("stop", "stop_token_ids", "choices")
 _CONSTRAINT = ("response_format", "regex")  # -> the engine's one `constraint`
-# structured_outputs is folded into the constraint fields by the contract.
-_NOT_PARAMS = ("structured_outputs",)
+# structured_outputs is folded into the constraint fields by the contract; the template's variables go with
+# the request (chat_template_kwargs, reasoning_effort among them).
+_NOT_PARAMS = ("structured_outputs", "chat_template_kwargs", "reasoning_effort")
 
 
 def generation_params(params: SamplingParams) -> GenerationParams:
@@ -75,8 +76,18 @@ def engine_request(req: Request, request_id: str) -> EngineRequest:
         prompt=req.prompt,
         messages=[m.model_dump(exclude_none=True) for m in req.messages] if req.messages else None,
         started_at=time.monotonic(),
+        chat_template_kwargs=template_kwargs(req.params),
         embedding=None if emb is None else EmbeddingInputs(emb.input, emb.dimensions),
     )
+
+
+def template_kwargs(params: SamplingParams) -> dict[str, Any] | None:
+    """The chat template's extra variables: chat_template_kwargs, and reasoning_effort by that name (a
+    variable of its own set in chat_template_kwargs wins, as the more specific)."""
+    given = dict(params.chat_template_kwargs or {})
+    if params.reasoning_effort is not None:
+        given.setdefault("reasoning_effort", params.reasoning_effort)
+    return given or None
 
 
 def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id: str, model: str) -> Result:
@@ -86,8 +97,14 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         id=req.id,
         index=req.index,
         text=res.text,
+        reasoning_content=res.reasoning_content,
         finish_reason=res.finish_reason,
-        usage=Usage.counted(res.prompt_tokens, res.completion_tokens, res.cached_tokens),
+        usage=Usage.counted(
+            res.prompt_tokens,
+            res.completion_tokens,
+            res.cached_tokens,
+            None if res.reasoning_content is None else res.reasoning_tokens,
+        ),
         timing=Timing(queued_s=queued_s, ttft_s=res.ttft_s, total_s=res.total_s),
         error=error,
         metadata=req.metadata,
@@ -110,7 +127,7 @@ def _samples(req: Request, res: EngineResult) -> dict[str, Any]:
         return {}
     choices = [
         Completion(index=i, text=s.text, finish_reason=s.finish_reason, completion_tokens=s.completion_tokens,
-                   logprobs=_logprobs(s.logprobs))
+                   logprobs=_logprobs(s.logprobs), reasoning_content=s.reasoning_content)
         for i, s in enumerate(res.samples)
     ]  # fmt: skip
     if not req.params.choices:

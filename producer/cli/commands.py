@@ -46,6 +46,8 @@ _DEFAULT_FIELDS = (
     "regex",
     "logprobs",
     "top_logprobs",
+    "max_reasoning_tokens",
+    "reasoning_effort",
 )
 
 
@@ -111,6 +113,11 @@ def _defaults(args: argparse.Namespace) -> SamplingParams:
         f: getattr(args, f) for f in (*_DEFAULT_FIELDS, "timeout_s") if getattr(args, f) is not None
     }
     values.update(_labeling_defaults(args))
+    if args.chat_template_kwargs is not None:
+        try:
+            values["chat_template_kwargs"] = orjson.loads(args.chat_template_kwargs)
+        except orjson.JSONDecodeError as e:
+            raise InputError(f"--chat-template-kwargs: not JSON ({e})") from None
     try:
         return SamplingParams.model_validate(values)
     except ValidationError as e:

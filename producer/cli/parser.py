@@ -129,6 +129,20 @@ def _submit_opts(p: argparse.ArgumentParser) -> None:
         "--logprobs", action="store_true", default=None, help="report each token's log-probability"
     )
     g.add_argument("--top-logprobs", type=int, metavar="K", help="and the K most likely alternatives (0-20)")
+    g.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="variables for the chat template, e.g. '{\"enable_thinking\": false}' (a line's own override them)",
+    )
+    g.add_argument(
+        "--max-reasoning-tokens",
+        type=int,
+        metavar="N",
+        help="a reasoning model's thinking budget, then its answer",
+    )
+    g.add_argument(
+        "--reasoning-effort", metavar="EFFORT", help="low | medium | high ..., for templates that read it"
+    )
     p.add_argument(
         "--skip-invalid",
         action="store_true",

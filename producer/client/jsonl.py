@@ -113,6 +113,29 @@ def _json_error(raw: bytes, line_no: int, e: orjson.JSONDecodeError) -> LineErro
     return LineError(line_no, "", f"invalid JSON at column {at + 1}: {e.msg}")
 
 
+# Line fields that only a chat request can honour (a batch default of them leaves prompt lines alone)
+CHAT_ONLY = ("chat_template_kwargs", "reasoning_effort", "max_reasoning_tokens")
+
+
+def _shape_error(
+    line: PromptLine | OpenAIBody, openai: bool, line_no: int, uid: str | None
+) -> LineError | None:
+    """What is wrong with a line's input: not exactly one of prompt / messages, an empty one, or a raw prompt
+    with CHAT_ONLY fields (it has no chat template and no reasoning split: vLLM's rule too)."""
+    prompt, messages = line.prompt, line.messages
+    if (prompt is None) == (messages is None):
+        return LineError(line_no, "", "exactly one of 'prompt' or 'messages' is required", uid)
+    if prompt == "":
+        return LineError(line_no, "", "prompt must be non-empty", uid)
+    if messages == []:
+        return LineError(line_no, "", "messages must be a non-empty list", uid)
+    chat_only = [name for name in CHAT_ONLY if getattr(line, name) is not None] if prompt is not None else []
+    if chat_only:
+        where = "body." if openai else ""
+        return LineError(line_no, where + chat_only[0], "applies to chat requests (messages) only", uid)
+    return None
+
+
 def parse_line(
     raw: bytes | None,
     line_no: int,
@@ -157,12 +180,9 @@ def parse_line(
     except ValidationError as e:
         return [LineError(le.line_no, le.field, le.reason, uid) for le in _field_errors(e, line_no)]
     prompt, messages = line.prompt, line.messages
-    if (prompt is None) == (messages is None):
-        return [LineError(line_no, "", "exactly one of 'prompt' or 'messages' is required", uid)]
-    if prompt == "":
-        return [LineError(line_no, "", "prompt must be non-empty", uid)]
-    if messages == []:
-        return [LineError(line_no, "", "messages must be a non-empty list", uid)]
+    shape = _shape_error(line, openai, line_no, uid)
+    if shape is not None:
+        return [shape]
     asked = _model_asked(body_model, model, aliases, line_no, uid)
     if isinstance(asked, LineError):
         return [asked]

@@ -83,10 +83,18 @@ def openai_line(
         line["error"] = None
         return orjson.dumps(line)
     samples = result.choices or [
-        Completion(index=0, text=result.text, finish_reason=result.finish_reason, logprobs=result.logprobs)
+        Completion(
+            index=0,
+            text=result.text,
+            finish_reason=result.finish_reason,
+            logprobs=result.logprobs,
+            reasoning_content=result.reasoning_content,
+        )
     ]
     choices = [_choice(c, chat) for c in samples]
     usage = result.usage
+    details = usage.completion_tokens_details
+    reasoning_tokens = details.reasoning_tokens if details is not None else 0
     line["response"] = {
         "status_code": 200,
         "request_id": request_id,
@@ -101,6 +109,7 @@ def openai_line(
                 "completion_tokens": usage.completion_tokens,
                 "total_tokens": usage.total_tokens or usage.prompt_tokens + usage.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
             },
         },
     }
@@ -114,6 +123,8 @@ def _choice(c: Completion, chat: bool) -> dict[str, Any]:
     content = c.logprobs.content if c.logprobs is not None else None
     if chat:
         choice["message"] = {"role": "assistant", "content": c.text}
+        if c.reasoning_content is not None:  # vLLM's field for a reasoning model's thinking
+            choice["message"]["reasoning_content"] = c.reasoning_content
         choice["logprobs"] = None if content is None else {"content": [t.model_dump() for t in content]}
     else:
         choice["text"] = c.text

@@ -24,6 +24,13 @@ MIN_CHOICES, MAX_CHOICES = 2, 256
 MAX_LABEL_CHARS = 512
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 MAX_SAMPLES = 128  # n and best_of (OpenAI's cap on n)
 
 FinishReason = Literal["eos", "stop", "length", "timeout", "repetition", "cancelled", "error"]
@@ -118,6 +125,27 @@ class SamplingParams(_Strict):
     structured_outputs: StructuredOutputs | None = None  # input only: folded into the three above
     logprobs: bool | int | None = None  # OpenAI's bool, or vLLM's top-k count
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Reasoning models (chat requests): a thinking budget, after which the end of thinking is forced; extra
+    # variables for the chat template ({"enable_thinking": false}); OpenAI's reasoning_effort, passed to the
+    # template as `reasoning_effort` (gpt-oss's reads it; others ignore it)
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return None
+        taken = sorted(RESERVED_TEMPLATE_KWARGS & v.keys())
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)}: apply_chat_template's own argument(s), not template variables"
+            )
+        for k in v:
+            if not k.isidentifier():
+                raise ValueError(f"template variable names are identifiers, got {k[:40]!r}")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -229,6 +257,12 @@ class SamplingParams(_Strict):
                 merged[k] = v.model_dump(by_alias=True, exclude_none=True) if isinstance(v, BaseModel) else v
         if "choices" in merged and "temperature" not in merged:
             merged["temperature"] = CHOICES_TEMPERATURE
+        if fields["chat_template_kwargs"] is not None and base.get("chat_template_kwargs"):
+            # the line's template variables over the batch's, key by key (vLLM merges its defaults so)
+            merged["chat_template_kwargs"] = {
+                **base["chat_template_kwargs"],
+                **fields["chat_template_kwargs"],
+            }
         return merged
 
 
@@ -350,19 +384,36 @@ class PromptTokensDetails(_Strict):
     cached_tokens: int = 0  # prompt tokens whose K/V came from the worker's prefix cache (not computed)
 
 
+class CompletionTokensDetails(_Strict):
+    reasoning_tokens: int = (
+        0  # of completion_tokens, a reasoning model's before its answer (markers included)
+    )
+
+
 class Usage(_Strict):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # set where a reasoning parser ran
 
     @classmethod
-    def counted(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def counted(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+        reasoning_tokens: int | None = None,
+    ) -> Usage:
+        details = (
+            None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        )
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=details,
         )
 
 
@@ -414,6 +465,7 @@ class Completion(_Strict):
     finish_reason: FinishReason
     completion_tokens: int = 0
     logprobs: ChoiceLogprobs | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking in this sample
 
 
 class Result(_Strict):
@@ -425,6 +477,7 @@ class Result(_Strict):
     id: str
     index: int = Field(ge=0)
     text: str = ""
+    reasoning_content: str | None = None  # a reasoning model's thinking, apart from `text` (chat requests)
     finish_reason: FinishReason
     usage: Usage = Field(default_factory=Usage)
     timing: Timing = Field(default_factory=Timing)
@@ -457,11 +510,19 @@ class Result(_Strict):
             exclude.add("logprobs")
         if self.model is None:
             exclude.add("model")
-        exclude.update(k for k in ("choices", "vote", "agreement", "embeddings") if getattr(self, k) is None)
+        exclude.update(
+            k
+            for k in ("choices", "vote", "agreement", "embeddings", "reasoning_content")
+            if getattr(self, k) is None
+        )
         out = self.model_dump(mode="json", exclude=exclude)
         for c in out.get("choices", ()):
             if c["logprobs"] is None:
                 del c["logprobs"]
+            if c["reasoning_content"] is None:
+                del c["reasoning_content"]
+        if self.usage.completion_tokens_details is None:  # no reasoning parser ran
+            del out["usage"]["completion_tokens_details"]
         return orjson.dumps(out)
 
     @classmethod
@@ -522,7 +583,7 @@ class PromptLine(SamplingParams):
 # and ignored (prompt_cache_key, service_tier, ... are routing and billing hints of OpenAI's service).
 OPENAI_IGNORED = frozenset({
     "user", "store", "service_tier", "stream_options", "prompt_cache_key", "safety_identifier",
-    "parallel_tool_calls", "reasoning_effort", "verbosity",
+    "parallel_tool_calls", "verbosity",
 })  # fmt: skip
 # Fields batchq cannot honour: refused with the reason, never silently dropped.
 OPENAI_UNSUPPORTED = {

@@ -87,6 +87,10 @@ class CachedAnswer(BaseModel):
     choices: list[Completion] | None = None  # n > 1: every sample
     vote: dict[str, int] | None = None
     agreement: float | None = None
+    reasoning_content: str | None = (
+        None  # a reasoning model's thinking, and its tokens (of completion_tokens)
+    )
+    reasoning_tokens: int | None = None
 
     @classmethod
     def of(cls, result: Result) -> CachedAnswer:
@@ -97,6 +101,8 @@ class CachedAnswer(BaseModel):
             completion_tokens=u.completion_tokens, cached_tokens=u.prompt_tokens_details.cached_tokens,
             label_scores=result.label_scores, logprobs=result.logprobs, model=result.model,
             choices=result.choices, vote=result.vote, agreement=result.agreement,
+            reasoning_content=result.reasoning_content,
+            reasoning_tokens=d.reasoning_tokens if (d := u.completion_tokens_details) is not None else None,
         )  # fmt: skip
 
     def to_json(self) -> bytes:
@@ -115,7 +121,10 @@ class CachedAnswer(BaseModel):
             index=index,
             text=self.text,
             finish_reason=self.finish_reason,
-            usage=Usage.counted(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
+            usage=Usage.counted(
+                self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.reasoning_tokens
+            ),
+            reasoning_content=self.reasoning_content,
             timing=timing,
             metadata=metadata,
             worker=worker,

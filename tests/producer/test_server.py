@@ -334,6 +334,31 @@ def test_an_uncompilable_schema_or_regex_is_a_400_naming_line_and_field(stack):
     assert "\n   " not in err["message"] and "^" not in err["message"]  # no Rust source diagram
 
 
+def test_reasoning_fields_are_accepted_on_chat_lines_and_refused_by_line_and_field_elsewhere(stack):
+    """chat_template_kwargs, reasoning_effort and max_reasoning_tokens run on a chat line (the tiny Llama has
+    no think tokens: no reasoning_content, reasoning_tokens 0); a completions line naming them is a 400."""
+    tag = uuid.uuid4().hex
+    reasoning = {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low",
+                 "max_reasoning_tokens": 4}  # fmt: skip
+    with client(stack) as c:
+        f = c.files.create(file=("r.jsonl", jsonl([chat_line("r", f"think {tag}", temperature=0, **reasoning)])),
+                           purpose="batch")  # fmt: skip
+        b = wait_done(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h").id)  # fmt: skip
+        (line,) = output_lines(c, b.output_file_id)
+        body = line["response"]["body"]
+        assert "reasoning_content" not in body["choices"][0]["message"]
+        assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+        ChatCompletion.model_validate(body)
+        text_line = {"custom_id": "p", "method": "POST", "url": "/v1/completions",
+                     "body": {"model": "tiny", "prompt": "a", "reasoning_effort": "low"}}  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            c.files.create(file=("p.jsonl", jsonl([text_line])), purpose="batch")
+        err = e.value.body
+        assert isinstance(err, dict)
+        assert "line 1: body.reasoning_effort: applies to chat requests (messages) only" in err["message"]
+
+
 def test_a_key_sees_only_its_own_files_and_batches_and_keys_never_reach_the_log(stack):
     with client(stack, KEY_A) as a, client(stack, KEY_B) as b:
         batch = one_line_batch(a, uuid.uuid4().hex)

@@ -14,8 +14,14 @@ from worker.engine.params import GenerationParams
 
 def test_every_contract_parameter_has_an_engine_field() -> None:
     # structured_outputs folds into choices / regex / response_format, and those two become the engine's
-    # one grammar constraint.
-    contract = set(SamplingParams.model_fields) - {"structured_outputs", "response_format", "regex"}
+    # one grammar constraint; the template's variables go with the request.
+    template = {"chat_template_kwargs", "reasoning_effort"}
+    contract = set(SamplingParams.model_fields) - {
+        "structured_outputs",
+        "response_format",
+        "regex",
+        *template,
+    }
     assert contract | {"constraint"} == {f.name for f in dataclasses.fields(GenerationParams)}
 
 

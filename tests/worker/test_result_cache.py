@@ -36,6 +36,7 @@ OUTPUT_FIELDS = {
     "truncate_prompt": "left", "choices": ["a", "b"], "regex": "[a-z]+", "logprobs": True, "top_logprobs": 2,
     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"7": 3.0}, "n": 2, "best_of": 3,
+    "max_reasoning_tokens": 16, "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low",
 }  # fmt: skip
 
 

@@ -19,6 +19,7 @@ Admission = Literal["optimistic", "reserve"]
 KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"]
 WeightDtype = Literal["auto", "float32", "bfloat16", "int8"]
 ModelImpl = Literal["auto", "native", "transformers"]
+ReasoningParser = Literal["auto", "none", "think", "harmony"]
 Pooling = Literal["last", "mean"]  # how an embedding request's hidden states become its vector
 
 
@@ -121,6 +122,13 @@ class EngineConfig(BaseModel):
         description="CPU threads (default: the cores of the affinity mask, cut to the cgroup quota)",
     )
     cuda_graphs: bool = Field(default=True, description="capture decode steps as CUDA graphs (CUDA + Triton)")
+    reasoning_parser: ReasoningParser = Field(
+        default="auto",
+        description="how a reasoning model marks its thinking in chat requests (returned as reasoning_content, "
+        "apart from the answer). auto: harmony where the vocabulary has gpt-oss's channel tokens, think "
+        "where the vocabulary has <think> and </think> tokens (Qwen3, DeepSeek-R1 distills, Phi-4-reasoning), "
+        "else none; none: the thinking stays in the text",
+    )
     embedding_pooling: Literal["auto", "last", "mean"] = Field(
         default="auto",
         description="how /v1/embeddings requests pool the final hidden states: auto: as the checkpoint's "

@@ -36,6 +36,7 @@ from worker.engine.model_runner import ModelRunner, ScoredLabels, StepOutput
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
 from worker.engine.pooling import model_pooling
 from worker.engine.prompts import PromptBuilder
+from worker.engine.reasoning import ReasoningMarkers
 from worker.engine.request import (
     EngineCounters,
     EngineError,
@@ -94,9 +95,15 @@ class Engine:
         vocab = loaded.model.spec.vocab_size
         self.grammars = Grammars(self.tokenizer, vocab, self.eos_token_ids)
         self.token_texts = TokenTexts(self.grammars.token_bytes)
+        model_type = getattr(loaded.hf_config, "model_type", None)
+        self.reasoning = ReasoningMarkers.detect(self.tokenizer, model_type, cfg.reasoning_parser)
+        if self.reasoning is not None:
+            log.info(
+                "reasoning parser: %s (thinking apart from the answer in chat requests)", self.reasoning.kind
+            )
         self.prompts = PromptBuilder(
             self.tokenizer, loaded.name, vocab, max_model_len, self.block_manager, self.grammars.matcher,
-            hidden_size=loaded.model.spec.hidden_size,
+            hidden_size=loaded.model.spec.hidden_size, reasoning=self.reasoning,
         )  # fmt: skip
         self.pooling = model_pooling(loaded.checkpoint_dir, cfg.embedding_pooling)
         self.embedding_only = loaded.embedding_only  # no LM head: generation is refused
@@ -120,6 +127,8 @@ class Engine:
             # Hugging Face's layers round differently from ours; only the fallback adds the key, so native
             # engines keep the fingerprints (and cached results) they had
             **({"implementation": loaded.implementation} if loaded.implementation != "native" else {}),
+            # results of a reasoning model carry the split; engines without a parser keep their fingerprints
+            **({"reasoning": self.reasoning.kind} if self.reasoning is not None else {}),
         )
         self._lock = threading.Lock()
         self._inbox: list[tuple[EngineRequest, float]] = []
@@ -304,15 +313,35 @@ class Engine:
         """Append a sampled token; -> the sequence's result where a stop rule ends it."""
         if seq.labels is not None:
             return None  # prefilled: its labels are scored in a step of their own
+        rs = seq.reasoning
+        if rs is not None:
+            forced = bool(rs.forced)
+            token = rs.next_token(token)  # a thinking budget's close replaces what was sampled
+            if forced:
+                logprobs = None
+            elif rs.opens_answer(token) and seq.pending_labels is not None:
+                # The model answers without thinking: drop the token it sampled and score the labels here.
+                rs.answer_now()
+                self._answer_started(seq)
+                return None
         self.counters.tokens_generated += 1
+        was_answer = seq.in_answer
+        reason = self.stop_rules.append_token(seq, token, now)
+        in_answer = rs is None or len(seq.output_ids) > rs.tokens  # this token is the answer's
         if logprobs is not None:
-            if seq.params.logprobs:
+            if seq.params.logprobs and in_answer:  # the answer's tokens only, as OpenAI's message content
                 seq.token_logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs.logprob  # (rows come for a ranked sample too)
-        reason = self.stop_rules.append_token(seq, token, now)
-        if reason is None and seq.matcher is not None:
+        if reason is None and seq.matcher is not None and in_answer:
             reason = self._advance_grammar(seq, token)
+        if reason is None and not was_answer and seq.in_answer:
+            self._answer_started(seq)
         return self._finish(seq, reason, now) if reason is not None else None
+
+    def _answer_started(self, seq: Sequence) -> None:
+        """A reasoning model's thinking just ended: a `choices` request is scored at this position."""
+        if seq.pending_labels is not None:
+            seq.labels, seq.pending_labels = seq.pending_labels, None
 
     def generate(self, reqs: list[EngineRequest]) -> list[EngineResult]:
         """Offline: run every request to completion; results in input order."""
@@ -454,8 +483,9 @@ class Engine:
         picks = [pick_label(scores, p.temperature, sample_seed(p.seed, i)) for i in range(p.samples)]
         eos = self.model_runner.eos_token_id
         samples: list[EngineResult] = []
+        thought = seq.output_ids  # a reasoning model's thinking stays in front of the label (it counts)
         for i in reversed(range(p.samples)):  # sample 0 last: the sequence ends with its label
-            seq.output_ids = [*seq.labels[picks[i]], eos]
+            seq.output_ids = [*thought, *seq.labels[picks[i]], eos]
             if scored.rows is not None:
                 seq.token_logprobs = scored.rows[picks[i]]
             seq.text = p.choices[picks[i]]
@@ -509,7 +539,7 @@ class Engine:
             rows = seq.token_logprobs
             last = seq.output_ids[-1] if seq.output_ids else None
             ended = reason == "eos" or (reason == "stop" and last in seq.params.stop_token_ids)
-            if rows and ended and seq.labels is None:
+            if rows and ended and seq.labels is None and seq.in_answer:
                 # A generated final EOS / stop token is counted, never shown; a label's EOS is shown, as
                 # a term of the label's score.
                 rows = rows[:-1]

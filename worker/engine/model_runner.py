@@ -279,9 +279,18 @@ class ModelRunner:
         # sample's too: best_of ranks by them).
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs or s.ranked]
         raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
-        masked = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        masked = [i for i, s in enumerate(seqs) if s.constrained]
         if masked:
+            # a reasoning model that has not opened its thinking may still open it instead of answering
+            opening: list[tuple[int, int]] = []
+            for i in masked:
+                reasoning = seqs[i].reasoning
+                if reasoning is not None and reasoning.opening_token is not None:
+                    opening.append((i, reasoning.opening_token))
+            kept = [logits[i, t].clone() for i, t in opening]
             mask_logits(logits, masked, [seqs[i].matcher for i in masked])
+            for (i, t), value in zip(opening, kept, strict=True):
+                logits[i, t] = value
         sampling = SamplingBatch(
             temperatures=[s.params.temperature for s in seqs],
             top_ks=[s.params.top_k for s in seqs],
@@ -330,7 +339,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[ScoredLabels]:
-        """Each label's log-probability after its sequence's prompt: the sum over its tokens, then the
+        """Each label's log-probability after its sequence's prompt (and thinking): the sum over its tokens, then the
         first EOS, of log p(token | prompt, label tokens before it), in one packed forward pass.
 
         A label row reads the prompt's full blocks in place and recomputes the prompt's tail after them
@@ -351,9 +360,11 @@ class ModelRunner:
         top_rows: list[int] = []  # targets whose sequence asks for top alternatives (ascending)
         for seq, table in zip(seqs, tables, strict=True):
             assert seq.labels is not None
-            full = (seq.prompt_len - 1) // bs
-            tail = seq.prompt_ids[full * bs :]
-            scratch = -(-seq.prompt_len // bs)  # the scratch blocks follow the prompt's own
+            # the context: the prompt, and a reasoning model's thinking before the answer
+            context_ids = seq.prefill_ids
+            full = (len(context_ids) - 1) // bs
+            tail = context_ids[full * bs :]
+            scratch = -(-len(context_ids) // bs)  # the scratch blocks follow the context's own
             for label in seq.labels:
                 new = tail + label
                 k = -(-len(new) // bs)

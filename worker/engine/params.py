@@ -58,6 +58,9 @@ class GenerationParams:
     constraint: Constraint = NO_CONSTRAINT  # the output follows this grammar
     logprobs: bool = False  # report each generated token's log-probability
     top_logprobs: int = 0  # and this many most likely alternatives
+    # A reasoning model's thinking budget: after this many generated tokens of thinking its close is forced
+    # (reasoning.py); None: no budget of its own (max_new_tokens still bounds thinking and answer together)
+    max_reasoning_tokens: int | None = None
     n: int = 1  # samples returned (worker/engine/samples.py)
     best_of: int | None = None  # samples generated (None: n); the n of highest cumulative logprob return
 
@@ -84,6 +87,7 @@ class GenerationParams:
             and not (self.choices and self.constraint.kind != "none"),
             "top_logprobs": 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
             and (self.logprobs or self.top_logprobs == 0),
+            "max_reasoning_tokens": self.max_reasoning_tokens is None or self.max_reasoning_tokens >= 0,
             "n": 1 <= self.n <= MAX_SAMPLES,
             "best_of": self.best_of is None or self.n <= self.best_of <= MAX_SAMPLES,
         }

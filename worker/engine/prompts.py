@@ -16,6 +16,7 @@ from worker.engine.config import Pooling
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.embedding import input_id
 from worker.engine.params import Constraint
+from worker.engine.reasoning import ReasoningMarkers
 from worker.engine.request import EngineRequest, RequestError
 from worker.engine.sequence import Sequence
 
@@ -31,6 +32,7 @@ class PromptBuilder:
         max_model_len: int,
         block_manager: BlockManager,
         matcher: Callable[[Constraint], Any] | None = None,
+        reasoning: ReasoningMarkers | None = None,
         hidden_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -39,6 +41,7 @@ class PromptBuilder:
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.matcher = matcher  # a fresh grammar matcher for a constraint (grammar.Grammars.matcher)
+        self.reasoning = reasoning  # the model's reasoning markers (chat requests are split by them)
         self.hidden_size = hidden_size  # an embedding's full width (None: not checked)
 
     def sequence(self, req: EngineRequest, received: float) -> Sequence:
@@ -46,15 +49,23 @@ class PromptBuilder:
         params = req.params
         ids = self.tokenize(req)
         labels = self.label_ids(params.choices) if params.choices else None
+        # A reasoning model's chat request thinks before it answers (vLLM applies its reasoning parsers to
+        # chat requests alone); one whose template closed the thinking answers at once, like any other.
+        reasoning = None
+        if self.reasoning is not None and req.messages is not None:
+            reasoning = self.reasoning.state(ids, params.max_reasoning_tokens)
+        thinks = reasoning is not None and not reasoning.in_answer
         limit = self.max_model_len
-        if not labels and params.max_new_tokens > limit:
+        if (thinks or not labels) and params.max_new_tokens > limit:
             raise RequestError(
                 "context_length_exceeded",
                 f"max_new_tokens is {params.max_new_tokens}, but the model holds {limit} tokens in all "
                 f"(prompt and output together; this prompt has {len(ids)})",
             )
-        # A choices request scores each label, then EOS, after the prompt: room for the longest label.
-        room = max(len(label) for label in labels) + 1 if labels else params.max_new_tokens
+        # A choices request scores each label, then EOS, after the prompt (and its thinking): room for the
+        # longest label.
+        label_room = max(len(label) for label in labels) + 1 if labels else 0
+        room = label_room + (params.max_new_tokens if thinks else 0) if labels else params.max_new_tokens
         if len(ids) >= limit or (labels and len(ids) + room > limit):
             if params.truncate_prompt == "error":
                 raise RequestError(
@@ -64,14 +75,16 @@ class PromptBuilder:
                 )
             keep = max(1, limit - room)  # leave room for the requested output
             ids = ids[-keep:] if params.truncate_prompt == "left" else ids[:keep]
-        max_new = 0 if labels else min(params.max_new_tokens, limit - len(ids))
+        max_new = 0 if labels and not thinks else min(params.max_new_tokens, limit - len(ids) - label_room)
         bm = self.block_manager
-        scratch = self._scratch_blocks(len(ids), labels) if labels else 0
+        # (a thinking choices request is scored after a context of a length not known yet: the longest tail)
+        scratch = self._scratch_blocks(len(ids) if not thinks else bm.block_size, labels) if labels else 0
         # a generating sequence of a model windowed in every layer holds its window's blocks at most
         # (Scheduler.blocks_needed); a choices request rereads its prompt's blocks when it is scored
-        need = (bm.blocks_for(len(ids)) if labels else bm.held_bound(len(ids) + max_new)) + scratch
+        context = len(ids) + max_new
+        need = (bm.blocks_for(context) if labels else bm.held_bound(context)) + scratch
         if need > bm.num_blocks:
-            what = f"{len(labels)} labels to score" if labels else f"{max_new} new tokens"
+            what = f"{len(labels)} labels to score" if labels and not thinks else f"{max_new} new tokens"
             at_once = " at once" if bm.window is not None and not labels else ""
             raise RequestError(
                 "kv_capacity",
@@ -93,8 +106,11 @@ class PromptBuilder:
             started_at=req.started_at if req.started_at is not None else received,
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             matcher=matcher,
-            labels=labels,
+            labels=None if thinks else labels,
+            pending_labels=labels if thinks else None,
             scratch_blocks=scratch,
+            reasoning=reasoning,
+            reasoning_detokenizer=IncrementalDetokenizer(self.tokenizer) if reasoning is not None else None,
         )
 
     def embedding_sequences(self, req: EngineRequest, received: float, pooling: Pooling) -> list[Sequence]:
@@ -195,7 +211,9 @@ def tokenize(tokenizer: Any, req: EngineRequest, vocab_size: int, model_name: st
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("invalid_request", f"model {model_name!r} has no chat template")
         try:
-            text = tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                req.messages, tokenize=False, add_generation_prompt=True, **(req.chat_template_kwargs or {})
+            )
         except Exception as exc:  # a template error is the request's fault, not the engine's
             raise RequestError("invalid_request", f"chat template failed: {exc}") from exc
         ids = tokenizer(text, add_special_tokens=False).input_ids

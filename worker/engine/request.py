@@ -35,6 +35,9 @@ class EngineRequest:
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     started_at: float | None = None
+    # Extra variables of the chat template (e.g. {"enable_thinking": False}, {"reasoning_effort": "low"});
+    # a template that does not use one ignores it
+    chat_template_kwargs: dict[str, Any] | None = None
     # An embedding request: prefill only (no decode, no sampling), one pooled vector per input
     embedding: EmbeddingInputs | None = None
 
@@ -101,6 +104,10 @@ class EngineResult:
     logprobs: list[TokenLogprob] | None  # `logprobs` requests: every generated token but a final
     # EOS / stop token; a `choices` request: its label's tokens and the EOS, teacher-forced (they sum to
     # the label's score)
+    # A reasoning model's chat request (reasoning.py): its thinking, apart from `text` (None: no parser ran),
+    # and the tokens generated before the answer (of completion_tokens; markers included)
+    reasoning_content: str | None = None
+    reasoning_tokens: int = 0
     # n > 1: the samples returned, best first under best_of (their own text, tokens, finish reason and
     # logprobs); the fields above are then the request's: its first sample's, usage over every sample
     samples: list[EngineResult] | None = None

@@ -64,6 +64,10 @@ def fork_samples(
             forks=[],
             status="pending",
             sample_index=i,
+            # a reasoning model's sample thinks on its own (its place, its thinking's ids and text)
+            reasoning=None if leader.reasoning is None else leader.reasoning.copy(),
+            reasoning_ids=[],
+            reasoning_detokenizer=None if leader.reasoning_detokenizer is None else detokenizer(),
         )
         for i in range(1, p.samples)
     ]
@@ -80,7 +84,7 @@ def plan_samples(
     RequestError where the group could never run: more samples than max_num_seqs, or more blocks than the
     pool holds (its prompt shared, each sample's own part counted)."""
     p = seq.params
-    if p.samples == 1 or seq.labels is not None:
+    if p.samples == 1 or seq.scores_labels:  # (a reasoning model's choices request: one thought, then labels)
         return []
     if p.samples > scheduler.max_num_seqs:
         raise RequestError(
@@ -130,6 +134,9 @@ def combine(request_id: str, results: list[EngineResult], n: int, ranks: list[fl
         label_scores=results[0].label_scores,
         logprobs=None if error is not None else first.logprobs,
         samples=None if error is not None else kept,
+        # a reasoning model's: the first sample's thinking; its tokens counted as completion_tokens are
+        reasoning_content=None if error is not None else first.reasoning_content,
+        reasoning_tokens=sum(r.reasoning_tokens for r in results),
     )
 
 

@@ -111,7 +111,7 @@ class Scheduler:
     def slides(self, seq: Sequence) -> bool:
         """Whether the window releases this sequence's early blocks as it advances (a windowed model's
         generating sequence; a `choices` request's score step rereads its prompt's blocks)."""
-        return self.block_manager.window is not None and seq.labels is None
+        return self.block_manager.window is not None and not seq.scores_labels
 
     def blocks_needed(self, seq: Sequence) -> int:
         """Its worst case: the most blocks it holds at once (and a choices request's scratch blocks), and
@@ -260,19 +260,25 @@ class Scheduler:
         bm = self.block_manager
         picked: list[Sequence] = []
         tokens = 0
-        for seq in self.running:
-            if seq.labels is None or not seq.prefilled:
+        for seq in list(self.running):
+            if seq.labels is None or not seq.prefilled or seq.status != "running":
                 continue
             rows = sum(len(label) for label in seq.labels) + len(seq.labels) * bm.block_size  # upper bound
             if picked and tokens + rows > self.max_num_batched_tokens:
                 break
-            # Its scratch blocks, reserved at admission, after the prompt's.
-            bm.ensure_capacity(
-                seq.request_id, (bm.blocks_for(seq.prompt_len) + seq.scratch_blocks) * bm.block_size
-            )
+            # Its scratch blocks after its context's (the prompt's; a reasoning model's thinking too): within
+            # its reservation, or, where the thinking outgrew an optimistic one, what the pool gives.
+            end = (bm.blocks_for(seq.num_tokens) + seq.scratch_blocks) * bm.block_size
+            while not bm.grow(seq.request_id, end):
+                self.preempt(self.running[-1])  # the newest; it may be `seq` itself
+                if seq.status != "running":
+                    break
+            if seq.status != "running":
+                continue
+            bm.ensure_capacity(seq.request_id, end)
             picked.append(seq)
             tokens += rows
-        return picked
+        return [s for s in picked if s.status == "running"]  # a later one's room may have preempted it
 
     def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
         """Admit waiting sequences while the pool and `budget` prompt tokens allow. -> (seq, chunk)."""

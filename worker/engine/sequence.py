@@ -9,6 +9,7 @@ from worker.engine.block_manager import BlockHash
 from worker.engine.config import Pooling
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.params import GenerationParams
+from worker.engine.reasoning import ReasoningState
 from worker.engine.request import EngineError, EngineResult, FinishReason, LabelScore, TokenLogprob
 
 SequenceStatus = Literal["waiting", "running", "finished", "pending"]  # pending: a sample not yet forked
@@ -40,6 +41,14 @@ class Sequence:
     labels: list[list[int]] | None = None
     scratch_blocks: int = 0
     preemptions: int = 0  # times its blocks were taken back (it resumes by recomputing prompt + output)
+    # A reasoning model's chat request: where its tokens stand (thinking or answer), its thinking's ids and
+    # text. A `choices` request thinks first: its labels wait in
+    # pending_labels until the answer starts, then it is scored after everything generated so far.
+    reasoning: ReasoningState | None = None
+    reasoning_ids: list[int] = field(default_factory=list)
+    reasoning_text: str = ""
+    reasoning_detokenizer: IncrementalDetokenizer | None = None
+    pending_labels: list[list[int]] | None = None
     # n > 1 (worker/engine/samples.py): sample `sample_index` of request `group`; the leader (sample 0)
     # holds the samples still to fork from it once its prompt is computed
     group: str | None = None
@@ -77,6 +86,30 @@ class Sequence:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
+    def answer_ids(self) -> list[int]:
+        """The generated tokens of the answer (all of them but for a reasoning model's thinking)."""
+        # every token before the answer counts as a reasoning token, so the answer starts at that count
+        return self.output_ids if self.reasoning is None else self.output_ids[self.reasoning.tokens :]
+
+    @property
+    def in_answer(self) -> bool:
+        """Its next token belongs to the answer: the request's grammar, stop strings and labels apply."""
+        return self.reasoning is None or self.reasoning.in_answer
+
+    @property
+    def constrained(self) -> bool:
+        """Its next token is masked by its grammar: in the answer, and before a reasoning model's thinking
+        opened (its opening token is then allowed too: model_runner); never inside the thinking."""
+        if self.matcher is None:
+            return False
+        return self.in_answer or (self.reasoning is not None and self.reasoning.opening_token is not None)
+
+    @property
+    def scores_labels(self) -> bool:
+        """A `choices` request (scored now, or once its thinking ends)."""
+        return self.labels is not None or self.pending_labels is not None
+
+    @property
     def max_total_tokens(self) -> int:
         """Worst-case tokens this sequence can ever hold: what admission reserves blocks for."""
         return self.prompt_len + self.max_new_tokens
@@ -106,6 +139,8 @@ class Sequence:
             error=error,
             label_scores=label_scores,
             logprobs=logprobs,
+            reasoning_content=None if self.reasoning is None or failed else self.reasoning_text,
+            reasoning_tokens=0 if self.reasoning is None or failed else self.reasoning.tokens,
         )
 
 

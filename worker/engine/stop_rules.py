@@ -22,17 +22,25 @@ class StopRules:
         return now - seq.started_at > seq.params.timeout_s
 
     def append_token(self, seq: Sequence, token: int, now: float) -> FinishReason | None:
-        """Add one sampled token to `seq` (ids and clean text); return why it must finish, if it must."""
+        """Add one sampled token to `seq` (ids and clean text); return why it must finish, if it must.
+
+        A reasoning model's thinking (reasoning.py) meets every rule but stop strings, which apply to the
+        answer only: its tokens render into reasoning_text, its markers nowhere."""
         seq.output_ids.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = now
         params = seq.params
         is_eos = token in self.eos_token_ids
         is_stop_id = token in params.stop_token_ids
+        role = "answer" if seq.reasoning is None else seq.reasoning.feed(token)
         # The final EOS / stop token is counted but never rendered (it is usually a special token).
-        new_text = (
-            "" if (is_eos and not params.ignore_eos) or is_stop_id else seq.detokenizer.step(seq.output_ids)
-        )
+        silent = (is_eos and not params.ignore_eos) or is_stop_id
+        new_text = ""
+        if role == "answer" and not silent:
+            new_text = seq.detokenizer.step(seq.answer_ids)
+        elif role == "reasoning" and not silent and seq.reasoning_detokenizer is not None:
+            seq.reasoning_ids.append(token)
+            seq.reasoning_text += seq.reasoning_detokenizer.step(seq.reasoning_ids)
         prev_len = len(seq.text)
         seq.text += new_text
         if self.timed_out(seq, now):
