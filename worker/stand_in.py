@@ -28,6 +28,7 @@ class InstantEngine:
 
     fingerprint = "stand-in"
     max_model_len = CONTEXT
+    embedding_size = None  # it answers generation requests only
 
     def __init__(self) -> None:
         self._inbox: deque[EngineRequest] = deque()
