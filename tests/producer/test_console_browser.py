@@ -8,6 +8,7 @@ copies of two of them. Without Chromium the tests skip, saying how to install it
 from __future__ import annotations
 
 import shutil
+import signal
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -94,11 +95,18 @@ def test_a_cli_batch_appears_and_reaches_100_percent_without_a_reload(console: C
     expect(page.locator("#batches")).to_be_visible()
     page.evaluate("window.__loadedOnce = true")  # a reload would lose it
     tag = uuid.uuid4().hex[:6]
-    other = console.stack.submit([{"prompt": f"{tag} other team", "max_tokens": 2}], key=KEY_B)
-    bid = console.stack.submit([{"id": f"{tag}-{i}", "prompt": f"{tag} live {i}", "max_tokens": 96,
-                                 "ignore_eos": True} for i in range(24)])  # fmt: skip
-    row = page.locator(f'tr[data-batch="{bid}"]')
-    expect(row).to_be_visible()
+    # The worker is paused (SIGSTOP) until the page shows the batch queued: a tiny model on an idle machine
+    # would otherwise finish it within one of the page's polls.
+    worker = console.stack.worker.proc
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        other = console.stack.submit([{"prompt": f"{tag} other team", "max_tokens": 2}], key=KEY_B)
+        bid = console.stack.submit([{"id": f"{tag}-{i}", "prompt": f"{tag} live {i}", "max_tokens": 96,
+                                     "ignore_eos": True} for i in range(24)])  # fmt: skip
+        row = page.locator(f'tr[data-batch="{bid}"]')
+        expect(row.locator(".pct")).to_have_text("0%")
+    finally:
+        worker.send_signal(signal.SIGCONT)
     seen = []  # the bar's percentages as the page redraws them, until the batch is done
     while not seen or seen[-1] != "100%":
         seen.append(row.locator(".pct").text_content())
