@@ -168,19 +168,14 @@ class PackedMoE:
 TORCH_MOE = TorchMoE()
 
 
-class TritonMoE:
-    """triton_moe.py's grouped GEMMs on CUDA (imported at first use: Triton loads only where it runs)."""
+class TritonMoE(TorchMoE):
+    """triton_moe.py's grouped GEMMs on CUDA (imported at first use: Triton loads only where it runs); its
+    experts are stored as the torch method stores them."""
 
     name, layout = "triton", "torch"
 
     def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
         return weight.device.type == "cuda"
-
-    def store(self, w: Tensor) -> Tensor:
-        return w.contiguous()
-
-    def unpack(self, stored: Tensor, n: int) -> Tensor:
-        return stored
 
     def apply(
         self,
