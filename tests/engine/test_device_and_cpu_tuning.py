@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,13 @@ from worker.engine import device
 from worker.engine.device import pick_dtype
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A cache directory of the test's own: no measurement kept from an earlier start answers for it."""
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 @pytest.mark.parametrize(
@@ -41,6 +49,52 @@ def test_auto_without_the_c_kernels_weighs_torchs_float32_alone(monkeypatch: pyt
     monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates[dtype])
     monkeypatch.setattr(device, "native_gemm_flops", lambda **_: pytest.fail("linear.c was probed"))
     assert pick_dtype("auto", CPU, "torch") == torch.bfloat16
+
+
+def test_the_first_measurement_is_the_machines_choice_for_every_later_start(
+    monkeypatch: pytest.MonkeyPatch, own_cache_dir: Path
+) -> None:
+    # A worker starting while the cores are loaded measures other rates; it must not pick the other dtype
+    # (and answer, and key the result cache) unlike the workers that started before it.
+    rates = {torch.float32: 100e9, torch.bfloat16: 240e9}
+    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates[dtype])
+    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: 0.0)
+    assert pick_dtype("auto", CPU, "auto") == torch.bfloat16
+    rates[torch.bfloat16] = 90e9  # what a loaded machine would measure now
+    assert pick_dtype("auto", CPU, "auto") == torch.bfloat16
+    assert pick_dtype("auto", CPU, "torch") == torch.float32  # another setting, another measurement
+    kept = list((own_cache_dir / "probes").glob("bf16-speedup-*.json"))
+    assert len(kept) == 2
+    for f in kept:  # deleted, the machine is measured again
+        f.unlink()
+    assert pick_dtype("auto", CPU, "auto") == torch.float32
+
+
+_PROBE = """
+import sys, time, torch
+from worker.engine import device
+rate = float(sys.argv[1])
+def gemm_flops(dtype, **_):
+    time.sleep(1.5)  # as long as a real probe of a big machine: the other process starts meanwhile
+    return {torch.float32: 100e9, torch.bfloat16: rate}[dtype]
+device.gemm_flops = gemm_flops
+device.native_gemm_flops = lambda **_: 0.0
+print(device.pick_dtype("auto", torch.device("cpu"), "auto"))
+"""
+
+
+def test_workers_started_together_share_one_measurement(own_cache_dir: Path) -> None:
+    # Two processes at once, one measuring bf16 fast and one slow: the lock lets one measure and the other
+    # read its figure, so both take one dtype (which one depends on who came first).
+    env = {**os.environ, "BATCHQ_CACHE_DIR": str(own_cache_dir)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _PROBE, rate], env=env, stdout=subprocess.PIPE, text=True)
+        for rate in ("240e9", "90e9")
+    ]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] and outs[0] in ("torch.bfloat16", "torch.float32")
+    assert len(list((own_cache_dir / "probes").glob("bf16-speedup-*.json"))) == 1
 
 
 def test_gemm_probe_measures_this_machine() -> None:

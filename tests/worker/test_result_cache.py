@@ -146,6 +146,18 @@ def status_of(url: str, batch_id: str) -> dict[str, Any]:
     return dict(orjson.loads(out.stdout))
 
 
+def serving_fingerprint(url: str) -> str:
+    """The engine fingerprint the queue's workers published (a worker publishes it as it starts)."""
+    r = sync_redis.Redis.from_url(url)
+    try:
+        wait_until(
+            lambda: r.exists(keys.queue_serving(keys.queue_name("default"))), 30, "the published engine"
+        )
+        return str(orjson.loads(r.get(keys.queue_serving(keys.queue_name("default"))))["fingerprint"])
+    finally:
+        r.close()
+
+
 def submit_json(url: str, path: Path, *args: str) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "producer.cli", "submit", str(path), "--redis-url", url, "--json", *args],
@@ -166,6 +178,7 @@ def test_a_rerun_batch_is_answered_at_submit_with_the_original_answers(
     lines += [{"id": "u0", "prompt": "Write freely", "max_new_tokens": 6, "temperature": 0.9}]  # unseeded
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     worker_a = workers(server.url, str(tiny_model_dir), "--repetition-repeats", "0", name="a").wait_ready()
+    fingerprint_a = serving_fingerprint(server.url)
 
     first = submit_json(server.url, path)
     assert first["cached"] == 0
@@ -198,8 +211,10 @@ def test_a_rerun_batch_is_answered_at_submit_with_the_original_answers(
     r.close()
     late = submit_json(server.url, path)
     assert late["cached"] == 0
-    workers(server.url, str(tiny_model_dir), "--repetition-repeats", "0", name="b").wait_ready()
+    worker_b = workers(server.url, str(tiny_model_dir), "--repetition-repeats", "0", name="b").wait_ready()
     wait_until(lambda: results_count(server.url, late["batch_id"]) == len(lines), 120, "the late rerun")
+    # the same machine and settings give the same engine: a timing (the dtype probe) must not tell them apart
+    assert serving_fingerprint(server.url) == fingerprint_a, worker_b.log()
     four = results_of(server.url, late["batch_id"])
     assert [r["cached"] for r in four] == [True] * 9 + [False]
     assert [r["text"] for r in four[:9]] == [r["text"] for r in one[:9]]

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
+import os
 import time
+from pathlib import Path
 
+import orjson
 import torch
 
+from worker.cache_dir import cache_dir
 from worker.engine.config import CpuKernels, Device, Dtype, KVCacheDtype, WeightDtype
 
 log = logging.getLogger(__name__)
@@ -57,9 +63,9 @@ def native_gemm_flops(n: int = 1024, reps: int = 4) -> float:
     return 2 * n**3 / best
 
 
-def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
-    """bf16 GEMM FLOP/s over float32's on this CPU (float32's: the better of torch's and, with cpu_kernels
-    auto, linear.c's); 0 without oneDNN."""
+def measure_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
+    """bf16 GEMM FLOP/s over float32's on this CPU, measured now (float32's: the better of torch's and, with
+    cpu_kernels auto, linear.c's); 0 without oneDNN."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0.0
     f32 = gemm_flops(torch.float32)
@@ -68,6 +74,58 @@ def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
     bf16 = gemm_flops(torch.bfloat16)
     log.info("CPU matmul %.0f GFLOP/s float32, %.0f bfloat16", f32 / 1e9, bf16 / 1e9)
     return bf16 / f32
+
+
+def _cpu_model() -> str:
+    try:
+        return next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def _probe_path(cpu_kernels: CpuKernels) -> Path:
+    """The file that keeps this machine's measurement: one per CPU model and flags, torch build, thread
+    count and cpu_kernels setting (what the rates depend on)."""
+    from worker.kernels.native_build import cpu_features
+
+    what = "\0".join(
+        [_cpu_model(), cpu_features(), torch.__version__, str(torch.get_num_threads()), cpu_kernels]
+    )
+    return cache_dir() / "probes" / f"bf16-speedup-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
+
+
+def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
+    """This machine's bf16-over-float32 GEMM speedup (measure_bf16_gemm_speedup), measured by the first
+    worker to start here and kept in the cache directory for every later one.
+
+    A timing decides the dtype, and so the answers and the result cache's fingerprint: measured at every
+    start, a worker that starts while another process loads the cores can pick the other dtype than its
+    neighbours, and the fleet then answers the same request two ways. Kept, the choice is the machine's.
+    Delete the file (the log names it) to measure again.
+    """
+    path = _probe_path(cpu_kernels)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # a read-only cache: measure, as every start would
+        log.warning("cannot keep the bf16 GEMM probe in %s (%s): measured at each start", path.parent, exc)
+        return measure_bf16_gemm_speedup(cpu_kernels)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # workers starting together: one measures, the rest read its figure
+        try:
+            speedup = float(orjson.loads(path.read_bytes())["speedup"])
+            log.info("bf16 GEMM speedup %.2fx, measured on this machine earlier (%s)", speedup, path)
+            return speedup
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        speedup = measure_bf16_gemm_speedup(cpu_kernels)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_bytes(orjson.dumps({"speedup": speedup, "measured_at": time.time()}))
+        os.replace(tmp, path)
+        log.info("bf16 GEMM speedup %.2fx measured, kept for later starts in %s", speedup, path)
+        return speedup
+    finally:
+        os.close(lock)  # closing releases the lock
 
 
 def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:

@@ -75,7 +75,7 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_features() -> str:
+def cpu_features() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -93,7 +93,7 @@ def build(cc: str, sources: tuple[Path, ...], extra_flags: tuple[str, ...] = ())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     headers = sorted(sources[0].parent.glob("*.h"))  # what the sources #include
     texts = [f.read_text() for f in (*sources, *headers)]
-    key = hashlib.sha256("\0".join([*texts, cc, version, *flags, _cpu_features()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, cc, version, *flags, cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / "native" / f"{sources[0].stem}-{key}.so"
     if target.exists():
         return target
