@@ -85,7 +85,7 @@ def _cpu_model() -> str:
 
 def _probe_path(cpu_kernels: CpuKernels) -> Path:
     """The file that keeps this machine's measurement: one per CPU model and flags, torch build, thread
-    count and cpu_kernels setting (what the rates depend on)."""
+    count, kernel ISA and cpu_kernels setting (what the rates depend on)."""
     from worker.kernels.native_build import cpu_features
 
     what = "\0".join(
