@@ -86,10 +86,17 @@ def _cpu_model() -> str:
 def _probe_path(cpu_kernels: CpuKernels) -> Path:
     """The file that keeps this machine's measurement: one per CPU model and flags, torch build, thread
     count, kernel ISA and cpu_kernels setting (what the rates depend on)."""
-    from worker.kernels.native_build import cpu_features
+    from worker.kernels.native_build import cpu_features, cpu_isa
 
     what = "\0".join(
-        [_cpu_model(), cpu_features(), torch.__version__, str(torch.get_num_threads()), cpu_kernels]
+        [
+            _cpu_model(),
+            cpu_features(),
+            cpu_isa(),
+            torch.__version__,
+            str(torch.get_num_threads()),
+            cpu_kernels,
+        ]
     )
     return cache_dir() / "probes" / f"bf16-speedup-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
 
