@@ -189,6 +189,38 @@ def test_narrower_instruction_sets_give_the_same_answers(
         torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_decode_steps_sum_each_k_block_the_same_whatever_rows_the_tiles_take_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The AVX2 decode path goes through a K block in pieces (KB_SUB rows), carrying the tiles' partial sums
+    # over: the outputs must be those of the block summed in one piece, bit for bit, for every weight type
+    # and tile shape (whole-panel tiles up to 3 rows, half-panel ones beyond), and K not a multiple of it.
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    avx2 = ("-march=x86-64-v3", "-mno-avx512f")
+    whole, pieces = _load_for((*avx2, "-DKB_SUB=64")), _load_for((*avx2, "-DKB_SUB=16"))
+    gen = torch.Generator().manual_seed(5)
+    for m, k, dtype in itertools.product(
+        (1, 3, 4, 9, 16, 64), (200, 576), (torch.float32, torch.bfloat16, torch.int8)
+    ):
+        x = torch.randn(m, k, generator=gen)
+        lin = Linear(k, 40, bias=False)
+        lin.load(torch.randn(40, k, generator=gen) / k**0.5)
+        if dtype != torch.float32:
+            lin.quantize(dtype)
+        lin.use_method(PACKED)
+        scale = None if lin.scale is None else lin.scale.data_ptr()
+        ys = []
+        for lib in (whole, pieces):
+            y = torch.empty(m, 40)
+            assert lib.batchq_linear(
+                x.data_ptr(), lin.weight.data_ptr(), scale, None, y.data_ptr(), m, k, 40,
+                native_linear.WEIGHT_TYPES[dtype], 2,
+            ) == 0  # fmt: skip
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]), (m, k, dtype)
+
+
 def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
     gen = torch.Generator().manual_seed(4)
     lin = Linear(64, 48, bias=True)

@@ -102,6 +102,14 @@ static inline size_t row_bytes(const int elem) {
 #ifndef KB_DIRECT
 #define KB_DIRECT (VL == 8)
 #endif
+/* The tiles of a decode-sized step go through each K block KB_SUB rows at a time, every tile and half-panel
+   tile over those rows before the next ones, carrying their partial sums over in memory (kb_tile), so the
+   weights they reread stay in L1 while the stream ahead is fetched: with 8-float vectors a block's 8 KB
+   of float32 weights is reread by up to a dozen tile calls, and half of it at a time stays resident. The
+   sums are the block's whatever KB_SUB. */
+#ifndef KB_SUB
+#define KB_SUB (VL == 8 ? 32 : KBLOCK)
+#endif
 
 /* VL weights widened to float32. The widenings are intrinsics on x86: GCC 12 turns the generic
    __builtin_convertvector of int8 lanes into scalar inserts (int8 weights then ran slower than float32). */
@@ -206,6 +214,20 @@ static void dequantize(const LinearWeight *lw, const int K, const int panel, con
     }
 }
 
+/* A weight vector held in a register for every row's FMA. Left to itself GCC folds the load into each
+   FMA as a memory operand, so a tile of mr rows loads every weight vector mr times: with 8-float vectors,
+   whose broadcasts of x are loads too, the loads then outnumber the FMAs and the load ports, not the FMA
+   units, set the pace. IN_REGISTER=0 leaves the choice to the compiler. */
+#ifndef IN_REGISTER
+#define IN_REGISTER 1
+#endif
+static inline __attribute__((always_inline)) vf in_register(vf v) {
+#if IN_REGISTER && (defined(__AVX2__) || defined(__AVX512F__))
+    __asm__("" : "+x"(v));
+#endif
+    return v;
+}
+
 /* One tile: mr x rows (stride K) against the cols <= TCOLS columns of a panel starting at w (panel row
    stride PANEL elements); writes (accumulate: adds to) y rows (stride N) from its first column. scale,
    bias: the tile's first column's, or NULL. pf: what to prefetch, row k at pf + k * the row stride. */
@@ -226,7 +248,7 @@ static inline __attribute__((always_inline)) void tile(
             __builtin_prefetch(pf + (size_t)k * stride, 0, 0);
             if (stride > 64) __builtin_prefetch(pf + (size_t)k * stride + 64, 0, 0); /* float32: 2 lines a row */
             vf wv[PANEL_VECS];
-            for (int j = 0; j < nv; j++) wv[j] = load_w(p + (size_t)j * VL * es, elem);
+            for (int j = 0; j < nv; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
             for (int i = 0; i < mr; i++) {
                 /* A scalar times a vector: the compiler broadcasts x[m, k] straight from memory into the
                    FMA's operand. (A vector built as `(vf){0} + x` costs a scalar add and a register
@@ -301,36 +323,43 @@ WIDES(2)
 static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
 #endif
 
-/* One K block of a tile: mr x rows (stride K) against kn rows of a panel's nv vectors starting at w (row
-   stride PANEL elements), the block's partial sums added to tot (mr rows of PANEL floats). npf <= 2 kn lines
-   from pf are prefetched on the way. */
+/* Rows kn of one K block of a tile: mr x rows (stride K) against kn rows of a panel's nv vectors starting
+   at w (row stride PANEL elements). The block's partial sums (mr rows of PANEL floats at part) start from
+   zero when `first` and from part's otherwise; at the `last` rows of the block they are added to tot (same
+   layout), else kept in part for the block's next rows, so a block gone through in pieces sums as one.
+   npf <= 2 kn lines from pf are prefetched on the way. */
 static inline __attribute__((always_inline)) void kb_tile(
-    const float *x, const char *w, const char *pf, const int npf, float *tot, const int K, const int kn,
-    const int mr, const int nv, const int elem
+    const float *x, const char *w, const char *pf, const int npf, float *tot, float *part, const int K,
+    const int kn, const int mr, const int nv, const int elem, const int first, const int last
 ) {
     const size_t stride = row_bytes(elem), es = stride / PANEL;
     vf acc[MR][PANEL_VECS];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nv; j++) acc[i][j] = (vf){0};
+        for (int j = 0; j < nv; j++)
+            acc[i][j] = first ? (vf){0} : *(const vf *)(part + (size_t)i * PANEL + j * VL);
     for (int k = 0; k < kn; k++) {
         const char *p = w + (size_t)k * stride;
         if (k < npf) __builtin_prefetch(pf + (size_t)k * 64, 0, 0);
         if (k + kn < npf) __builtin_prefetch(pf + (size_t)(k + kn) * 64, 0, 0); /* a float32 block in one call */
         vf wv[PANEL_VECS];
-        for (int j = 0; j < nv; j++) wv[j] = load_w(p + (size_t)j * VL * es, elem);
+        for (int j = 0; j < nv; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
         for (int i = 0; i < mr; i++) {
             const float xs = x[(size_t)i * K + k];
             for (int j = 0; j < nv; j++) acc[i][j] += xs * wv[j];
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nv; j++) *(vf *)(tot + (size_t)i * PANEL + j * VL) += acc[i][j];
+        for (int j = 0; j < nv; j++) {
+            float *t = (last ? tot : part) + (size_t)i * PANEL + j * VL;
+            *(vf *)t = last ? *(const vf *)t + acc[i][j] : acc[i][j];
+        }
 }
 
 #define KB_FN(mr, elem)                                                                                   \
     static __attribute__((noinline)) void kb_##mr##_##elem(const float *x, const char *w, const char *pf,  \
-                                                           int npf, float *tot, int K, int kn) {          \
-        kb_tile(x, w, pf, npf, tot, K, kn, (mr) < MR ? (mr) : MR, NV, elem);                              \
+                                                           int npf, float *tot, float *part, int K, int kn, \
+                                                           int first, int last) {                           \
+        kb_tile(x, w, pf, npf, tot, part, K, kn, (mr) < MR ? (mr) : MR, NV, elem, first, last);            \
     }
 #define KBS(elem)                                                                                       \
     KB_FN(1, elem) KB_FN(2, elem) KB_FN(3, elem) KB_FN(4, elem) KB_FN(5, elem) KB_FN(6, elem) KB_FN(7, elem) \
@@ -338,15 +367,16 @@ static inline __attribute__((always_inline)) void kb_tile(
 KBS(0)
 KBS(1)
 KBS(2)
-typedef void (*kb_fn)(const float *, const char *, const char *, int, float *, int, int);
+typedef void (*kb_fn)(const float *, const char *, const char *, int, float *, float *, int, int, int, int);
 #define KROW(e) {kb_1_##e, kb_2_##e, kb_3_##e, kb_4_##e, kb_5_##e, kb_6_##e, kb_7_##e, kb_8_##e, kb_9_##e, \
                  kb_10_##e, kb_11_##e, kb_12_##e}
 static const kb_fn KB_FNS[3][12] = {KROW(0), KROW(1), KROW(2)};
 #ifdef WIDE_ROWS
 #define KBW_FN(mr, elem)                                                                                  \
     static __attribute__((noinline)) void kbw_##mr##_##elem(const float *x, const char *w, const char *pf, \
-                                                            int npf, float *tot, int K, int kn) {         \
-        kb_tile(x, w, pf, npf, tot, K, kn, mr, PANEL_VECS, elem);                                         \
+                                                            int npf, float *tot, float *part, int K,       \
+                                                            int kn, int first, int last) {                  \
+        kb_tile(x, w, pf, npf, tot, part, K, kn, mr, PANEL_VECS, elem, first, last);                      \
     }
 #define KBWS(elem) KBW_FN(1, elem) KBW_FN(2, elem) KBW_FN(3, elem)
 KBWS(0)
@@ -441,7 +471,7 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
     if (M <= WIDE_ROWS) mr_max = WIDE_MR, tcols = PANEL, fns = KBW_FNS[direct ? elem : F32];
 #endif
     const int tiles = (M + mr_max - 1) / mr_max, halves = PANEL / tcols, calls = tiles * halves;
-    float tot[KB_ROWS * PANEL] __attribute__((aligned(64)));
+    float tot[KB_ROWS * PANEL] __attribute__((aligned(64))), part[KB_ROWS * PANEL] __attribute__((aligned(64)));
     float dq[KBLOCK * PANEL] __attribute__((aligned(64)));
     for (int p = p0; p < p1; p++) {
         const char *wp = (const char *)lw->w + (size_t)p * panel_bytes;
@@ -459,13 +489,20 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                 dequantize(lw, K, p, k0, kn, dq);
                 src = (const char *)dq;
             }
-            const size_t hb = (size_t)tcols * (direct ? rb / PANEL : 4);
-            for (int i = 0, c = 0; i < tiles; i++) {
-                const int m0 = M * i / tiles, mr = M * (i + 1) / tiles - m0;
-                for (int h = 0; h < halves; h++, c++) {
-                    const int l0 = direct ? lines * c / calls : 0, l1 = direct ? lines * (c + 1) / calls : 0;
-                    fns[mr - 1](x + (size_t)m0 * K + k0, src + h * hb, wk + PREFETCH_BYTES + (size_t)l0 * 64,
-                                l1 - l0, tot + (size_t)m0 * PANEL + h * tcols, K, kn);
+            const size_t hb = (size_t)tcols * (direct ? rb / PANEL : 4), sb = direct ? rb : PANEL * 4;
+            for (int s0 = 0; s0 < kn; s0 += KB_SUB) {
+                const int sn = kn - s0 < KB_SUB ? kn - s0 : KB_SUB, first = s0 == 0, last = s0 + sn == kn;
+                const char *ws = wk + (size_t)s0 * rb, *ss = src + (size_t)s0 * sb;
+                const int slines = direct ? (int)((sn * rb + 63) / 64) : 0;
+                for (int i = 0, c = 0; i < tiles; i++) {
+                    const int m0 = M * i / tiles, mr = M * (i + 1) / tiles - m0;
+                    for (int h = 0; h < halves; h++, c++) {
+                        const int l0 = slines * c / calls, l1 = slines * (c + 1) / calls;
+                        const size_t at = (size_t)m0 * PANEL + h * tcols;
+                        fns[mr - 1](x + (size_t)m0 * K + k0 + s0, ss + h * hb,
+                                    ws + PREFETCH_BYTES + (size_t)l0 * 64, l1 - l0, tot + at, part + at, K, sn,
+                                    first, last);
+                    }
                 }
             }
         }
