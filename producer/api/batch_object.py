@@ -150,6 +150,7 @@ class BatchRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     def to_hash(self) -> dict[str, str | int]:
         """The fields that are set: an unset one stays absent, so HSETNX can claim it."""
@@ -189,9 +190,11 @@ def batch_object(rec: BatchRecord, status: str, st: BatchStatus | None = None) -
     if st is not None:
         total, completed, failed = st.total, st.completed, st.failed
         prompt, completion, cached = st.prompt_tokens, st.completion_tokens, st.cached_prompt_tokens
+        reasoning = st.reasoning_tokens
     else:
         total, completed, failed = rec.total, rec.completed, rec.failed
         prompt, completion, cached = rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens
+        reasoning = rec.reasoning_tokens
     obj: dict[str, Any] = {
         "id": rec.id,
         "object": "batch",
@@ -212,7 +215,7 @@ def batch_object(rec: BatchRecord, status: str, st: BatchStatus | None = None) -
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + completion,
     }
     return obj

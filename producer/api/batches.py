@@ -217,6 +217,7 @@ class BatchStore:
                     prompt_tokens=st.prompt_tokens,
                     completion_tokens=st.completion_tokens,
                     cached_tokens=st.cached_prompt_tokens,
+                    reasoning_tokens=st.reasoning_tokens,
                 )
             final = await self._load(rec.id)
             assert final is not None

@@ -105,6 +105,7 @@ def status_row(st: BatchStatus, now: float) -> dict[str, Any]:
         "prompt_tokens": st.prompt_tokens,
         "completion_tokens": st.completion_tokens,
         "cached_prompt_tokens": st.cached_prompt_tokens,
+        "reasoning_tokens": st.reasoning_tokens,
         "tokens_generated": st.tokens_generated,
         "from_result_cache": st.from_result_cache,
         "created_at": st.created_at,

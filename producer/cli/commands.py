@@ -294,6 +294,7 @@ async def status(client: BatchqClient, args: argparse.Namespace) -> int:
     print(
         f"tokens     prompt {s.prompt_tokens} (prefix cache {s.cached_prompt_tokens})  "
         f"completion {s.completion_tokens}"
+        + (f" (reasoning {s.reasoning_tokens})" if s.reasoning_tokens else "")
     )
     print(f"cache      {s.from_result_cache} results from the result cache")
     print(f"created    {when(s.created_at)}   finished {when(s.finished_at)}")

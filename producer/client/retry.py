@@ -48,7 +48,7 @@ for i = 2, #ARGV, 4 do
     redis.call('HSET', KEYS[6], idx, tonumber(seen) + 1)
     local o = cjson.decode(old)
     local u = o.usage
-    local d = u.prompt_tokens_details
+    local d, r = u.prompt_tokens_details, u.completion_tokens_details
     local c = 'completed'
     if o.finish_reason == 'error' then c = 'failed' elseif o.finish_reason == 'cancelled' then c = 'cancelled'
     elseif o.finish_reason == 'timeout' then redis.call('HINCRBY', KEYS[2], 'timed_out', -1)
@@ -57,6 +57,7 @@ for i = 2, #ARGV, 4 do
     -- Subtract with 0 - n: -(0) prints as "-0", which HINCRBY refuses.
     local out = {prompt_tokens = tonumber(u.prompt_tokens) or 0, completion_tokens = tonumber(u.completion_tokens) or 0,
                  cached_prompt_tokens = type(d) == 'table' and (tonumber(d.cached_tokens) or 0) or 0,
+                 reasoning_tokens = type(r) == 'table' and (tonumber(r.reasoning_tokens) or 0) or 0,
                  from_result_cache = o.cached == true and 1 or 0}
     for f, v in pairs(out) do
       if v ~= 0 then redis.call('HINCRBY', KEYS[2], f, 0 - v) end

@@ -44,7 +44,8 @@ def counter_for(finish_reason: str) -> str:
 # worker's bulk finish in producer/wire/jobs.py for many). Each entry: {k, a}, k the batch's keys
 # (batch_keys), a: index, result json, counter, prompt_tokens, completion_tokens, cached prompt tokens, 1 if
 # answered from the result cache, attempt, request payload to keep for a retry ('' for none), finish reason,
-# tokens to add to `tokens_generated`. Returns 1 (stored) or 0 per entry.
+# tokens to add to `tokens_generated`, reasoning tokens (of completion_tokens). Returns 1 (stored) or 0 per
+# entry.
 #
 # Only the request's current attempt (attempts hash, absent: 0) may write, once: a late result of an attempt
 # a retry superseded is refused (and leaves the running set alone: the current attempt may be running), and
@@ -96,6 +97,7 @@ local function write_many(entries, now, fallback_ttl)
       c.cached_prompt_tokens = (c.cached_prompt_tokens or 0) + tonumber(a[6])
       c.from_result_cache = (c.from_result_cache or 0) + tonumber(a[7])
       c.tokens_generated = (c.tokens_generated or 0) + tonumber(a[11])
+      c.reasoning_tokens = (c.reasoning_tokens or 0) + tonumber(a[12])
     end
     out[i] = written
   end
@@ -118,7 +120,7 @@ local function write_many(entries, now, fallback_ttl)
   return out
 end
 """
-WRITE_FIELDS = 11  # the values write_many takes per result (`a` above)
+WRITE_FIELDS = 12  # the values write_many takes per result (`a` above)
 
 # KEYS: store.batch_keys. ARGV: now, fallback ttl, then write_many's values for one result.
 _WRITE_RESULT = LuaScript(
@@ -260,6 +262,7 @@ async def write_result(
 def write_values(result: Result, request: bytes | None = None, generated: int = 0) -> list[bytes | str | int]:
     """write_many's WRITE_FIELDS values for `result` (see write_result)."""
     usage = result.usage
+    details = usage.completion_tokens_details
     return [
         str(result.index),
         result.to_json(),
@@ -272,6 +275,7 @@ def write_values(result: Result, request: bytes | None = None, generated: int = 
         request if request is not None and result.finish_reason in RETRYABLE else b"",
         result.finish_reason,
         max(0, generated),
+        details.reasoning_tokens if details is not None else 0,
     ]
 
 
@@ -323,6 +327,7 @@ def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
         completion_tokens=_int(m.get("completion_tokens")),
         tokens_generated=_int(m.get("tokens_generated")),
         cached_prompt_tokens=_int(m.get("cached_prompt_tokens")),
+        reasoning_tokens=_int(m.get("reasoning_tokens")),
         from_result_cache=_int(m.get("from_result_cache")),
         retrying=retrying,
         created_at=float(m.get("created_at") or 0.0),

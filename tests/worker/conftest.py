@@ -152,6 +152,10 @@ def assert_consistent(url: str, batch_id: str, total: int) -> dict[int, dict[str
     assert int(meta.get("completion_tokens", 0)) == sum(
         r["usage"]["completion_tokens"] for r in results.values()
     )
+    assert int(meta.get("reasoning_tokens", 0)) == sum(
+        (r["usage"].get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        for r in results.values()
+    )
     return results
 
 

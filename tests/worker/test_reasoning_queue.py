@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import openai
 import orjson
 import pytest
 
 from tests.tiny_models import OPEN, THINK_ASK, build_think_checkpoint
-from tests.worker.conftest import ROOT, Worker, submit
+from tests.worker.conftest import ROOT, Worker, assert_consistent, submit
 from worker.embedded_redis import RedisServer
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
@@ -68,6 +69,10 @@ def test_submit_to_results_with_reasoning_fields(tmp_path: Path) -> None:
             again = submit(server.url, path, *flags)  # the same requests: the result cache answers them
             cli(server.url, "wait", again, "--timeout", "120")
             cached = {r["id"]: r for r in results(server.url, again)}
+            for b in (bid, again):  # the batch's counter sums its results' reasoning tokens (OpenAI's usage)
+                assert_consistent(server.url, b, len(lines))
+            status = cli(server.url, "status", bid).decode()
+            api_usage, api_lines = openai_batch(server.url, str(model), tmp_path)
         finally:
             worker.stop()
 
@@ -103,4 +108,42 @@ def test_submit_to_results_with_reasoning_fields(tmp_path: Path) -> None:
         }
     assert mine["think"]["reasoning_content"] and mine["off"]["reasoning_content"] == ""
     assert mine["budget"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+    thinking = sum(r["usage"]["completion_tokens_details"]["reasoning_tokens"] for r in mine.values())
     assert [s["label"] for s in mine["budget"]["label_scores"]] == LABELS
+    assert thinking > 4 and f"(reasoning {thinking})" in status
+    # OpenAI's Batch object sums its lines' reasoning tokens in usage.output_tokens_details
+    per_line = [
+        x["response"]["body"]["usage"]["completion_tokens_details"]["reasoning_tokens"] for x in api_lines
+    ]
+    assert per_line[0] > 0 and api_usage.output_tokens_details.reasoning_tokens == sum(per_line)
+    assert api_usage.output_tokens == sum(
+        x["response"]["body"]["usage"]["completion_tokens"] for x in api_lines
+    )
+
+
+def openai_batch(redis_url: str, model: str, tmp: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """A batch of two thinking chat lines through `producer serve` and the OpenAI client: (its usage, its
+    output lines)."""
+    from tests.producer.test_server import KEY_A, ApiServer, jsonl, output_lines, wait_done
+
+    keys_file = tmp / "api-keys"
+    keys_file.write_text(f"{KEY_A}\n")
+    server = ApiServer(redis_url, keys_file, tmp, "think", "--model-alias", f"think={model}").start()
+    try:
+        server.wait_ready()
+        body = {"model": "think", "messages": THINK_ASK, "max_tokens": 40, "temperature": 0,
+                "chat_template_kwargs": OPEN}  # fmt: skip
+        lines = [{"custom_id": f"t{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {**body, "max_reasoning_tokens": 2 + i}} for i in range(2)]  # fmt: skip
+        with openai.OpenAI(base_url=server.url, api_key=KEY_A) as c:
+            f = c.files.create(file=("think.jsonl", jsonl(lines)), purpose="batch")
+            b = wait_done(
+                c,
+                c.batches.create(
+                    input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+                ).id,
+            )
+            assert b.status == "completed" and b.usage is not None, b
+            return b.usage, sorted(output_lines(c, b.output_file_id), key=lambda x: x["custom_id"])
+    finally:
+        server.kill()
