@@ -221,6 +221,13 @@ def family_row(out: Path) -> dict[str, Any]:
     return dict(orjson.loads(out.read_bytes()))
 
 
+def diverged(k: dict[str, Any]) -> str:
+    """Where the requests whose text differs part from the reference, on average ('' where none does)."""
+    if k["identical"] == k["requests"]:
+        return ""
+    return f", the others diverge at token {k['mean_first_divergence']:.1f} on average"
+
+
 def agreement(wide: dict[str, Any], narrow: dict[str, Any]) -> dict[str, Any]:
     """Greedy outputs of a narrower KV cache or narrower weights against full precision, same prompts."""
     first = []
@@ -316,7 +323,7 @@ def print_findings(info: dict[str, Any]) -> None:
         print(
             f"{kvd} KV cache: {k['blocks_ratio']:.2f}x the blocks in the same memory, {k['speedup']:.2f}x the "
             f"engine's tok/s; greedy text identical to the float32 cache's for {k['identical']}/{k['requests']} "
-            f"requests, the others diverge at token {k['mean_first_divergence']:.1f} on average"
+            f"requests{diverged(k)}"
         )
     for wd, k in info["weight_dtype"].items():
         d = k["decode_speedup"]
@@ -324,8 +331,7 @@ def print_findings(info: dict[str, Any]) -> None:
         print(
             f"{name}: {k['speedup']:.2f}x the engine's tok/s, decode alone {d['1']:.2f}x at batch 1 and "
             f"{d['8']:.2f}x at batch 8; greedy text identical to the engine's (the file's Q4_1 weights) for "
-            f"{k['identical']}/{k['requests']} requests, the others diverge at token "
-            f"{k['mean_first_divergence']:.1f} on average"
+            f"{k['identical']}/{k['requests']} requests{diverged(k)}"
         )
     if "llamacpp" in info:
         print(f"llama.cpp: skipped, {info['llamacpp']}")

@@ -146,7 +146,7 @@ def run_engine(
         lin.weight.nbytes + sum(0 if t is None else t.nbytes for t in (lin.scale, lin.group_table))
         for lin in linears
     )
-    flops = workload_flops(engine.model_runner.model, results)
+    flops = workload_flops(engine.model_runner.model, results, params)
     kv_blocks = engine.stats().kv_blocks_total
     del engine
     name = "batchq engine"
@@ -196,12 +196,12 @@ def run_engine(
     return {**summary, "full_batch_tokens_per_s": decode_tps, "full_batch_size": full_batch}
 
 
-def workload_flops(model: Any, results: list[Any]) -> dict[str, float]:
+def workload_flops(model: Any, results: list[Any], params: int) -> dict[str, float]:
     """The arithmetic the workload needs at least, counted from what the engine computed: 2 x the
     non-embedding parameters per prompt token computed (cached ones cost nothing), 2 x all parameters
     per generated token (the LM head runs on each), and attention: QK^T and PV over the context each
-    computed token sees (4 x layers x query heads x head_dim per token of context)."""
-    params = sum(p.numel() for p in model.parameters())
+    computed token sees (4 x layers x query heads x head_dim per token of context). `params`: the model's
+    own count (its packed or 4-bit weights' element counts are not)."""
     spec = model.spec
     embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2)
     per_ctx = 4 * spec.num_layers * spec.num_heads * spec.head_dim
