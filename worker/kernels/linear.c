@@ -102,11 +102,11 @@ static inline size_t row_bytes(const int elem) {
 #ifndef KB_DIRECT
 #define KB_DIRECT (VL == 8)
 #endif
-/* The tiles of a decode-sized step go through each K block KB_SUB rows at a time, every tile and half-panel
-   tile over those rows before the next ones, carrying their partial sums over in memory (kb_tile), so the
-   weights they reread stay in L1 while the stream ahead is fetched: with 8-float vectors a block's 8 KB
-   of float32 weights is reread by up to a dozen tile calls, and half of it at a time stays resident. The
-   sums are the block's whatever KB_SUB. */
+/* The tiles of a decode-sized step go through each K block of weights they read as stored KB_SUB rows at
+   a time, every tile and half-panel tile over those rows before the next ones, their partial sums carried
+   over in memory (kb_tile): with 8-float vectors a block's 8 KB of float32 weights is reread by up to a
+   dozen tile calls, and half of it at a time stays in L1 while the stream ahead is fetched. A block
+   dequantised into the L1 buffer goes whole. The sums are the block's whatever KB_SUB. */
 #ifndef KB_SUB
 #define KB_SUB (VL == 8 ? 32 : KBLOCK)
 #endif
@@ -490,8 +490,9 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                 src = (const char *)dq;
             }
             const size_t hb = (size_t)tcols * (direct ? rb / PANEL : 4), sb = direct ? rb : PANEL * 4;
-            for (int s0 = 0; s0 < kn; s0 += KB_SUB) {
-                const int sn = kn - s0 < KB_SUB ? kn - s0 : KB_SUB, first = s0 == 0, last = s0 + sn == kn;
+            const int sub = direct ? KB_SUB : KBLOCK; /* a dequantised block is in L1 already, whole */
+            for (int s0 = 0; s0 < kn; s0 += sub) {
+                const int sn = kn - s0 < sub ? kn - s0 : sub, first = s0 == 0, last = s0 + sn == kn;
                 const char *ws = wk + (size_t)s0 * rb, *ss = src + (size_t)s0 * sb;
                 const int slines = direct ? (int)((sn * rb + 63) / 64) : 0;
                 for (int i = 0, c = 0; i < tiles; i++) {
