@@ -97,6 +97,19 @@ def test_workers_started_together_share_one_measurement(own_cache_dir: Path) -> 
     assert len(list((own_cache_dir / "probes").glob("bf16-speedup-*.json"))) == 1
 
 
+def test_the_float32_gemm_probe_compares_torch_with_linear_c_and_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rates = {"torch": 240e9, "c": 180e9}
+    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates["torch"])
+    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: rates["c"])
+    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)
+    rates["torch"] = 100e9  # a later start on a loaded machine reads the kept figure
+    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)
+    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: 0.0)
+    assert device.measure_f32_gemm_speedup() == 0.0  # without linear.c nothing to compare
+
+
 def test_gemm_probe_measures_this_machine() -> None:
     # The real probe, small: both dtypes run and give a plausible rate (above 1 GFLOP/s, below 100 TFLOP/s).
     for dtype in (torch.float32, torch.bfloat16):

@@ -68,6 +68,42 @@ def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() ->
     assert not backend.stack_applies(torch.empty(3, 4, 16, 64), tables, lens)
 
 
+@needs_c
+def test_prompt_steps_of_float32_weights_take_torchs_gemm_only_where_it_measured_faster() -> None:
+    asked: list[bool] = []
+
+    def fast() -> bool:
+        asked.append(True)
+        return True
+
+    assert select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, None, fast).f32_gemm_rows == 0
+    assert not asked  # narrower weights stay on linear.c: the probe is not asked
+    slow = select_backend(EngineConfig(), CPU, torch.float32, torch.float32, None, lambda: False)
+    assert slow.f32_gemm_rows == 0 and "torch's float32 GEMM" not in slow.summary
+    backend = select_backend(EngineConfig(), CPU, torch.float32, torch.float32, None, fast)
+    assert backend.f32_gemm_rows == BF16_GEMM_ROWS and asked
+    assert f"(torch's float32 GEMM from {BF16_GEMM_ROWS} rows)" in backend.summary
+    tables = torch.zeros(BF16_GEMM_ROWS, 1, dtype=torch.int32)
+    lens = torch.ones(BF16_GEMM_ROWS, dtype=torch.int32)
+    assert not backend.stack_applies(
+        torch.empty(3, 4, 16, 64), tables, lens
+    )  # such a step runs layer by layer
+    assert backend.stack_applies(torch.empty(3, 4, 16, 64), tables[:4], lens[:4])
+
+    # the layer's outputs: linear.c below the threshold, exactly; torch's F.linear from it on, exactly
+    gen = torch.Generator().manual_seed(2)
+    w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    stored = backend.linear.store(w)
+    small, big = (
+        torch.randn(BF16_GEMM_ROWS - 1, 64, generator=gen),
+        torch.randn(BF16_GEMM_ROWS, 64, generator=gen),
+    )
+    assert torch.equal(
+        backend.linear.apply(small, stored, None, b, 48), native_linear.linear(small, stored, None, b, 48)
+    )
+    assert torch.equal(backend.linear.apply(big, stored, None, b, 48), torch.nn.functional.linear(big, w, b))
+
+
 def test_torch_kernels_build_nothing_and_run_torch_everywhere() -> None:
     backend = select_backend(EngineConfig(cpu_kernels="torch"), CPU, torch.float32)
     assert not backend.c_decode and backend.linear is TORCH_LINEAR and not backend.decode_stack
@@ -95,3 +131,38 @@ def test_use_backend_moves_each_layer_onto_the_backends_kernels(tmp_path: Path) 
     for lin, w in zip(model.linears(), want, strict=True):
         assert lin.method is TORCH_LINEAR and torch.equal(lin.weight, w)
     assert all(m.c_rows is None for m in model.modules() if isinstance(m, RMSNorm))
+
+
+@needs_c
+def test_an_engine_whose_machine_measured_torchs_float32_gemm_faster_runs_prompts_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The whole engine on such a machine (the probe's kept figure says torch is 2x faster): it names the
+    # choice, keys its fingerprint with it, and its greedy text still equals HF's (a 90-token prompt's steps
+    # take torch's GEMM, the decode steps linear.c and the stack).
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine import engine as engine_module
+    from worker.engine.engine import Engine
+    from worker.engine.params import GenerationParams
+    from worker.engine.request import EngineRequest
+
+    path = build_tiny_checkpoint(tmp_path / "m", "llama", max_position_embeddings=256)
+    cfg = EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.01)
+    prompt = torch.randint(3, 200, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    req = EngineRequest(
+        "r", GenerationParams(temperature=0, max_new_tokens=12, ignore_eos=True), prompt_token_ids=prompt
+    )
+    monkeypatch.setattr(engine_module, "cpu_f32_gemm_speedup", lambda: 0.5)
+    plain = Engine.load(cfg)
+    want = plain.generate([req])[0].token_ids
+    monkeypatch.setattr(engine_module, "cpu_f32_gemm_speedup", lambda: 2.0)
+    with caplog.at_level("INFO"):
+        fast = Engine.load(cfg)
+    assert fast.model_runner.backend.f32_gemm_rows == BF16_GEMM_ROWS
+    assert "torch's float32 GEMM from" in caplog.text and fast.fingerprint != plain.fingerprint
+    got = fast.generate([req])[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 90, dtype=torch.long),
+                      max_new_tokens=12, do_sample=False, eos_token_id=[])  # fmt: skip
+    assert got == want == out[0, 90:].tolist()

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -83,8 +84,8 @@ def _cpu_model() -> str:
         return ""
 
 
-def _probe_path(cpu_kernels: CpuKernels) -> Path:
-    """The file that keeps this machine's measurement: one per CPU model and flags, torch build, thread
+def _probe_path(name: str, cpu_kernels: CpuKernels) -> Path:
+    """The file that keeps this machine's measurement `name`: one per CPU model and flags, torch build, thread
     count, kernel ISA and cpu_kernels setting (what the rates depend on)."""
     from worker.kernels.native_build import cpu_features, cpu_isa
 
@@ -98,41 +99,68 @@ def _probe_path(cpu_kernels: CpuKernels) -> Path:
             cpu_kernels,
         ]
     )
-    return cache_dir() / "probes" / f"bf16-speedup-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
+    return cache_dir() / "probes" / f"{name}-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
 
 
-def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
-    """This machine's bf16-over-float32 GEMM speedup (measure_bf16_gemm_speedup), measured by the first
-    worker to start here and kept in the cache directory for every later one.
+def _kept(name: str, what: str, cpu_kernels: CpuKernels, measure: Callable[[], float]) -> float:
+    """The figure `measure` gives on this machine, measured by the first worker to start here and kept in
+    the cache directory for every later one (under a lock, so workers starting together share it).
 
-    A timing decides the dtype, and so the answers and the result cache's fingerprint: measured at every
-    start, a worker that starts while another process loads the cores can pick the other dtype than its
+    Timings decide kernel choices, and so the answers and the result cache's fingerprint: measured at every
+    start, a worker that starts while another process loads the cores can choose otherwise than its
     neighbours, and the fleet then answers the same request two ways. Kept, the choice is the machine's.
     Delete the file (the log names it) to measure again.
     """
-    path = _probe_path(cpu_kernels)
+    path = _probe_path(name, cpu_kernels)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:  # a read-only cache: measure, as every start would
-        log.warning("cannot keep the bf16 GEMM probe in %s (%s): measured at each start", path.parent, exc)
-        return measure_bf16_gemm_speedup(cpu_kernels)
+        log.warning("cannot keep the %s probe in %s (%s): measured at each start", what, path.parent, exc)
+        return measure()
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # workers starting together: one measures, the rest read its figure
         try:
             speedup = float(orjson.loads(path.read_bytes())["speedup"])
-            log.info("bf16 GEMM speedup %.2fx, measured on this machine earlier (%s)", speedup, path)
+            log.info("%s %.2fx, measured on this machine earlier (%s)", what, speedup, path)
             return speedup
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        speedup = measure_bf16_gemm_speedup(cpu_kernels)
+        speedup = measure()
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_bytes(orjson.dumps({"speedup": speedup, "measured_at": time.time()}))
         os.replace(tmp, path)
-        log.info("bf16 GEMM speedup %.2fx measured, kept for later starts in %s", speedup, path)
+        log.info("%s %.2fx measured, kept for later starts in %s", what, speedup, path)
         return speedup
     finally:
         os.close(lock)  # closing releases the lock
+
+
+def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
+    """This machine's bf16-over-float32 GEMM speedup (measure_bf16_gemm_speedup), kept (`_kept`)."""
+    return _kept(
+        "bf16-speedup", "bf16 GEMM speedup", cpu_kernels, lambda: measure_bf16_gemm_speedup(cpu_kernels)
+    )
+
+
+# float32 prompt-sized steps take torch's GEMM (MKL / oneDNN) instead of linear.c only where it is clearly
+# faster: each such call also copies the packed weight back to [out, in] for it.
+F32_GEMM_MIN_SPEEDUP = 1.15
+
+
+def measure_f32_gemm_speedup() -> float:
+    """torch's float32 GEMM FLOP/s over linear.c's on this CPU, measured now (0 without linear.c)."""
+    native = native_gemm_flops()
+    if native == 0:
+        return 0.0
+    torch_rate = gemm_flops(torch.float32)
+    log.info("CPU float32 GEMM %.0f GFLOP/s torch, %.0f linear.c", torch_rate / 1e9, native / 1e9)
+    return torch_rate / native
+
+
+def cpu_f32_gemm_speedup() -> float:
+    """This machine's torch-over-linear.c float32 GEMM speedup (measure_f32_gemm_speedup), kept (`_kept`)."""
+    return _kept("f32-gemm-speedup", "torch float32 GEMM over linear.c's", "auto", measure_f32_gemm_speedup)
 
 
 def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:

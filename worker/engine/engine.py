@@ -21,7 +21,9 @@ from worker.engine.cpu_tuning import CpuShare, bound_onednn_caches, cpu_budget, 
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.device import (
     BF16_MIN_SPEEDUP,
+    F32_GEMM_MIN_SPEEDUP,
     cpu_bf16_gemm_speedup,
+    cpu_f32_gemm_speedup,
     pick_device,
     pick_dtype,
     pick_kv_dtype,
@@ -121,6 +123,8 @@ class Engine:
             native_linear=loaded.model.uses_c_linear,
             native_stack=model_runner.backend.decode_stack,
             bf16_gemm_rows=model_runner.backend.bf16_gemm_rows,
+            # only where torch's float32 GEMM runs prompt steps, so other engines keep their fingerprints
+            **({"f32_gemm_rows": r} if (r := model_runner.backend.f32_gemm_rows) else {}),
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
             max_model_len=max_model_len,
@@ -163,6 +167,7 @@ class Engine:
             dtype,
             weight_dtype,
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
+            lambda: cpu_f32_gemm_speedup() >= F32_GEMM_MIN_SPEEDUP,
         ).for_model(loaded.model)
         if weight_dtype != dtype:
             if loaded.implementation == "transformers":

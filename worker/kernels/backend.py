@@ -177,6 +177,11 @@ class Backend:
         return self.linear.bf16_gemm_rows
 
     @property
+    def f32_gemm_rows(self) -> int:
+        """Steps of this many rows or more take torch's float32 GEMM (0: never): the linear method's."""
+        return self.linear.f32_gemm_rows
+
+    @property
     def c_decode(self) -> bool:
         """Whether decode attention runs paged_decode.c where it applies."""
         return self.attention.plain_native_decode is not None
@@ -186,8 +191,12 @@ class Backend:
         """What runs where, for the load log: e.g. "torch attention with C decode, linear.c, decode stack"."""
         parts = [f"{self.name} attention" + (" with C decode" if self.c_decode else "")]
         if self.linear.name == "c":
-            rows = self.bf16_gemm_rows
-            parts.append("linear.c" + (f" (bf16 GEMM from {rows} rows)" if rows else ""))
+            rows, f32_rows = self.bf16_gemm_rows, self.f32_gemm_rows
+            parts.append(
+                "linear.c"
+                + (f" (bf16 GEMM from {rows} rows)" if rows else "")
+                + (f" (torch's float32 GEMM from {f32_rows} rows)" if f32_rows else "")
+            )
         if self.decode_stack:
             parts.append("decode stack")
         elif self.stack_refused is not None:
@@ -225,8 +234,9 @@ class Backend:
         layer)."""
         if not self.decode_stack:
             return False
-        if self.bf16_gemm_rows and context_lens.shape[0] >= self.bf16_gemm_rows:
-            return False
+        for rows in (self.bf16_gemm_rows, self.f32_gemm_rows):
+            if rows and context_lens.shape[0] >= rows:
+                return False
         plain = self.attention.plain_native_decode
         return plain is not None and plain(k_cache, block_tables, context_lens, widest)
 
@@ -280,6 +290,7 @@ def select_backend(
     dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
     fast_bf16_gemm: Callable[[], bool] | None = None,
+    fast_torch_f32_gemm: Callable[[], bool] | None = None,
 ) -> Backend:
     """The backend for a model computing in `dtype` on `device`, its linear weights stored as weight_dtype
     (None: dtype). The C kernels it uses are built (or found cached) now, not in the first step; one that
@@ -293,9 +304,11 @@ def select_backend(
         return Backend(attention, TritonLinear(), moe=TritonMoE())
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
-    rows = 0
+    rows = f32_rows = 0
     if weight_dtype == torch.bfloat16 and fast_bf16_gemm is not None and fast_bf16_gemm():
         rows = BF16_GEMM_ROWS
+    if weight_dtype in (None, torch.float32) and fast_torch_f32_gemm is not None and fast_torch_f32_gemm():
+        f32_rows = BF16_GEMM_ROWS
     stack = (
         settings.decode_stack
         and attention.plain_native_decode is not None
@@ -303,5 +316,10 @@ def select_backend(
     )
     # moe.c is built where a model has experts (moe_method), not for every model
     return Backend(
-        attention, PackedLinear(rows), native_linear.rmsnorm, native_linear.rotary_, stack, moe=PackedMoE()
+        attention,
+        PackedLinear(rows, f32_rows),
+        native_linear.rmsnorm,
+        native_linear.rotary_,
+        stack,
+        moe=PackedMoE(),
     )
