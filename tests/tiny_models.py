@@ -139,6 +139,15 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
     return classes[arch](**common)
 
 
+def perturb(model: torch.nn.Module) -> None:
+    """Add NORM_NOISE-wide random values to every norm weight, bias (of every kind: gpt-oss's experts' too)
+    and attention sink: HF initialises them to 1 and 0, which would hide a loader that drops them."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", ".sinks")):
+                param.add_(torch.randn_like(param) * NORM_NOISE)
+
+
 def build_tiny_checkpoint(
     path: Path, arch: str, seed: int = 0, chat_template: bool = True, **overrides: Any
 ) -> Path:
@@ -147,11 +156,7 @@ def build_tiny_checkpoint(
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # biases of every kind (gpt-oss's experts' too) and gpt-oss's attention sinks
-            if "norm" in name or name.endswith(("bias", ".sinks")):
-                param.add_(torch.randn_like(param) * NORM_NOISE)
+    perturb(model)
     model.save_pretrained(path)
     byte_tokenizer(chat_template).save_pretrained(path)
     return path
@@ -223,10 +228,7 @@ def build_tiny_gemma3_image_text(path: Path, seed: int = 0, **text_overrides: An
         eoi_token_index=VOCAB_SIZE - 3,
     )
     model = Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.add_(torch.randn_like(param) * NORM_NOISE)
+    perturb(model)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from tests.tiny_models import BYTE_OFFSET, byte_tokenizer, tiny_config
+from tests.tiny_models import BYTE_OFFSET, byte_tokenizer, perturb, tiny_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
@@ -126,10 +126,8 @@ def build_chat_checkpoint(path: Path, family: ChatFamily, end_of_turn_boost: flo
     )
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    perturb(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.add_(torch.randn_like(param) * 0.1)
         model.get_output_embeddings().weight[eot] *= end_of_turn_boost
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, eot], pad_token_id=0)
     model.save_pretrained(path)

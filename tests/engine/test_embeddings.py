@@ -221,14 +221,11 @@ def test_a_bare_decoder_checkpoint_embeds_as_qwen3_embedding_ships_it(tmp_path: 
     from safetensors import safe_open
     from transformers import AutoModel
 
-    from tests.tiny_models import NORM_NOISE, byte_tokenizer, tiny_config
+    from tests.tiny_models import byte_tokenizer, perturb, tiny_config
 
     torch.manual_seed(7)
     bare = AutoModel.from_config(tiny_config("qwen3", tie_word_embeddings=tied), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in bare.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                param.add_(torch.randn_like(param) * NORM_NOISE)
+    perturb(bare)
     bare.save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -3,6 +3,7 @@ preparing a model for it (use_backend) does to its layers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,14 +48,20 @@ def test_bfloat16_compute_keeps_c_attention_only() -> None:
     assert backend.rmsnorm is None and backend.rotary_ is None and not backend.decode_stack
 
 
-@needs_c
-def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() -> None:
+def fast_probe() -> tuple[list[bool], Callable[[], bool]]:
+    """A probe that answers "faster" and records each time it is asked."""
     asked: list[bool] = []
 
     def fast() -> bool:
         asked.append(True)
         return True
 
+    return asked, fast
+
+
+@needs_c
+def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() -> None:
+    asked, fast = fast_probe()
     assert select_backend(EngineConfig(), CPU, torch.float32, torch.float32, fast).bf16_gemm_rows == 0
     assert not asked  # the probe runs only for bfloat16 weights
     backend = select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, fast)
@@ -70,12 +77,7 @@ def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() ->
 
 @needs_c
 def test_prompt_steps_of_float32_weights_take_torchs_gemm_only_where_it_measured_faster() -> None:
-    asked: list[bool] = []
-
-    def fast() -> bool:
-        asked.append(True)
-        return True
-
+    asked, fast = fast_probe()
     assert select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, None, fast).f32_gemm_rows == 0
     assert not asked  # narrower weights stay on linear.c: the probe is not asked
     slow = select_backend(EngineConfig(), CPU, torch.float32, torch.float32, None, lambda: False)
