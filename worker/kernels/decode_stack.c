@@ -200,6 +200,22 @@ static void add_normed(float *h, float *y, const float *w, int hid, float eps) {
    sin_local: the same of the local table (layers with local_rope; NULL where none has it); slots: [M]
    cache slots of the new tokens; block_tables: [M, width]; context_lens: [M] (this token included);
    max_len: the largest context; ws: batchq_decode_stack_workspace(...) floats. Returns 0. */
+/* A sublayer's output linear (this thread's share, inside the parallel region) into the residual stream h:
+   added straight to h, or, with an output norm (Gemma's post_*), into xn first and then h += rmsnorm(xn).
+   Ends on a barrier: h is whole for the next sublayer. */
+static void residual_out(const float *in, const LinearWeight *w, int K, const float *post, float *h, float *xn,
+                         int M, int hid, float eps, int t, int nt) {
+    if (post) {
+        batchq_linear_part_w(in, w, xn, M, K, hid, t, nt, 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) add_normed(h + (size_t)m * hid, xn + (size_t)m * hid, post, hid, eps);
+    } else {
+        batchq_linear_part_w(in, w, h, M, K, hid, t, nt, 1);
+#pragma omp barrier
+    }
+}
+
 int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out, int M, const float *cos,
                         const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
                         const int32_t *block_tables, const int32_t *context_lens, int width, int max_len, float *ws,
@@ -253,15 +269,8 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
                     for (int j = 0; j < (H / KVH) * D; j++) o[j] *= L->v_scale;
                 }
             }
-            if (L->post_attn) { /* xn is free: the QKV linear read it before the last barrier */
-                batchq_linear_part_w(att, &L->o, xn, M, q_size, hid, t, nt, 0);
-#pragma omp barrier
-#pragma omp for schedule(static)
-                for (int m = 0; m < M; m++) add_normed(h + (size_t)m * hid, xn + (size_t)m * hid, L->post_attn, hid, s->eps);
-            } else {
-                batchq_linear_part_w(att, &L->o, h, M, q_size, hid, t, nt, 1);
-            }
-#pragma omp barrier
+            /* xn is free: the QKV linear read it before the last barrier */
+            residual_out(att, &L->o, q_size, L->post_attn, h, xn, M, hid, s->eps, t, nt);
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, L->ln2, xn + (size_t)m * hid, hid, s->eps);
             batchq_linear_part_w(xn, &L->gate_up, gu, M, hid, 2 * I, t, nt, 0);
@@ -278,15 +287,8 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
                 }
             }
 #pragma omp barrier
-            if (L->post_ff) { /* xn is free: the gate/up linear read it before the activation's barrier */
-                batchq_linear_part_w(act, &L->down, xn, M, I, hid, t, nt, 0);
-#pragma omp barrier
-#pragma omp for schedule(static)
-                for (int m = 0; m < M; m++) add_normed(h + (size_t)m * hid, xn + (size_t)m * hid, L->post_ff, hid, s->eps);
-            } else {
-                batchq_linear_part_w(act, &L->down, h, M, I, hid, t, nt, 1);
-#pragma omp barrier
-            }
+            /* xn is free: the gate/up linear read it before the activation's barrier */
+            residual_out(act, &L->down, I, L->post_ff, h, xn, M, hid, s->eps, t, nt);
         }
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, s->final_norm, out + (size_t)m * hid, hid, s->eps);
