@@ -190,9 +190,18 @@ def cpu_linear(args: argparse.Namespace) -> int:
     if native_linear.library() is None:
         print("kernel_bench: the C linear kernel is not available here (see the warning above)")
         return 1
+    from worker.engine.device import tune_cpu_linear
+
+    tune_cpu_linear()  # the machine's tiling, as a worker runs it
     m = machine()
     print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
     print(f"command: {' '.join(sys.argv)}")
+    if native_linear.has_wide_tiles():
+        print(
+            f"whole-panel tiles at 1-{native_linear.wide_rows()} rows"
+            if native_linear.wide_rows()
+            else "half-panel tiles at every row count (this machine's measured choice)"
+        )
     bandwidth, peak, mkl, ours = machine_bounds()
     print(
         f"bounds: memory {bandwidth / 1e9:.1f} GB/s (512 MB sum); float32 FMA peak {peak / 1e9:.0f} GFLOP/s "

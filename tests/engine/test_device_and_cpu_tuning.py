@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from worker.engine import device
 from worker.engine.device import pick_dtype
+from worker.kernels import native_build, native_linear, native_moe
 
 CPU = torch.device("cpu")
 
@@ -108,6 +110,31 @@ def test_the_float32_gemm_probe_compares_torch_with_linear_c_and_is_kept(
     assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)
     monkeypatch.setattr(device, "native_gemm_flops", lambda **_: 0.0)
     assert device.measure_f32_gemm_speedup() == 0.0  # without linear.c nothing to compare
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_the_tile_choice_is_measured_once_kept_and_reaches_every_library_with_linear_c(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The AVX2 build (what AVX2-only CPUs run) chooses whole- or half-panel tiles for 1-3 rows by speed.
+    monkeypatch.setenv("BATCHQ_CPU_ISA", "avx2")
+    native_build.clear_caches()
+    try:
+        real = native_linear.measure_wide_tile_speedup(megabytes=8, rounds=1)
+        assert 0.2 < real < 5  # both tilings ran, at rates of the same order
+        speedup = {"now": 1.25}
+        monkeypatch.setattr(native_linear, "measure_wide_tile_speedup", lambda: speedup["now"])
+        device.tune_cpu_linear()
+        moe = native_moe.library()  # loaded after the choice: given it on load
+        for lib in (native_linear.library(), moe):
+            assert lib is not None and lib.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS
+        native_linear.set_wide_rows(0)  # a later start, whose probe would measure otherwise, keeps the first
+        speedup["now"] = 0.8
+        device.tune_cpu_linear()
+        assert moe.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS
+    finally:
+        native_linear.set_wide_rows(0)
+        native_build.clear_caches()
 
 
 def test_gemm_probe_measures_this_machine() -> None:

@@ -163,7 +163,7 @@ def _load_for(flags: tuple[str, ...]) -> SimpleNamespace:
 def test_narrower_instruction_sets_give_the_same_answers(
     flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The AVX2 path (8-float vectors, its own widenings, whole-panel tiles for up to 3 rows) and the
+    # The AVX2 path (8-float vectors, its own widenings, half-panel tiles at every row count) and the
     # generic one, built on this machine with a narrower -march: AVX-512 machines then test what AVX2-only
     # CPUs run. 37 outputs: a whole panel and a partial one.
     monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
@@ -211,14 +211,15 @@ def test_decode_steps_sum_each_k_block_the_same_whatever_rows_the_tiles_take_at_
         lin.use_method(PACKED)
         scale = None if lin.scale is None else lin.scale.data_ptr()
         ys = []
-        for lib in (whole, pieces):
+        for lib, wide in itertools.product((whole, pieces), (0, native_linear.WIDE_ROWS)):
+            lib.batchq_linear_set_wide_rows(wide)
             y = torch.empty(m, 40)
             assert lib.batchq_linear(
                 x.data_ptr(), lin.weight.data_ptr(), scale, None, y.data_ptr(), m, k, 40,
                 native_linear.WEIGHT_TYPES[dtype], 2,
             ) == 0  # fmt: skip
             ys.append(y)
-        assert torch.equal(ys[0], ys[1]), (m, k, dtype)
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, k, dtype)
 
 
 def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
@@ -237,3 +238,38 @@ def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
     want = reference(big, lin.unpacked().float(), None, lin.bias).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
     assert not torch.equal(got, native_linear.linear(big, lin.weight, None, lin.bias, 48))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_whole_and_half_panel_tiles_give_the_same_answers_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With 8-float vectors, decode steps of 1-3 rows take whole-panel tiles or two half-panel passes, the
+    # machine's choice by speed (set_wide_rows): the answers, and so the result cache's, must not depend on
+    # it. 70 outputs: two whole panels and a partial one; K not a multiple of the block.
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    lib = _load_for(("-march=x86-64-v3", "-mno-avx512f"))
+    assert lib.batchq_linear_set_wide_rows(9) == native_linear.WIDE_ROWS  # at most what it has tiles for
+    assert lib.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS  # negative: a query
+    gen = torch.Generator().manual_seed(8)
+    k, n = 200, 70
+    for m, dtype in itertools.product((1, 2, 3, 4), (torch.float32, torch.bfloat16, torch.int8)):
+        x = torch.randn(m, k, generator=gen)
+        lin = Linear(k, n, bias=True)
+        lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
+        if dtype != torch.float32:
+            lin.quantize(dtype)
+        lin.use_method(PACKED)
+        scale = None if lin.scale is None else lin.scale.data_ptr()
+        ys = []
+        for wide in (0, native_linear.WIDE_ROWS):
+            assert lib.batchq_linear_set_wide_rows(wide) == wide
+            y = torch.empty(m, n)
+            assert lib.batchq_linear(
+                x.data_ptr(), lin.weight.data_ptr(), scale, lin.bias.data_ptr(), y.data_ptr(), m, k, n,
+                native_linear.WEIGHT_TYPES[dtype], 2,
+            ) == 0  # fmt: skip
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]), (m, dtype)
+        want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)
+        torch.testing.assert_close(ys[0].double(), want, rtol=1e-5, atol=2e-5)

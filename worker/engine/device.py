@@ -163,6 +163,23 @@ def cpu_f32_gemm_speedup() -> float:
     return _kept("f32-gemm-speedup", "torch float32 GEMM over linear.c's", "auto", measure_f32_gemm_speedup)
 
 
+def tune_cpu_linear() -> None:
+    """linear.c's choices for this machine, made once and kept (`_kept`): whether decode steps of 1-3 rows
+    take whole-panel tiles (AVX2 builds: which streams faster differs between CPUs). Results do not depend
+    on it."""
+    from worker.kernels import native_linear
+
+    if not native_linear.has_wide_tiles():
+        return
+    speedup = _kept(
+        "linear-wide-tiles",
+        "linear.c whole-panel tiles over half-panel ones at 1-3 rows",
+        "auto",
+        native_linear.measure_wide_tile_speedup,
+    )
+    native_linear.set_wide_rows(native_linear.WIDE_ROWS if speedup > 1.0 else 0)
+
+
 def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:
     """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32's here, else float32."""
     speedup = cpu_bf16_gemm_speedup(cpu_kernels)

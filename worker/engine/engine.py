@@ -28,6 +28,7 @@ from worker.engine.device import (
     pick_dtype,
     pick_kv_dtype,
     pick_weight_dtype,
+    tune_cpu_linear,
 )
 from worker.engine.embedding import EmbeddingRequests
 from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
@@ -169,6 +170,8 @@ class Engine:
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
             lambda: cpu_f32_gemm_speedup() >= F32_GEMM_MIN_SPEEDUP,
         ).for_model(loaded.model)
+        if backend.linear.name == "c":
+            tune_cpu_linear()
         if weight_dtype != dtype:
             if loaded.implementation == "transformers":
                 loaded.model.quantize_weights(weight_dtype)  # raises: it has no narrower weights

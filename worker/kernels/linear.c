@@ -51,18 +51,34 @@
 #define PANEL_VECS (PANEL / VL)
 /* With 8-float vectors a tile of MR rows covers half a panel, so a panel is streamed in two passes, each
    reading one of the two cache lines of every panel row, with few independent FMA chains per pass when M
-   is small. Where one tile holds every row (M <= WIDE_ROWS), a tile over the whole panel streams it once
+   is small. Where one tile holds every row (M <= wide_rows), a tile over the whole panel can stream it once
    with PANEL_VECS chains per row: WIDE_MR rows x PANEL_VECS vectors = 12 accumulators of the 16
-   registers. With more rows the whole-panel tiles would each reread the panel, and the MR x NV tiles,
-   which need fewer broadcasts per FMA, do better. */
+   registers. Which streams faster differs between CPUs by a fifth or more either way at 1-3 rows (a Zen 4
+   running the AVX2 build favours the whole panel, a Zen 3 the halves), so it is the machine's choice,
+   measured at load and set by batchq_linear_set_wide_rows: 0 (halves) until then. Every output sums the
+   same products in the same order either way, so the choice never changes a result. With more rows the
+   whole-panel tiles would each reread the panel, and the MR x NV tiles, which need fewer broadcasts per
+   FMA, do better. */
 #if TCOLS < PANEL
 #ifndef WIDE_MR
 #define WIDE_MR 3
 #endif
-#ifndef WIDE_ROWS
-#define WIDE_ROWS WIDE_MR
+#define WIDE_ROWS WIDE_MR /* the most rows whole-panel tiles can take */
+static int wide_rows = 0;
 #endif
+
+/* Sets the rows up to which decode-sized steps take whole-panel tiles (at most WIDE_ROWS; a negative
+   `rows` changes nothing) and returns the setting now in force: always 0 where one tile spans the whole
+   panel anyway (AVX-512). Set it while no linear call runs (a plain global, read by every call's threads). */
+int batchq_linear_set_wide_rows(int rows) {
+#ifdef WIDE_ROWS
+    if (rows >= 0) wide_rows = rows > WIDE_ROWS ? WIDE_ROWS : rows;
+    return wide_rows;
+#else
+    (void)rows;
+    return 0;
 #endif
+}
 
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2), aligned(2)));
@@ -328,10 +344,61 @@ static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
    zero when `first` and from part's otherwise; at the `last` rows of the block they are added to tot (same
    layout), else kept in part for the block's next rows, so a block gone through in pieces sums as one.
    npf <= 2 kn lines from pf are prefetched on the way. */
+#if VL == 8
+/* kb_tile with 8-float vectors (mr <= 6, nv <= 4, mr * nv <= 12): the same sums, each accumulator a named
+   variable. GCC 12 allocates an array of 12 accumulators beside 2 weights and a broadcast badly in 16
+   registers: some live on the stack across the loop, a store and reload per k on their FMA chains. */
+#define A_ROW(i) vf a##i##0 = {0}, a##i##1 = {0}, a##i##2 = {0}, a##i##3 = {0};
+#define A_ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5)
+#define A_COLS(OP, i) OP(i, 0) OP(i, 1) OP(i, 2) OP(i, 3)
+#define A_LOAD(i, j) \
+    if (mr > i && nv > j && !first) a##i##j = *(const vf *)(part + (size_t)i * PANEL + j * VL);
+#define A_FMA(i, j) \
+    if (nv > j) a##i##j += xs * w##j;
+#define A_STORE(i, j)                                                          \
+    if (mr > i && nv > j) {                                                    \
+        float *t_ = (last ? tot : part) + (size_t)i * PANEL + j * VL;          \
+        *(vf *)t_ = last ? *(const vf *)t_ + a##i##j : a##i##j;                \
+    }
+#define A_ROW_LOAD(i) A_COLS(A_LOAD, i)
+#define A_ROW_STORE(i) A_COLS(A_STORE, i)
+#define A_ROW_FMA(i)                                      \
+    if (mr > i) {                                         \
+        const float xs = x[(size_t)i * K + k];            \
+        A_COLS(A_FMA, i)                                  \
+    }
+static inline __attribute__((always_inline)) void kb_tile_named(
+    const float *x, const char *w, const char *pf, const int npf, float *tot, float *part, const int K,
+    const int kn, const int mr, const int nv, const int elem, const int first, const int last
+) {
+    const size_t stride = row_bytes(elem), es = stride / PANEL;
+    A_ROWS(A_ROW)
+    A_ROWS(A_ROW_LOAD)
+    for (int k = 0; k < kn; k++) {
+        const char *p = w + (size_t)k * stride;
+        if (k < npf) __builtin_prefetch(pf + (size_t)k * 64, 0, 0);
+        if (k + kn < npf) __builtin_prefetch(pf + (size_t)(k + kn) * 64, 0, 0);
+        vf w0 = {0}, w1 = {0}, w2 = {0}, w3 = {0};
+        w0 = in_register(load_w(p, elem));
+        if (nv > 1) w1 = in_register(load_w(p + VL * es, elem));
+        if (nv > 2) w2 = in_register(load_w(p + 2 * VL * es, elem));
+        if (nv > 3) w3 = in_register(load_w(p + 3 * VL * es, elem));
+        A_ROWS(A_ROW_FMA)
+    }
+    A_ROWS(A_ROW_STORE)
+}
+#endif
+
 static inline __attribute__((always_inline)) void kb_tile(
     const float *x, const char *w, const char *pf, const int npf, float *tot, float *part, const int K,
     const int kn, const int mr, const int nv, const int elem, const int first, const int last
 ) {
+#if VL == 8
+    if (mr <= 6 && nv <= 4 && mr * nv <= 12) {
+        kb_tile_named(x, w, pf, npf, tot, part, K, kn, mr, nv, elem, first, last);
+        return;
+    }
+#endif
     const size_t stride = row_bytes(elem), es = stride / PANEL;
     vf acc[MR][PANEL_VECS];
     for (int i = 0; i < mr; i++)
@@ -468,7 +535,7 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
     int mr_max = MR, tcols = TCOLS;
     const kb_fn *fns = KB_FNS[direct ? elem : F32];
 #ifdef WIDE_ROWS
-    if (M <= WIDE_ROWS) mr_max = WIDE_MR, tcols = PANEL, fns = KBW_FNS[direct ? elem : F32];
+    if (M <= wide_rows) mr_max = WIDE_MR, tcols = PANEL, fns = KBW_FNS[direct ? elem : F32];
 #endif
     const int tiles = (M + mr_max - 1) / mr_max, halves = PANEL / tcols, calls = tiles * halves;
     float tot[KB_ROWS * PANEL] __attribute__((aligned(64))), part[KB_ROWS * PANEL] __attribute__((aligned(64)));
@@ -520,7 +587,7 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
     int mr_max = MR, tcols = TCOLS;
     const tile_fn *fns = TILE_FNS[elem];
 #ifdef WIDE_ROWS
-    if (M <= WIDE_ROWS) mr_max = WIDE_MR, tcols = PANEL, fns = WIDE_FNS[elem];
+    if (M <= wide_rows) mr_max = WIDE_MR, tcols = PANEL, fns = WIDE_FNS[elem];
 #endif
     const int tiles = (M + mr_max - 1) / mr_max; /* of balanced sizes: 16 rows are 2 x 8, not 12 + 4 */
     for (int p = p0; p < p1; p++) {

@@ -41,7 +41,9 @@ SIGNATURES = {
     "batchq_rmsnorm": Signature(None, [c_void_p] * 3 + [c_int] * 2 + [c_float]),
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
+    "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
 }
+WIDE_ROWS = 3  # linear.c's WIDE_ROWS: the most rows whole-panel tiles take (8-float vectors)
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
 FP8, Q4, Q8 = 3, 4, 5  # linear.h's elem of an FP8 weight and of the group-quantised ones
 GROUP_TYPES = {torch.float32: 0, torch.float16: 1}  # linear.h's group_elem
@@ -130,7 +132,80 @@ def dequantize_groups(gq: GroupQuantized, n: int) -> Tensor:
 @cached
 def library() -> SimpleNamespace | None:
     """The loaded linear kernel (linear.c), or None (with one warning) where it cannot be built."""
-    return load(SOURCES, "the linear layers", SIGNATURES)
+    return configure(load(SOURCES, "the linear layers", SIGNATURES))
+
+
+# Every loaded library with linear.c in it (this module's, the decode stack's, the MoE kernel's): each has
+# its own copy of linear.c's settings, so a setting goes to all of them, and to each loaded later.
+_LINKED: list[SimpleNamespace] = []
+_wide_rows = 0
+
+
+def configure(lib: SimpleNamespace | None) -> SimpleNamespace | None:
+    """A just-loaded library linked with linear.c, given the settings in force (`set_wide_rows`)."""
+    if lib is not None:
+        lib.batchq_linear_set_wide_rows(_wide_rows)
+        _LINKED.append(lib)
+    return lib
+
+
+def has_wide_tiles() -> bool:
+    """Whether linear.c, as built here, chooses between whole-panel and half-panel tiles (8-float vectors:
+    AVX2 and narrower; a 16-float tile spans the whole panel anyway)."""
+    lib = library()
+    if lib is None:
+        return False
+    available = int(lib.batchq_linear_set_wide_rows(WIDE_ROWS)) > 0
+    lib.batchq_linear_set_wide_rows(_wide_rows)
+    return available
+
+
+def wide_rows() -> int:
+    """The rows up to which decode-sized steps take whole-panel tiles (`set_wide_rows`; 0: none)."""
+    return _wide_rows
+
+
+def set_wide_rows(rows: int) -> None:
+    """Decode-sized steps of up to `rows` rows take whole-panel tiles, in every library with linear.c (the
+    answers are the same either way, bit for bit: only the speed differs). Set before the kernels run."""
+    global _wide_rows
+    _wide_rows = rows
+    for lib in _LINKED:
+        lib.batchq_linear_set_wide_rows(rows)
+
+
+def measure_wide_tile_speedup(rows: tuple[int, ...] = (1, 3), megabytes: int = 96, rounds: int = 5) -> float:
+    """How much faster whole-panel tiles stream decode-sized steps than half-panel ones on this machine:
+    the time of `rows`-row products over `megabytes` of float32 weights (more than a last-level cache
+    holds, so they come from memory as a model's do), half-panel over whole-panel, best of `rounds`
+    interleaved. 1.0 where linear.c has no such choice."""
+    if not has_wide_tiles():
+        return 1.0
+    lib = library()
+    assert lib is not None
+    k, n = 576, 3072  # a small model's MLP: 6.75 MB a weight
+    weights = [pack(torch.randn(n, k)) for _ in range(max(1, megabytes * 2**20 // (4 * k * n)))]
+    xs = {m: torch.randn(m, k) for m in rows}
+    y = torch.empty(max(rows), n)
+    threads = torch.get_num_threads()
+
+    def timed(wide: int) -> float:
+        lib.batchq_linear_set_wide_rows(wide)
+        t0 = time.perf_counter()
+        for m, x in xs.items():
+            for w in weights:
+                lib.batchq_linear(x.data_ptr(), w.data_ptr(), None, None, y.data_ptr(), m, k, n, 0, threads)
+        return time.perf_counter() - t0
+
+    try:
+        timed(0)  # warm-up: page faults, the thread pool
+        best = {0: float("inf"), WIDE_ROWS: float("inf")}
+        for _ in range(rounds):
+            for wide in best:
+                best[wide] = min(best[wide], timed(wide))
+    finally:
+        lib.batchq_linear_set_wide_rows(_wide_rows)
+    return best[0] / best[WIDE_ROWS]
 
 
 def fma_peak(threads: int, seconds: float = 0.2) -> float:

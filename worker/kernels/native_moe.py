@@ -18,6 +18,7 @@ SIGNATURES = {
     "batchq_moe": Signature(
         c_int, [c_void_p] + [c_int] * 5 + [c_void_p] * 6 + [c_int] * 2 + [c_float] * 2 + [c_void_p, c_int]
     ),
+    "batchq_linear_set_wide_rows": native_linear.SIGNATURES["batchq_linear_set_wide_rows"],
 }
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # moe.c's `act`
 MAX_TOP_K = 64  # moe.c's picks per token
@@ -26,7 +27,7 @@ MAX_TOP_K = 64  # moe.c's picks per token
 @cached
 def library() -> SimpleNamespace | None:
     """The loaded MoE kernel (moe.c with linear.c), or None (with one warning) where it cannot be built."""
-    return load(SOURCES, "the mixture-of-experts layers", SIGNATURES)
+    return native_linear.configure(load(SOURCES, "the mixture-of-experts layers", SIGNATURES))
 
 
 def pack_experts(w: Tensor) -> Tensor:

@@ -39,13 +39,14 @@ SIGNATURES = {
     ),
     "batchq_decode_stack_workspace": Signature(c_long, [c_void_p] + [c_int] * 3),
     "batchq_to_fp8": Signature(None, [c_void_p, c_void_p, c_long]),  # its FP8 rounding, for the tests
+    "batchq_linear_set_wide_rows": native_linear.SIGNATURES["batchq_linear_set_wide_rows"],
 }
 
 
 @cached
 def library() -> SimpleNamespace | None:
     """The loaded decode stack, or None (with one warning) where it cannot be built."""
-    return load(SOURCES, "the decode stack", SIGNATURES)
+    return native_linear.configure(load(SOURCES, "the decode stack", SIGNATURES))
 
 
 # decode_stack.c's structs, field for field (a layer's linears are linear.h's LinearWeight)
