@@ -128,6 +128,8 @@ def test_the_tile_choice_is_measured_once_kept_and_reaches_every_library_with_li
         moe = native_moe.library()  # loaded after the choice: given it on load
         for lib in (native_linear.library(), moe):
             assert lib is not None and lib.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS
+        with pytest.raises(ValueError, match=r"wide rows 4: linear\.c has whole-panel tiles for 0 to 3 rows"):
+            native_linear.set_wide_rows(4)
         native_linear.set_wide_rows(0)  # a later start, whose probe would measure otherwise, keeps the first
         speedup["now"] = 0.8
         device.tune_cpu_linear()

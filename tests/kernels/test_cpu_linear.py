@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import Tensor
 
 from worker.kernels import native_build, native_linear
 from worker.kernels.linear_methods import TORCH_LINEAR, PackedLinear
@@ -156,6 +157,29 @@ def _load_for(flags: tuple[str, ...]) -> SimpleNamespace:
     return native_build.bind(native_build.build(cc, native_linear.SOURCES, flags), native_linear.SIGNATURES)
 
 
+def _packed(k: int, n: int, dtype: torch.dtype, gen: torch.Generator, bias: bool) -> Linear:
+    """A random packed Linear(k, n) stored as dtype (float32, bfloat16 or int8)."""
+    lin = Linear(k, n, bias=bias)
+    lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen) if bias else None)
+    if dtype != torch.float32:
+        lin.quantize(dtype)
+    lin.use_method(PACKED)
+    return lin
+
+
+def _c_linear(lib: SimpleNamespace, x: Tensor, lin: Linear) -> Tensor:
+    """lin(x) through `lib`'s batchq_linear on 2 threads."""
+    m, k = x.shape
+    n = lin.out_features
+    y = torch.empty(m, n)
+    assert lib.batchq_linear(
+        x.data_ptr(), lin.weight.data_ptr(), None if lin.scale is None else lin.scale.data_ptr(),
+        None if lin.bias is None else lin.bias.data_ptr(), y.data_ptr(), m, k, n,
+        native_linear.WEIGHT_TYPES[lin.weight.dtype], 2,
+    ) == 0  # fmt: skip
+    return y
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 @pytest.mark.parametrize(
     "flags", [("-march=x86-64-v3", "-mno-avx512f"), ("-march=x86-64",)], ids=["avx2", "generic"]
@@ -174,19 +198,9 @@ def test_narrower_instruction_sets_give_the_same_answers(
         (1, 2, 3, 4, 9, 16, 33, 70), (torch.float32, torch.bfloat16, torch.int8)
     ):
         x = torch.randn(m, k, generator=gen)
-        lin = Linear(k, n, bias=True)
-        lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
-        if dtype != torch.float32:
-            lin.quantize(dtype)
-        lin.use_method(PACKED)
-        y = torch.empty(m, n)
-        scale = None if lin.scale is None else lin.scale.data_ptr()
-        assert lib.batchq_linear(
-            x.data_ptr(), lin.weight.data_ptr(), scale, lin.bias.data_ptr(), y.data_ptr(), m, k, n,
-            native_linear.WEIGHT_TYPES[dtype], 2,
-        ) == 0  # fmt: skip
+        lin = _packed(k, n, dtype, gen, bias=True)
         want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)
-        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(_c_linear(lib, x, lin).double(), want, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
@@ -204,21 +218,11 @@ def test_decode_steps_sum_each_k_block_the_same_whatever_rows_the_tiles_take_at_
         (1, 3, 4, 9, 16, 64), (200, 576), (torch.float32, torch.bfloat16, torch.int8)
     ):
         x = torch.randn(m, k, generator=gen)
-        lin = Linear(k, 40, bias=False)
-        lin.load(torch.randn(40, k, generator=gen) / k**0.5)
-        if dtype != torch.float32:
-            lin.quantize(dtype)
-        lin.use_method(PACKED)
-        scale = None if lin.scale is None else lin.scale.data_ptr()
+        lin = _packed(k, 40, dtype, gen, bias=False)
         ys = []
         for lib, wide in itertools.product((whole, pieces), (0, native_linear.WIDE_ROWS)):
             lib.batchq_linear_set_wide_rows(wide)
-            y = torch.empty(m, 40)
-            assert lib.batchq_linear(
-                x.data_ptr(), lin.weight.data_ptr(), scale, None, y.data_ptr(), m, k, 40,
-                native_linear.WEIGHT_TYPES[dtype], 2,
-            ) == 0  # fmt: skip
-            ys.append(y)
+            ys.append(_c_linear(lib, x, lin))
         assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, k, dtype)
 
 
@@ -255,21 +259,11 @@ def test_whole_and_half_panel_tiles_give_the_same_answers_bit_for_bit(
     k, n = 200, 70
     for m, dtype in itertools.product((1, 2, 3, 4), (torch.float32, torch.bfloat16, torch.int8)):
         x = torch.randn(m, k, generator=gen)
-        lin = Linear(k, n, bias=True)
-        lin.load(torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen))
-        if dtype != torch.float32:
-            lin.quantize(dtype)
-        lin.use_method(PACKED)
-        scale = None if lin.scale is None else lin.scale.data_ptr()
+        lin = _packed(k, n, dtype, gen, bias=True)
         ys = []
         for wide in (0, native_linear.WIDE_ROWS):
             assert lib.batchq_linear_set_wide_rows(wide) == wide
-            y = torch.empty(m, n)
-            assert lib.batchq_linear(
-                x.data_ptr(), lin.weight.data_ptr(), scale, lin.bias.data_ptr(), y.data_ptr(), m, k, n,
-                native_linear.WEIGHT_TYPES[dtype], 2,
-            ) == 0  # fmt: skip
-            ys.append(y)
+            ys.append(_c_linear(lib, x, lin))
         assert torch.equal(ys[0], ys[1]), (m, dtype)
         want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)
         torch.testing.assert_close(ys[0].double(), want, rtol=1e-5, atol=2e-5)

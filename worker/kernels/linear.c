@@ -378,8 +378,8 @@ static inline __attribute__((always_inline)) void kb_tile_named(
         const char *p = w + (size_t)k * stride;
         if (k < npf) __builtin_prefetch(pf + (size_t)k * 64, 0, 0);
         if (k + kn < npf) __builtin_prefetch(pf + (size_t)(k + kn) * 64, 0, 0);
-        vf w0 = {0}, w1 = {0}, w2 = {0}, w3 = {0};
-        w0 = in_register(load_w(p, elem));
+        const vf w0 = in_register(load_w(p, elem));
+        vf w1 = {0}, w2 = {0}, w3 = {0};
         if (nv > 1) w1 = in_register(load_w(p + VL * es, elem));
         if (nv > 2) w2 = in_register(load_w(p + 2 * VL * es, elem));
         if (nv > 3) w3 = in_register(load_w(p + 3 * VL * es, elem));

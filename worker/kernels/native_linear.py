@@ -169,6 +169,8 @@ def set_wide_rows(rows: int) -> None:
     """Decode-sized steps of up to `rows` rows take whole-panel tiles, in every library with linear.c (the
     answers are the same either way, bit for bit: only the speed differs). Set before the kernels run."""
     global _wide_rows
+    if not 0 <= rows <= WIDE_ROWS:
+        raise ValueError(f"wide rows {rows}: linear.c has whole-panel tiles for 0 to {WIDE_ROWS} rows")
     _wide_rows = rows
     for lib in _LINKED:
         lib.batchq_linear_set_wide_rows(rows)
