@@ -195,11 +195,6 @@ static void add_normed(float *h, float *y, const float *w, int hid, float eps) {
     for (int i = 0; i < hid; i++) h[i] += y[i];
 }
 
-/* h: [M, hidden] float32, the embedded tokens in, the last layer's residual stream out; out: [M, hidden]
-   receives rmsnorm(h) with the final norm. cos, sin: [M, head_dim] each row's rotary factors; cos_local,
-   sin_local: the same of the local table (layers with local_rope; NULL where none has it); slots: [M]
-   cache slots of the new tokens; block_tables: [M, width]; context_lens: [M] (this token included);
-   max_len: the largest context; ws: batchq_decode_stack_workspace(...) floats. Returns 0. */
 /* A sublayer's output linear (this thread's share, inside the parallel region) into the residual stream h:
    added straight to h, or, with an output norm (Gemma's post_*), into xn first and then h += rmsnorm(xn).
    Ends on a barrier: h is whole for the next sublayer. */
@@ -216,6 +211,11 @@ static void residual_out(const float *in, const LinearWeight *w, int K, const fl
     }
 }
 
+/* h: [M, hidden] float32, the embedded tokens in, the last layer's residual stream out; out: [M, hidden]
+   receives rmsnorm(h) with the final norm. cos, sin: [M, head_dim] each row's rotary factors; cos_local,
+   sin_local: the same of the local table (layers with local_rope; NULL where none has it); slots: [M]
+   cache slots of the new tokens; block_tables: [M, width]; context_lens: [M] (this token included);
+   max_len: the largest context; ws: batchq_decode_stack_workspace(...) floats. Returns 0. */
 int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out, int M, const float *cos,
                         const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
                         const int32_t *block_tables, const int32_t *context_lens, int width, int max_len, float *ws,
