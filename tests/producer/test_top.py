@@ -86,7 +86,16 @@ def test_top_on_a_terminal_redraws_until_ctrl_c_then_exits_cleanly(redis_url: st
                 out += os.read(master, 65536)
         assert out.count(b"b-tty") >= 3, out.decode(errors="replace")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(15) == 0
+        # Keep reading while it exits: a frame or its screen restore written into a full terminal buffer
+        # would block the child, and it would never exit.
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+        assert proc.wait(max(0.1, deadline - time.monotonic())) == 0
         while select.select([master], [], [], 0.2)[0]:
             try:
                 chunk = os.read(master, 65536)
