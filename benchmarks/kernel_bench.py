@@ -192,10 +192,12 @@ def cpu_linear(args: argparse.Namespace) -> int:
         return 1
     from worker.engine.device import tune_cpu_linear
 
-    tune_cpu_linear()  # the machine's tiling, as a worker runs it
+    tune_cpu_linear()  # the machine's prefetch hint and tiling, as a worker runs them
     m = machine()
     print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
     print(f"command: {' '.join(sys.argv)}")
+    hint = "prefetcht0" if native_linear.prefetch_t0() else "prefetchnta"
+    print(f"weights prefetched with {hint} (this machine's measured choice)")
     if native_linear.has_wide_tiles():
         print(
             f"whole-panel tiles at 1-{native_linear.wide_rows()} rows"

@@ -226,6 +226,27 @@ def test_decode_steps_sum_each_k_block_the_same_whatever_rows_the_tiles_take_at_
         assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, k, dtype)
 
 
+def test_the_prefetch_hint_is_a_setting_that_changes_no_answer() -> None:
+    # prefetcht0 or prefetchnta is each machine's choice by speed (set_prefetch_t0): only when weights
+    # arrive may depend on it. Decode- and prompt-sized steps, every directly read weight type.
+    lib = native_linear.library()
+    assert lib is not None
+    try:
+        assert lib.batchq_linear_set_prefetch_t0(5) == 1  # any positive: t0
+        assert lib.batchq_linear_set_prefetch_t0(-1) == 1  # negative: a query
+        gen = torch.Generator().manual_seed(9)
+        for m, dtype in itertools.product((1, 5, 16, 96), (torch.float32, torch.bfloat16, torch.int8)):
+            x = torch.randn(m, 200, generator=gen)
+            lin = _packed(200, 70, dtype, gen, bias=True)
+            ys = []
+            for t0 in (0, 1):
+                assert lib.batchq_linear_set_prefetch_t0(t0) == t0
+                ys.append(_c_linear(lib, x, lin))
+            assert torch.equal(ys[0], ys[1]), (m, dtype)
+    finally:
+        lib.batchq_linear_set_prefetch_t0(int(native_linear.prefetch_t0()))
+
+
 def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
     gen = torch.Generator().manual_seed(4)
     lin = Linear(64, 48, bias=True)

@@ -164,11 +164,22 @@ def cpu_f32_gemm_speedup() -> float:
 
 
 def tune_cpu_linear() -> None:
-    """linear.c's choices for this machine, made once and kept (`_kept`): whether decode steps of 1-3 rows
-    take whole-panel tiles (AVX2 builds: which streams faster differs between CPUs). Results do not depend
-    on it."""
+    """linear.c's choices for this machine, made once each and kept (`_kept`): its prefetch hint (on some
+    CPUs non-temporal prefetches stream the weights at a fraction of the bandwidth, on others they are
+    best), then, under that hint, whether decode steps of 1-3 rows take whole-panel tiles (AVX2 builds:
+    which streams faster differs between CPUs). Made before any probe that times linear.c. Results do not
+    depend on them."""
     from worker.kernels import native_linear
 
+    if native_linear.library() is None:
+        return
+    t0 = _kept(
+        "linear-prefetch-t0",
+        "linear.c prefetcht0 over prefetchnta",
+        "auto",
+        native_linear.measure_prefetch_t0_speedup,
+    )
+    native_linear.set_prefetch_t0(t0 > 1.0)
     if not native_linear.has_wide_tiles():
         return
     speedup = _kept(

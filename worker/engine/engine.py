@@ -152,11 +152,13 @@ class Engine:
         device = pick_device(cfg.device)
         if device.type == "cpu":
             bound_onednn_caches()  # before the dtype probe's matmuls
-        dtype = pick_dtype(cfg.dtype, device, cfg.cpu_kernels)
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         elif device.type == "cpu" and torch.get_num_threads() > (budget := cpu_budget()):
             torch.set_num_threads(budget)  # a thread per core of the node would outrun the cgroup's quota
+        if device.type == "cpu" and cfg.cpu_kernels == "auto":
+            tune_cpu_linear()  # before the dtype and GEMM probes, which time linear.c
+        dtype = pick_dtype(cfg.dtype, device, cfg.cpu_kernels)
         t0 = time.monotonic()
         weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device)
         loaded = load_model(cfg.model, dtype, device, cfg.model_impl)
@@ -170,8 +172,6 @@ class Engine:
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
             lambda: cpu_f32_gemm_speedup() >= F32_GEMM_MIN_SPEEDUP,
         ).for_model(loaded.model)
-        if backend.linear.name == "c":
-            tune_cpu_linear()
         if weight_dtype != dtype:
             if loaded.implementation == "transformers":
                 loaded.model.quantize_weights(weight_dtype)  # raises: it has no narrower weights

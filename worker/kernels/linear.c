@@ -101,6 +101,25 @@ static inline size_t row_bytes(const int elem) {
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
+/* The prefetches' hint: non-temporal (prefetchnta: the weights, streamed once a step, evict little else)
+   or into every level (prefetcht0). Which streams faster is the machine's: on some Intel server parts the
+   non-temporal prefetches leave the weights streaming at half the bandwidth or less, where on the AMD
+   parts the hint makes no difference beyond the noise. So it is measured at load and set by
+   batchq_linear_set_prefetch_t0 (non-temporal until then). The branch is taken the same way all along,
+   and the hint changes when lines arrive, never a result. */
+static int prefetch_t0 = 0;
+#define PREFETCH(p)                                         \
+    do {                                                    \
+        if (prefetch_t0) __builtin_prefetch((p), 0, 3);     \
+        else __builtin_prefetch((p), 0, 0);                 \
+    } while (0)
+
+/* Sets the prefetch hint (1: prefetcht0, 0: prefetchnta; a negative `t0` changes nothing) and returns the
+   one in force. Set it while no linear call runs. */
+int batchq_linear_set_prefetch_t0(int t0) {
+    if (t0 >= 0) prefetch_t0 = t0 != 0;
+    return prefetch_t0;
+}
 /* Each output sums KBLOCK products in registers at a time, then adds that partial sum to its total: one
    sequential float32 sum over all of K (an MLP's intermediate size of terms) errs several times more than
    MKL's blocked sums. A KBLOCK of a float32 panel (8 KB) also fits L1 beside the x rows it meets. */
@@ -261,8 +280,8 @@ static inline __attribute__((always_inline)) void tile(
             for (int j = 0; j < nv; j++) acc[i][j] = (vf){0};
         for (int k = k0; k < k1; k++) {
             const char *p = w + (size_t)k * stride;
-            __builtin_prefetch(pf + (size_t)k * stride, 0, 0);
-            if (stride > 64) __builtin_prefetch(pf + (size_t)k * stride + 64, 0, 0); /* float32: 2 lines a row */
+            PREFETCH(pf + (size_t)k * stride);
+            if (stride > 64) PREFETCH(pf + (size_t)k * stride + 64); /* float32: 2 lines a row */
             vf wv[PANEL_VECS];
             for (int j = 0; j < nv; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
             for (int i = 0; i < mr; i++) {
@@ -376,8 +395,8 @@ static inline __attribute__((always_inline)) void kb_tile_named(
     A_ROWS(A_ROW_LOAD)
     for (int k = 0; k < kn; k++) {
         const char *p = w + (size_t)k * stride;
-        if (k < npf) __builtin_prefetch(pf + (size_t)k * 64, 0, 0);
-        if (k + kn < npf) __builtin_prefetch(pf + (size_t)(k + kn) * 64, 0, 0);
+        if (k < npf) PREFETCH(pf + (size_t)k * 64);
+        if (k + kn < npf) PREFETCH(pf + (size_t)(k + kn) * 64);
         const vf w0 = in_register(load_w(p, elem));
         vf w1 = {0}, w2 = {0}, w3 = {0};
         if (nv > 1) w1 = in_register(load_w(p + VL * es, elem));
@@ -406,8 +425,8 @@ static inline __attribute__((always_inline)) void kb_tile(
             acc[i][j] = first ? (vf){0} : *(const vf *)(part + (size_t)i * PANEL + j * VL);
     for (int k = 0; k < kn; k++) {
         const char *p = w + (size_t)k * stride;
-        if (k < npf) __builtin_prefetch(pf + (size_t)k * 64, 0, 0);
-        if (k + kn < npf) __builtin_prefetch(pf + (size_t)(k + kn) * 64, 0, 0); /* a float32 block in one call */
+        if (k < npf) PREFETCH(pf + (size_t)k * 64);
+        if (k + kn < npf) PREFETCH(pf + (size_t)(k + kn) * 64); /* a float32 block in one call */
         vf wv[PANEL_VECS];
         for (int j = 0; j < nv; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
         for (int i = 0; i < mr; i++) {
@@ -548,7 +567,7 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
             const char *wk = wp + (size_t)k0 * rb, *src = wk;
             const int lines = (int)((kn * rb + 63) / 64);
             if (!direct) {
-                for (int l = 0; l < lines; l++) __builtin_prefetch(wk + PREFETCH_BYTES + (size_t)l * 64, 0, 0);
+                for (int l = 0; l < lines; l++) PREFETCH(wk + PREFETCH_BYTES + (size_t)l * 64);
                 if (M == 1 && elem != FP8) {
                     q_row(x, lw, K, p, k0, kn, tot);
                     continue;

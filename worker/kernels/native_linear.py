@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from ctypes import c_float, c_int, c_long, c_void_p
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -42,6 +43,7 @@ SIGNATURES = {
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
     "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
+    "batchq_linear_set_prefetch_t0": Signature(c_int, [c_int]),
 }
 WIDE_ROWS = 3  # linear.c's WIDE_ROWS: the most rows whole-panel tiles take (8-float vectors)
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
@@ -139,12 +141,15 @@ def library() -> SimpleNamespace | None:
 # its own copy of linear.c's settings, so a setting goes to all of them, and to each loaded later.
 _LINKED: list[SimpleNamespace] = []
 _wide_rows = 0
+_prefetch_t0 = False
 
 
 def configure(lib: SimpleNamespace | None) -> SimpleNamespace | None:
-    """A just-loaded library linked with linear.c, given the settings in force (`set_wide_rows`)."""
+    """A just-loaded library linked with linear.c, given the settings in force (`set_wide_rows`,
+    `set_prefetch_t0`)."""
     if lib is not None:
         lib.batchq_linear_set_wide_rows(_wide_rows)
+        lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
         _LINKED.append(lib)
     return lib
 
@@ -176,13 +181,27 @@ def set_wide_rows(rows: int) -> None:
         lib.batchq_linear_set_wide_rows(rows)
 
 
-def measure_wide_tile_speedup(rows: tuple[int, ...] = (1, 3), megabytes: int = 96, rounds: int = 5) -> float:
-    """How much faster whole-panel tiles stream decode-sized steps than half-panel ones on this machine:
-    the time of `rows`-row products over `megabytes` of float32 weights (more than a last-level cache
-    holds, so they come from memory as a model's do), half-panel over whole-panel, best of `rounds`
-    interleaved. 1.0 where linear.c has no such choice."""
-    if not has_wide_tiles():
-        return 1.0
+def prefetch_t0() -> bool:
+    """Whether linear.c prefetches weights into every cache level (prefetcht0) rather than non-temporally."""
+    return _prefetch_t0
+
+
+def set_prefetch_t0(t0: bool) -> None:
+    """linear.c's prefetch hint, in every library with linear.c: prefetcht0 (True) or prefetchnta (False).
+    Only when weights arrive depends on it, never an answer. Set before the kernels run."""
+    global _prefetch_t0
+    _prefetch_t0 = bool(t0)
+    for lib in _LINKED:
+        lib.batchq_linear_set_prefetch_t0(int(t0))
+
+
+def _best_stream_times(
+    settings: dict[str, Callable[[SimpleNamespace], None]], rows: tuple[int, ...], megabytes: int, rounds: int
+) -> dict[str, float]:
+    """Seconds for products of `rows` rows over `megabytes` of float32 weights under each of `settings`
+    (each a function that sets linear.c up for it), best of `rounds` interleaved. The weights are more than
+    a last-level cache holds, so they come from memory as a model's do. linear.c's settings are restored
+    after."""
     lib = library()
     assert lib is not None
     k, n = 576, 3072  # a small model's MLP: 6.75 MB a weight
@@ -191,8 +210,8 @@ def measure_wide_tile_speedup(rows: tuple[int, ...] = (1, 3), megabytes: int = 9
     y = torch.empty(max(rows), n)
     threads = torch.get_num_threads()
 
-    def timed(wide: int) -> float:
-        lib.batchq_linear_set_wide_rows(wide)
+    def timed(setting: Callable[[SimpleNamespace], None]) -> float:
+        setting(lib)
         t0 = time.perf_counter()
         for m, x in xs.items():
             for w in weights:
@@ -200,14 +219,51 @@ def measure_wide_tile_speedup(rows: tuple[int, ...] = (1, 3), megabytes: int = 9
         return time.perf_counter() - t0
 
     try:
-        timed(0)  # warm-up: page faults, the thread pool
-        best = {0: float("inf"), WIDE_ROWS: float("inf")}
+        for setting in settings.values():
+            timed(setting)  # warm-up: page faults, the thread pool
+        best = dict.fromkeys(settings, float("inf"))
         for _ in range(rounds):
-            for wide in best:
-                best[wide] = min(best[wide], timed(wide))
+            for name, setting in settings.items():
+                best[name] = min(best[name], timed(setting))
     finally:
         lib.batchq_linear_set_wide_rows(_wide_rows)
-    return best[0] / best[WIDE_ROWS]
+        lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
+    return best
+
+
+def measure_wide_tile_speedup(rows: tuple[int, ...] = (1, 3), megabytes: int = 96, rounds: int = 5) -> float:
+    """How much faster whole-panel tiles stream decode-sized steps than half-panel ones on this machine
+    (half-panel time over whole-panel, `_best_stream_times`), under the prefetch hint in force. 1.0 where
+    linear.c has no such choice."""
+    if not has_wide_tiles():
+        return 1.0
+    best = _best_stream_times(
+        {
+            "halves": lambda lib: lib.batchq_linear_set_wide_rows(0),
+            "whole": lambda lib: lib.batchq_linear_set_wide_rows(WIDE_ROWS),
+        },
+        rows,
+        megabytes,
+        rounds,
+    )
+    return best["halves"] / best["whole"]
+
+
+def measure_prefetch_t0_speedup(
+    rows: tuple[int, ...] = (1, 4, 16), megabytes: int = 96, rounds: int = 5
+) -> float:
+    """How much faster linear.c streams weights prefetching them with prefetcht0 than with prefetchnta on
+    this machine (nta time over t0, `_best_stream_times`), under the tiling in force."""
+    best = _best_stream_times(
+        {
+            "nta": lambda lib: lib.batchq_linear_set_prefetch_t0(0),
+            "t0": lambda lib: lib.batchq_linear_set_prefetch_t0(1),
+        },
+        rows,
+        megabytes,
+        rounds,
+    )
+    return best["nta"] / best["t0"]
 
 
 def fma_peak(threads: int, seconds: float = 0.2) -> float:
