@@ -45,6 +45,10 @@ SIGNATURES = {
     "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
     "batchq_linear_set_prefetch_t0": Signature(c_int, [c_int]),
 }
+# linear.c's settings (`configure`), which every library linked with linear.c binds beside its own functions
+SETTING_SIGNATURES = {
+    name: SIGNATURES[name] for name in ("batchq_linear_set_wide_rows", "batchq_linear_set_prefetch_t0")
+}
 WIDE_ROWS = 3  # linear.c's WIDE_ROWS: the most rows whole-panel tiles take (8-float vectors)
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
 FP8, Q4, Q8 = 3, 4, 5  # linear.h's elem of an FP8 weight and of the group-quantised ones

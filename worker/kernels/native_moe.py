@@ -18,8 +18,7 @@ SIGNATURES = {
     "batchq_moe": Signature(
         c_int, [c_void_p] + [c_int] * 5 + [c_void_p] * 6 + [c_int] * 2 + [c_float] * 2 + [c_void_p, c_int]
     ),
-    "batchq_linear_set_wide_rows": native_linear.SIGNATURES["batchq_linear_set_wide_rows"],
-    "batchq_linear_set_prefetch_t0": native_linear.SIGNATURES["batchq_linear_set_prefetch_t0"],
+    **native_linear.SETTING_SIGNATURES,
 }
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # moe.c's `act`
 MAX_TOP_K = 64  # moe.c's picks per token

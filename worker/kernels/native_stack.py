@@ -39,8 +39,7 @@ SIGNATURES = {
     ),
     "batchq_decode_stack_workspace": Signature(c_long, [c_void_p] + [c_int] * 3),
     "batchq_to_fp8": Signature(None, [c_void_p, c_void_p, c_long]),  # its FP8 rounding, for the tests
-    "batchq_linear_set_wide_rows": native_linear.SIGNATURES["batchq_linear_set_wide_rows"],
-    "batchq_linear_set_prefetch_t0": native_linear.SIGNATURES["batchq_linear_set_prefetch_t0"],
+    **native_linear.SETTING_SIGNATURES,
 }
 
 
