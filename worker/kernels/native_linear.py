@@ -204,8 +204,8 @@ def _best_stream_times(
 ) -> dict[str, float]:
     """Seconds for products of `rows` rows over `megabytes` of float32 weights under each of `settings`
     (each a function that sets linear.c up for it), best of `rounds` interleaved. The weights are more than
-    a last-level cache holds, so they come from memory as a model's do. linear.c's settings are restored
-    after."""
+    most last-level caches hold, so they come from memory as a model's do (a CPU with a larger L3 serves
+    part of a small model's from it too). linear.c's settings are restored after."""
     lib = library()
     assert lib is not None
     k, n = 576, 3072  # a small model's MLP: 6.75 MB a weight
