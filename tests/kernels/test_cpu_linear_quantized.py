@@ -168,3 +168,58 @@ def test_a_linear_layer_keeps_fp8_weights_with_their_scales() -> None:
         lin.use_method(method)
         assert lin.weight.dtype == torch.float8_e4m3fn
         torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
+
+
+def _weights(
+    k: int, n: int, gen: torch.Generator
+) -> dict[str, tuple[object, torch.Tensor | None, torch.Tensor]]:
+    """Every weight type linear.c reads, as linear_w takes it: name -> (weight, scale, float64 [n, k])."""
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    out: dict[str, tuple[object, torch.Tensor | None, torch.Tensor]] = {
+        "float32": (native_linear.pack(w), None, w.double()),
+        "bfloat16": (native_linear.pack(w.bfloat16()), None, w.bfloat16().double()),
+    }
+    scale = torch.rand(n, generator=gen) * 0.01 + 0.005
+    q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    out["int8"] = (native_linear.pack(q8), scale, q8.double() * scale.double()[:, None])
+    f8 = (w * 8).to(torch.float8_e4m3fn)
+    out["fp8"] = (native_linear.pack(f8), scale, f8.double() * scale.double()[:, None])
+    for bits in (4, 8):
+        q, s, o = random_groups(n, k, 32, bits, torch.float16, gen)
+        ref = q.double() * s.double().repeat_interleave(32, 1) - o.double().repeat_interleave(32, 1)
+        out[f"q{bits}"] = (native_linear.group_quantized(q, s, o, 32, bits), None, ref)
+    return out
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("-march=x86-64-v3", "-mno-avx512f"), ("-march=x86-64-v3", "-mno-avx512f", "-DGEMM_BLOCKED=0")],
+    ids=["native", "avx2", "avx2-panel-tiles"],
+)
+def test_a_rows_answer_is_the_same_whatever_rows_share_its_step(
+    flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A prompt-sized product (here 200 rows: the AVX2 build's GEMM-blocked path, chunks of 96 rows, K in
+    # chunks of 256, panels in groups of 16; the panel tiles elsewhere) and a decode-sized one (16 rows:
+    # the K-blocked path) must give a row the same answer bit for bit, for every weight type: otherwise a
+    # request's text would depend on the batch it was scheduled in. K = 608 = 2 x 256 + 96: two whole K
+    # chunks and a remainder that is not a whole block (19 groups of 32); 1,100 outputs: more panels than a
+    # group per thread, and a partial last panel, where int8 and FP8 outputs, times their scales, once went
+    # out through other code than decode's.
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    cc = native_build.compiler()
+    assert cc is not None
+    lib = native_build.bind(native_build.build(cc, native_linear.SOURCES, flags), native_linear.SIGNATURES)
+    monkeypatch.setattr(native_linear, "library", lambda: lib)
+    gen = torch.Generator().manual_seed(21)
+    k, n = 608, 1100
+    x = torch.randn(200, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    for name, (weight, scale, ref) in _weights(k, n, gen).items():
+        prompt = native_linear.linear_w(x, weight, n, scale=scale, bias=bias)  # type: ignore[arg-type]
+        for r0 in (0, 90, 184):  # across the 96-row chunks and into the last, short one
+            rows = native_linear.linear_w(x[r0 : r0 + 16], weight, n, scale=scale, bias=bias)  # type: ignore[arg-type]
+            assert torch.equal(prompt[r0 : r0 + 16], rows), (name, r0)
+        want = x.double() @ ref.t() + bias.double()
+        torch.testing.assert_close(prompt.double(), want, rtol=1e-5, atol=1e-4, msg=name)

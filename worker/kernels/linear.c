@@ -19,7 +19,9 @@
    contiguous ranges of panels, and each streams its weights from memory once per call; further tiles of
    x rows read the panel again from L2. float32 accumulation for every weight type (int8 times its
    column's scale after the sum). The layout and PANEL are the same on every instruction set (only VL, MR
-   and the number of tiles per panel differ), so a packed weight is valid wherever it is loaded. */
+   and the number of tiles per panel differ), so a packed weight is valid wherever it is loaded. Decode-sized
+   steps go through each panel a K block at a time (linear_part_kb); prompt-sized ones, with 8-float
+   vectors, through chunks of rows, K and panels sized for L1 and L2 (linear_part_gemm). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -136,6 +138,11 @@ int batchq_linear_set_prefetch_t0(int t0) {
 #endif
 #ifndef KB_DIRECT
 #define KB_DIRECT (VL == 8)
+#endif
+/* Prompt-sized steps (M > KB_ROWS) with 8-float vectors take the GEMM-blocked path (linear_part_gemm); with
+   16-float ones the panel tiles (linear_part_tiles), which also run AVX-512's decode-sized steps. */
+#ifndef GEMM_BLOCKED
+#define GEMM_BLOCKED (VL == 8)
 #endif
 /* The tiles of a decode-sized step go through each K block of weights they read as stored KB_SUB rows at
    a time, every tile and half-panel tile over those rows before the next ones, their partial sums carried
@@ -263,12 +270,17 @@ static inline __attribute__((always_inline)) vf in_register(vf v) {
     return v;
 }
 
+#if !GEMM_BLOCKED
 /* One tile: mr x rows (stride K) against the cols <= TCOLS columns of a panel starting at w (panel row
    stride PANEL elements); writes (accumulate: adds to) y rows (stride N) from its first column. scale,
-   bias: the tile's first column's, or NULL. pf: what to prefetch, row k at pf + k * the row stride. */
+   bias: the tile's first column's, or NULL. pf: what to prefetch, row k at pf + k * the row stride. full:
+   whether the panel has all PANEL columns; a partial one goes out a column at a time, as store_panel writes
+   it (vector and scalar code may contract the scale and bias differently), so that a row's answer is the
+   same whichever path computed it. */
 static inline __attribute__((always_inline)) void tile(
     const float *x, const char *w, const char *pf, float *y, const int K, const int N, const int mr,
-    const int nv, const int cols, const int elem, const float *scale, const float *bias, const int accumulate
+    const int nv, const int cols, const int full, const int elem, const float *scale, const float *bias,
+    const int accumulate
 ) {
     const size_t stride = row_bytes(elem), es = stride / PANEL;
     vf acc[MR][PANEL_VECS], total[MR][PANEL_VECS];
@@ -300,7 +312,7 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < nv; j++) {
             const int c0 = j * VL;
             vf v = total[i][j];
-            if (cols >= c0 + VL) {
+            if (full && cols >= c0 + VL) {
                 if (scale) v *= *(const vf *)(scale + c0);
                 if (bias) v += *(const vf *)(bias + c0);
                 if (accumulate) v += *(const vf *)(out + c0); /* a residual, added as torch's `h + y` */
@@ -320,10 +332,10 @@ static inline __attribute__((always_inline)) void tile(
 /* Constant mr and elem per specialisation, so each keeps its accumulators in registers. */
 #define TILE_FN(mr, elem)                                                                                \
     static __attribute__((noinline)) void tile_##mr##_##elem(                                           \
-        const float *x, const char *w, const char *pf, float *y, int K, int N, int cols, const float *s,  \
-        const float *b, int acc                                                                          \
+        const float *x, const char *w, const char *pf, float *y, int K, int N, int cols, int full,        \
+        const float *s, const float *b, int acc                                                          \
     ) {                                                                                                  \
-        tile(x, w, pf, y, K, N, (mr) < MR ? (mr) : MR, NV, cols, elem, s, b, acc);                       \
+        tile(x, w, pf, y, K, N, (mr) < MR ? (mr) : MR, NV, cols, full, elem, s, b, acc);                 \
     }
 #define TILES(elem)                                                                                    \
     TILE_FN(1, elem) TILE_FN(2, elem) TILE_FN(3, elem) TILE_FN(4, elem) TILE_FN(5, elem) TILE_FN(6, elem) \
@@ -333,7 +345,7 @@ TILES(1)
 TILES(2)
 
 typedef void (*tile_fn)(
-    const float *, const char *, const char *, float *, int, int, int, const float *, const float *, int
+    const float *, const char *, const char *, float *, int, int, int, int, const float *, const float *, int
 );
 /* By element type (those tile() reads itself: F32, BF16, I8) and rows (1 .. 12, the largest MR). */
 #define ROW(e) {tile_1_##e, tile_2_##e, tile_3_##e, tile_4_##e, tile_5_##e, tile_6_##e, tile_7_##e, tile_8_##e, \
@@ -342,10 +354,10 @@ static const tile_fn TILE_FNS[3][12] = {ROW(0), ROW(1), ROW(2)};
 #ifdef WIDE_ROWS
 #define WIDE_FN(mr, elem)                                                                                \
     static __attribute__((noinline)) void wide_##mr##_##elem(                                           \
-        const float *x, const char *w, const char *pf, float *y, int K, int N, int cols, const float *s,  \
-        const float *b, int acc                                                                          \
+        const float *x, const char *w, const char *pf, float *y, int K, int N, int cols, int full,        \
+        const float *s, const float *b, int acc                                                          \
     ) {                                                                                                  \
-        tile(x, w, pf, y, K, N, mr, PANEL_VECS, cols, elem, s, b, acc);                                  \
+        tile(x, w, pf, y, K, N, mr, PANEL_VECS, cols, full, elem, s, b, acc);                            \
     }
 #define WIDES(elem) WIDE_FN(1, elem) WIDE_FN(2, elem) WIDE_FN(3, elem)
 WIDES(0)
@@ -356,6 +368,8 @@ WIDES(2)
 #endif
 #define WROW(e) {wide_1_##e, wide_2_##e, wide_3_##e}
 static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
+#endif
+
 #endif
 
 /* Rows kn of one K block of a tile: mr x rows (stride K) against kn rows of a panel's nv vectors starting
@@ -597,6 +611,7 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
     }
 }
 
+#if !GEMM_BLOCKED
 /* Prompt-sized steps: each panel streamed once, x rows in tiles that reread it from L2. A weight linear.c
    does not read as it multiplies is dequantised a panel at a time into `dq` first (K x PANEL floats). */
 static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, const int M, const int K,
@@ -611,6 +626,7 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
     const int tiles = (M + mr_max - 1) / mr_max; /* of balanced sizes: 16 rows are 2 x 8, not 12 + 4 */
     for (int p = p0; p < p1; p++) {
         const char *wp = (const char *)lw->w + (size_t)p * panel_bytes;
+        const int full = N - p * PANEL >= PANEL;
         if (!direct) {
             for (int k0 = 0; k0 < K; k0 += KBLOCK)
                 dequantize(lw, K, p, k0, K - k0 < KBLOCK ? K - k0 : KBLOCK, dq + (size_t)k0 * PANEL);
@@ -627,12 +643,147 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
                    from L2 and prefetches the next panel meanwhile, so memory never waits for the tiles that
                    reuse a panel; later tiles touch their own rows. */
                 const char *pf = i == 0 ? wt + PREFETCH_BYTES : i == 1 && p + 1 < p1 && next ? wt + next : wt;
-                fns[mr - 1](x + (size_t)m0 * K, wt, pf, y + (size_t)m0 * N + n0, K, N, cols,
+                fns[mr - 1](x + (size_t)m0 * K, wt, pf, y + (size_t)m0 * N + n0, K, N, cols, full,
                             lw->scale ? lw->scale + n0 : NULL, lw->bias ? lw->bias + n0 : NULL, accumulate);
             }
         }
     }
 }
+
+#endif
+
+/* Prompt-sized steps, GEMM-blocked (GotoBLAS's loop order), where measured faster than the panel tiles above:
+   with 8-float vectors. The panel tiles read a whole K of a half-panel per tile of rows, K x 64 bytes, which
+   leaves L1 past a few hundred K (and, with the x rows it meets, L2 past a few thousand): at a 7B model's
+   K of 4,096-14,336 their rate fell well below the FMA peak. Here K goes in chunks of GEMM_KC rows, so each
+   chunk of a half-panel (16 KB of float32) stays in L1 while every tile of a chunk of GEMM_MC x rows rereads
+   it, and that chunk of x, packed tile by tile (GMR rows, k-major: one broadcast stream per tile), stays in
+   L2 while every panel of a group meets it. Every output sums the same products in the same order as the
+   other paths (KBLOCK blocks of FMAs, each added to a total that starts at zero), and goes out through
+   store_panel as the decode-sized path's do, so a row's answer does not depend on the rows beside it. */
+#if GEMM_BLOCKED
+#define GEMM_MC 96  /* x rows a chunk: 16 tiles of 6 */
+#define GEMM_KC 256 /* K rows a chunk; a multiple of KBLOCK, so the block sums are the same */
+#define GEMM_NC 16  /* panels a group: the group's totals, 16 tiles x 16 panels x 6 KB, 196 KB */
+#define GMR MR
+#if GEMM_KC % KBLOCK
+#error "GEMM_KC must be a multiple of KBLOCK"
+#endif
+
+/* Rows 0 .. mr - 1 (mr <= GMR; stride K) of x, columns k0 .. k0 + kn - 1, as xp[k * GMR + i], rows past mr
+   zero (their products are computed and never stored: one tile shape for every tile). */
+static void pack_x(const float *x, const int K, const int mr, const int k0, const int kn, float *xp) {
+    for (int k = 0; k < kn; k++) {
+        float *out = xp + (size_t)k * GMR;
+        int i = 0;
+        for (; i < mr; i++) out[i] = x[(size_t)i * K + k0 + k];
+        for (; i < GMR; i++) out[i] = 0.0f;
+    }
+}
+
+/* kn rows (KBLOCK blocks, the last possibly short) of a packed tile xp against TCOLS columns of weights at w
+   (row stride `stride`): each block's sums added to tot (GMR rows of PANEL floats). npf lines from pf are
+   prefetched into L2 on the way: the block the next call of the group reads. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *xp, const char *w, const size_t stride,
+                                                            const int kn, const int elem, float *tot,
+                                                            const char *pf, const int npf) {
+    const size_t es = stride / PANEL;
+    int l = 0;
+    for (int b0 = 0; b0 < kn; b0 += KBLOCK) {
+        const int b1 = b0 + KBLOCK < kn ? b0 + KBLOCK : kn;
+        vf acc[GMR][NV];
+        for (int i = 0; i < GMR; i++)
+            for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
+        for (int k = b0; k < b1; k++) {
+            const char *p = w + (size_t)k * stride;
+            if (l < npf) __builtin_prefetch(pf + (size_t)l++ * 64, 0, 2);
+            vf wv[NV];
+            for (int j = 0; j < NV; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
+            const float *xk = xp + (size_t)k * GMR;
+            for (int i = 0; i < GMR; i++) {
+                const float xs = xk[i];
+                for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
+            }
+        }
+        for (int i = 0; i < GMR; i++)
+            for (int j = 0; j < NV; j++) *(vf *)(tot + (size_t)i * PANEL + j * VL) += acc[i][j];
+    }
+}
+#define GEMM_FN(elem)                                                                                     \
+    static __attribute__((noinline)) void gemm_##elem(const float *xp, const char *w, size_t stride, int kn, \
+                                                      float *tot, const char *pf, int npf) {               \
+        gemm_tile(xp, w, stride, kn, elem, tot, pf, npf);                                                  \
+    }
+GEMM_FN(0)
+GEMM_FN(1)
+GEMM_FN(2)
+typedef void (*gemm_fn)(const float *, const char *, size_t, int, float *, const char *, int);
+static const gemm_fn GEMM_FNS[3] = {gemm_0, gemm_1, gemm_2}; /* by element type: F32, BF16, I8 */
+
+/* A thread's scratch for the blocked path, kept for its next call (a call's fresh allocation of these
+   hundreds of KB faulted its pages in again every time). */
+static __thread float *gemm_scratch;
+static __thread size_t gemm_scratch_floats;
+
+static float *scratch(const size_t floats) {
+    if (floats > gemm_scratch_floats) {
+        free(gemm_scratch);
+        gemm_scratch = aligned_alloc(64, floats * sizeof(float));
+        gemm_scratch_floats = gemm_scratch ? floats : 0;
+    }
+    return gemm_scratch;
+}
+
+static int linear_part_gemm(const float *x, const LinearWeight *lw, float *y, const int M, const int K,
+                            const int N, const int p0, const int p1, const int accumulate) {
+    const int direct = lw->elem == F32 || lw->elem == BF16 || lw->elem == I8, elem = direct ? lw->elem : F32;
+    const size_t rb = row_bytes(lw->elem), panel_bytes = (size_t)K * rb, halves = PANEL / TCOLS;
+    const size_t tiles_max = (GEMM_MC + GMR - 1) / GMR, kc_max = K < GEMM_KC ? (size_t)K : GEMM_KC;
+    const size_t xp_floats = tiles_max * GMR * kc_max, tot_floats = tiles_max * GEMM_NC * GMR * PANEL;
+    float *const xp = scratch(xp_floats + tot_floats + (direct ? 0 : kc_max * PANEL));
+    if (!xp) return 1;
+    float *const tot = xp + xp_floats, *const dq = tot + tot_floats;
+    const gemm_fn fn = GEMM_FNS[elem];
+    for (int g0 = p0; g0 < p1; g0 += GEMM_NC) {
+        const int g1 = p1 - g0 < GEMM_NC ? p1 : g0 + GEMM_NC, np = g1 - g0;
+        for (int m0 = 0; m0 < M; m0 += GEMM_MC) {
+            const int mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC, tiles = (mc + GMR - 1) / GMR;
+            memset(tot, 0, sizeof(float) * (size_t)tiles * np * GMR * PANEL);
+            for (int k0 = 0; k0 < K; k0 += GEMM_KC) {
+                const int kn = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
+                for (int t = 0; t < tiles; t++) {
+                    const int r0 = t * GMR, mr = mc - r0 < GMR ? mc - r0 : GMR;
+                    pack_x(x + (size_t)(m0 + r0) * K, K, mr, k0, kn, xp + (size_t)t * GMR * kn);
+                }
+                for (int p = g0; p < g1; p++) {
+                    const char *wk = (const char *)lw->w + (size_t)p * panel_bytes + (size_t)k0 * rb, *src = wk;
+                    size_t stride = rb;
+                    if (!direct) {
+                        dequantize(lw, K, p, k0, kn, dq);
+                        src = (const char *)dq, stride = PANEL * 4;
+                    }
+                    /* the next panel's chunk, fetched into L2 while this one's tiles run */
+                    const int lines = p + 1 < g1 ? (int)((kn * rb + 63) / 64) : 0, calls = tiles * (int)halves;
+                    for (int h = 0, c = 0; h < (int)halves; h++)
+                        for (int t = 0; t < tiles; t++, c++) {
+                            const int l0 = lines * c / calls, l1 = lines * (c + 1) / calls;
+                            fn(xp + (size_t)t * GMR * kn, src + (size_t)h * TCOLS * (stride / PANEL), stride, kn,
+                               tot + ((size_t)t * np + (p - g0)) * GMR * PANEL + h * TCOLS,
+                               wk + panel_bytes + (size_t)l0 * 64, l1 - l0);
+                        }
+                }
+            }
+            for (int t = 0; t < tiles; t++) {
+                const int r0 = t * GMR, mr = mc - r0 < GMR ? mc - r0 : GMR;
+                for (int p = g0; p < g1; p++)
+                    store_panel(tot + ((size_t)t * np + (p - g0)) * GMR * PANEL, lw, y + (size_t)(m0 + r0) * N,
+                                mr, N, p * PANEL, accumulate);
+            }
+        }
+    }
+    return 0;
+}
+#endif
 
 /* Thread t of nt's share of y = x W^T (+ bias) (y += ... with accumulate): a contiguous range of panels,
    each streamed once. Called inside a parallel region: by batchq_linear_w below, and by decode_stack.c for
@@ -646,6 +797,9 @@ int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M
         linear_part_kb(x, lw, y, M, K, N, p0, p1, accumulate);
         return 0;
     }
+#if GEMM_BLOCKED
+    return linear_part_gemm(x, lw, y, M, K, N, p0, p1, accumulate);
+#else
     float *dq = NULL;
     if (!direct) {
         dq = (float *)aligned_alloc(64, (size_t)K * PANEL * sizeof(float));
@@ -654,6 +808,7 @@ int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M
     linear_part_tiles(x, lw, y, M, K, N, p0, p1, accumulate, dq);
     free(dq);
     return 0;
+#endif
 }
 
 /* Whether lw is a weight of K rows this library reads. */
