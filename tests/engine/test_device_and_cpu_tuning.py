@@ -112,6 +112,23 @@ def test_the_float32_gemm_probe_compares_torch_with_linear_c_and_is_kept(
     assert device.measure_f32_gemm_speedup() == 0.0  # without linear.c nothing to compare
 
 
+def test_a_kept_figure_answers_only_for_the_linear_c_it_timed(
+    monkeypatch: pytest.MonkeyPatch, own_cache_dir: Path
+) -> None:
+    # The probes time linear.c (or choose among its settings): a worker upgraded to another linear.c must
+    # measure again, not keep the old code's figure for the new code's choices.
+    rates = {"torch": 240e9, "c": 180e9}
+    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates["torch"])
+    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: rates["c"])
+    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)
+    rates["c"] = 300e9  # the new kernel's rate
+    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)  # the same code: the kept figure
+    text = native_build.sources_text(native_linear.SOURCES)
+    monkeypatch.setattr(native_build, "sources_text", lambda sources: text + "/* a changed kernel */")
+    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 300)
+    assert len(list((own_cache_dir / "probes").glob("f32-gemm-speedup-*.json"))) == 2
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 def test_linear_c_choices_are_measured_once_kept_and_reach_every_library_with_linear_c(
     monkeypatch: pytest.MonkeyPatch,

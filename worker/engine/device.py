@@ -86,8 +86,10 @@ def _cpu_model() -> str:
 
 def _probe_path(name: str, cpu_kernels: CpuKernels) -> Path:
     """The file that keeps this machine's measurement `name`: one per CPU model and flags, torch build, thread
-    count, kernel ISA and cpu_kernels setting (what the rates depend on)."""
-    from worker.kernels.native_build import cpu_features, cpu_isa
+    count, kernel ISA, linear.c's code (every probe times it, or chooses by it) and cpu_kernels setting (what
+    the rates depend on)."""
+    from worker.kernels.native_build import cpu_features, cpu_isa, sources_text
+    from worker.kernels.native_linear import SOURCES
 
     what = "\0".join(
         [
@@ -97,6 +99,7 @@ def _probe_path(name: str, cpu_kernels: CpuKernels) -> Path:
             torch.__version__,
             str(torch.get_num_threads()),
             cpu_kernels,
+            sources_text(SOURCES),
         ]
     )
     return cache_dir() / "probes" / f"{name}-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"

@@ -85,15 +85,21 @@ def cpu_features() -> str:
     return platform.processor()
 
 
+def sources_text(sources: tuple[Path, ...]) -> str:
+    """The text of `sources` and of every header beside them (what they #include): what a library's code,
+    and so its speed, depends on."""
+    headers = sorted(sources[0].parent.glob("*.h"))
+    return "\0".join(f.read_text() for f in (*sources, *headers))
+
+
 def build(cc: str, sources: tuple[Path, ...], extra_flags: tuple[str, ...] = ()) -> Path:
     """The library built from `sources` (linked into one library) for this machine, from the cache when
     it is there (extra_flags: e.g. a narrower -march, in tests)."""
     flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else []) + CPU_ISAS[cpu_isa()]
     flags += list(extra_flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    headers = sorted(sources[0].parent.glob("*.h"))  # what the sources #include
-    texts = [f.read_text() for f in (*sources, *headers)]
-    key = hashlib.sha256("\0".join([*texts, cc, version, *flags, cpu_features()]).encode()).hexdigest()[:16]
+    parts = [sources_text(sources), cc, version, *flags, cpu_features()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     target = cache_dir() / "native" / f"{sources[0].stem}-{key}.so"
     if target.exists():
         return target
