@@ -654,8 +654,8 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
 
 /* Prompt-sized steps, GEMM-blocked (GotoBLAS's loop order), where measured faster than the panel tiles above:
    with 8-float vectors. The panel tiles read a whole K of a half-panel per tile of rows, K x 64 bytes, which
-   leaves L1 past a few hundred K (and, with the x rows it meets, L2 past a few thousand): at a 7B model's
-   K of 4,096-14,336 their rate fell well below the FMA peak. Here K goes in chunks of GEMM_KC rows, so each
+   leaves L1 past K = 512 (and, with the x rows it meets, L2 past a few thousand): at a 7B model's K of
+   4,096-14,336 their rate fell well below the FMA peak. Here K goes in chunks of GEMM_KC rows, so each
    chunk of a half-panel (16 KB of float32) stays in L1 while every tile of a chunk of GEMM_MC x rows rereads
    it, and that chunk of x, packed tile by tile (GMR rows, k-major: one broadcast stream per tile), stays in
    L2 while every panel of a group meets it. Every output sums the same products in the same order as the
@@ -664,7 +664,7 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
 #if GEMM_BLOCKED
 #define GEMM_MC 96  /* x rows a chunk: 16 tiles of 6 */
 #define GEMM_KC 256 /* K rows a chunk; a multiple of KBLOCK, so the block sums are the same */
-#define GEMM_NC 16  /* panels a group: the group's totals, 16 tiles x 16 panels x 6 KB, 196 KB */
+#define GEMM_NC 16  /* panels a group: the group's totals, 16 tiles x 16 panels x 768 bytes, 196 KB */
 #define GMR MR
 #if GEMM_KC % KBLOCK
 #error "GEMM_KC must be a multiple of KBLOCK"
