@@ -204,13 +204,10 @@ def cpu_linear(args: argparse.Namespace) -> int:
             if native_linear.wide_rows()
             else "half-panel tiles at every row count (this machine's measured choice)"
         )
-    bandwidth, peak, mkl, ours = machine_bounds()
-    print(
-        f"bounds: memory {bandwidth / 1e9:.1f} GB/s (512 MB sum); float32 FMA peak {peak / 1e9:.0f} GFLOP/s "
-        f"({cpu_isa()} vectors, {m['threads']} threads)\n"
-        f"prompt-sized GEMM: linear.c 1024x2048x2048 {ours / 1e9:.0f} GFLOP/s = {100 * ours / peak:.0f}% of the "
-        f"FMA peak; torch's 2048^3 matmul {mkl / 1e9:.0f} GFLOP/s = {100 * mkl / peak:.0f}%\n"
-    )
+    # The bounds are measured before the kernels' rows and again after, and the best of each counts, as the
+    # best of the kernels' passes does: on a shared host a slow minute at the start would otherwise set the
+    # bounds low and flatter every ratio.
+    before = machine_bounds()
     qkv = (args.heads + 2 * args.kv_heads) * args.head_dim
     shapes = [  # (name, K = in, N = out, copies per step)
         ("qkv", args.hidden, qkv, args.model_layers),
@@ -223,10 +220,7 @@ def cpu_linear(args: argparse.Namespace) -> int:
     kinds = ["torch F.linear", "torch x@W[in,out]", "C float32", "C bfloat16", "C int8"]
     step: dict[int, dict[str, float]] = {r: dict.fromkeys([*kinds, "bound"], 0.0) for r in rows}
     gen = torch.Generator().manual_seed(0)
-    print(
-        f"{'shape':>8} {'K x N':>12} {'M':>4} | {'F.linear':>8} {'x@W':>7} | {'C f32':>7} {'GB/s':>5} "
-        f"{'GFLOP/s':>7} {'% bound':>7} | {'C bf16':>7} {'C int8':>7} | {'bound':>6}  (ms per call)"
-    )
+    timed: list[tuple[str, int, int, int, int, dict[str, float]]] = []  # name, K, N, copies a step, M, ms
     for name, k, n, per_step in shapes:
         copies = 1 if name == "lm_head" else min(args.layers, per_step)
         layers = []
@@ -246,18 +240,42 @@ def cpu_linear(args: argparse.Namespace) -> int:
         for r in rows:
             x = torch.randn(r, k, generator=gen)
             fns = {kind: functools.partial(_linear_pass, kind, x, layers) for kind in kinds}
-            ms = {kind: _best_ms(fn, args.passes) / copies for kind, fn in fns.items()}
-            flops = 2 * r * k * n
-            bound = max(k * n * 4 / bandwidth, flops / peak) * 1e3
-            for kind in kinds:
-                step[r][kind] += ms[kind] * per_step
-            step[r]["bound"] += bound * per_step
-            c = ms["C float32"]
-            print(
-                f"{name:>8} {f'{k}x{n}':>12} {r:>4} | {ms['torch F.linear']:>8.3f} {ms['torch x@W[in,out]']:>7.3f} "
-                f"| {c:>7.3f} {k * n * 4 / c / 1e6:>5.1f} {flops / c / 1e6:>7.1f} {100 * bound / c:>6.0f}% "
-                f"| {ms['C bfloat16']:>7.3f} {ms['C int8']:>7.3f} | {bound:>6.3f}"
+            timed.append(
+                (
+                    name,
+                    k,
+                    n,
+                    per_step,
+                    r,
+                    {kind: _best_ms(fn, args.passes) / copies for kind, fn in fns.items()},
+                )
             )
+        del layers
+    after = machine_bounds()
+    bandwidth, peak, mkl, ours = (max(pair) for pair in zip(before, after, strict=True))
+    print(
+        f"bounds: memory {bandwidth / 1e9:.1f} GB/s (512 MB sum); float32 FMA peak {peak / 1e9:.0f} GFLOP/s "
+        f"({cpu_isa()} vectors, {m['threads']} threads); the better of a measurement before the rows below "
+        f"({before[0] / 1e9:.1f} GB/s, {before[1] / 1e9:.0f} GFLOP/s) and one after them\n"
+        f"prompt-sized GEMM: linear.c 1024x2048x2048 {ours / 1e9:.0f} GFLOP/s = {100 * ours / peak:.0f}% of the "
+        f"FMA peak; torch's 2048^3 matmul {mkl / 1e9:.0f} GFLOP/s = {100 * mkl / peak:.0f}%\n"
+    )
+    print(
+        f"{'shape':>8} {'K x N':>12} {'M':>4} | {'F.linear':>8} {'x@W':>7} | {'C f32':>7} {'GB/s':>5} "
+        f"{'GFLOP/s':>7} {'% bound':>7} | {'C bf16':>7} {'C int8':>7} | {'bound':>6}  (ms per call)"
+    )
+    for name, k, n, per_step, r, ms in timed:
+        flops = 2 * r * k * n
+        bound = max(k * n * 4 / bandwidth, flops / peak) * 1e3
+        for kind in kinds:
+            step[r][kind] += ms[kind] * per_step
+        step[r]["bound"] += bound * per_step
+        c = ms["C float32"]
+        print(
+            f"{name:>8} {f'{k}x{n}':>12} {r:>4} | {ms['torch F.linear']:>8.3f} {ms['torch x@W[in,out]']:>7.3f} "
+            f"| {c:>7.3f} {k * n * 4 / c / 1e6:>5.1f} {flops / c / 1e6:>7.1f} {100 * bound / c:>6.0f}% "
+            f"| {ms['C bfloat16']:>7.3f} {ms['C int8']:>7.3f} | {bound:>6.3f}"
+        )
     print(f"\none decode step's linears ({args.model_layers} layers + LM head), ms:")
     print(
         f"{'M':>4} | {'F.linear':>8} {'x@W':>7} | {'C f32':>7} {'speed-up':>8} {'% bound':>7} | "
