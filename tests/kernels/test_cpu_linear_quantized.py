@@ -28,10 +28,23 @@ def random_groups(n: int, k: int, group: int, bits: int, dtype: torch.dtype, gen
     return q, s, o
 
 
+def dequantised_groups(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, group: int) -> torch.Tensor:
+    """The reference dequantisation, float64: w = s * q - o per group of input rows."""
+    return q.double() * s.double().repeat_interleave(group, 1) - o.double().repeat_interleave(group, 1)
+
+
 def reference_groups(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, group: int, bias):
-    w = q.double() * s.double().repeat_interleave(group, 1) - o.double().repeat_interleave(group, 1)
-    y = x.double() @ w.t()
+    y = x.double() @ dequantised_groups(q, s, o, group).t()
     return y if bias is None else y + bias.double()
+
+
+def _use_linear_c_built_with(flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """native_linear's calls go to linear.c built with `flags` (e.g. a narrower -march) for this test."""
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    cc = native_build.compiler()
+    assert cc is not None
+    lib = native_build.bind(native_build.build(cc, native_linear.SOURCES, flags), native_linear.SIGNATURES)
+    monkeypatch.setattr(native_linear, "library", lambda: lib)
 
 
 # Rows: the wide tiles (1-3), the K-blocked path's tiles and their remainders (4-64), the prompt path (> 64);
@@ -94,11 +107,7 @@ def test_fp8_weights_widen_exactly(m: int) -> None:
 def test_narrower_instruction_sets_dequantise_alike(
     flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
-    cc = native_build.compiler()
-    assert cc is not None
-    lib = native_build.bind(native_build.build(cc, native_linear.SOURCES, flags), native_linear.SIGNATURES)
-    monkeypatch.setattr(native_linear, "library", lambda: lib)
+    _use_linear_c_built_with(flags, tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(7)
     k, n = 128, 45
     for m, bits, dtype in itertools.product((1, 3, 9, 70), (4, 8), (torch.float32, torch.float16)):
@@ -170,12 +179,15 @@ def test_a_linear_layer_keeps_fp8_weights_with_their_scales() -> None:
         torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
 
 
+Weight = torch.Tensor | native_linear.GroupQuantized
+
+
 def _weights(
     k: int, n: int, gen: torch.Generator
-) -> dict[str, tuple[object, torch.Tensor | None, torch.Tensor]]:
+) -> dict[str, tuple[Weight, torch.Tensor | None, torch.Tensor]]:
     """Every weight type linear.c reads, as linear_w takes it: name -> (weight, scale, float64 [n, k])."""
     w = torch.randn(n, k, generator=gen) / k**0.5
-    out: dict[str, tuple[object, torch.Tensor | None, torch.Tensor]] = {
+    out: dict[str, tuple[Weight, torch.Tensor | None, torch.Tensor]] = {
         "float32": (native_linear.pack(w), None, w.double()),
         "bfloat16": (native_linear.pack(w.bfloat16()), None, w.bfloat16().double()),
     }
@@ -186,8 +198,11 @@ def _weights(
     out["fp8"] = (native_linear.pack(f8), scale, f8.double() * scale.double()[:, None])
     for bits in (4, 8):
         q, s, o = random_groups(n, k, 32, bits, torch.float16, gen)
-        ref = q.double() * s.double().repeat_interleave(32, 1) - o.double().repeat_interleave(32, 1)
-        out[f"q{bits}"] = (native_linear.group_quantized(q, s, o, 32, bits), None, ref)
+        out[f"q{bits}"] = (
+            native_linear.group_quantized(q, s, o, 32, bits),
+            None,
+            dequantised_groups(q, s, o, 32),
+        )
     return out
 
 
@@ -207,19 +222,15 @@ def test_a_rows_answer_is_the_same_whatever_rows_share_its_step(
     # chunks and a remainder that is not a whole block (19 groups of 32); 1,100 outputs: more panels than a
     # group per thread, and a partial last panel, where int8 and FP8 outputs, times their scales, once went
     # out through other code than decode's.
-    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
-    cc = native_build.compiler()
-    assert cc is not None
-    lib = native_build.bind(native_build.build(cc, native_linear.SOURCES, flags), native_linear.SIGNATURES)
-    monkeypatch.setattr(native_linear, "library", lambda: lib)
+    _use_linear_c_built_with(flags, tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(21)
     k, n = 608, 1100
     x = torch.randn(200, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     for name, (weight, scale, ref) in _weights(k, n, gen).items():
-        prompt = native_linear.linear_w(x, weight, n, scale=scale, bias=bias)  # type: ignore[arg-type]
+        prompt = native_linear.linear_w(x, weight, n, scale=scale, bias=bias)
         for r0 in (0, 90, 184):  # across the 96-row chunks and into the last, short one
-            rows = native_linear.linear_w(x[r0 : r0 + 16], weight, n, scale=scale, bias=bias)  # type: ignore[arg-type]
+            rows = native_linear.linear_w(x[r0 : r0 + 16], weight, n, scale=scale, bias=bias)
             assert torch.equal(prompt[r0 : r0 + 16], rows), (name, r0)
         want = x.double() @ ref.t() + bias.double()
         torch.testing.assert_close(prompt.double(), want, rtol=1e-5, atol=1e-4, msg=name)

@@ -737,7 +737,8 @@ static float *scratch(const size_t floats) {
 static int linear_part_gemm(const float *x, const LinearWeight *lw, float *y, const int M, const int K,
                             const int N, const int p0, const int p1, const int accumulate) {
     const int direct = lw->elem == F32 || lw->elem == BF16 || lw->elem == I8, elem = direct ? lw->elem : F32;
-    const size_t rb = row_bytes(lw->elem), panel_bytes = (size_t)K * rb, halves = PANEL / TCOLS;
+    const size_t rb = row_bytes(lw->elem), panel_bytes = (size_t)K * rb;
+    const int halves = PANEL / TCOLS;
     const size_t tiles_max = (GEMM_MC + GMR - 1) / GMR, kc_max = K < GEMM_KC ? (size_t)K : GEMM_KC;
     const size_t xp_floats = tiles_max * GMR * kc_max, tot_floats = tiles_max * GEMM_NC * GMR * PANEL;
     float *const xp = scratch(xp_floats + tot_floats + (direct ? 0 : kc_max * PANEL));
@@ -763,8 +764,8 @@ static int linear_part_gemm(const float *x, const LinearWeight *lw, float *y, co
                         src = (const char *)dq, stride = PANEL * 4;
                     }
                     /* the next panel's chunk, fetched into L2 while this one's tiles run */
-                    const int lines = p + 1 < g1 ? (int)((kn * rb + 63) / 64) : 0, calls = tiles * (int)halves;
-                    for (int h = 0, c = 0; h < (int)halves; h++)
+                    const int lines = p + 1 < g1 ? (int)((kn * rb + 63) / 64) : 0, calls = tiles * halves;
+                    for (int h = 0, c = 0; h < halves; h++)
                         for (int t = 0; t < tiles; t++, c++) {
                             const int l0 = lines * c / calls, l1 = lines * (c + 1) / calls;
                             fn(xp + (size_t)t * GMR * kn, src + (size_t)h * TCOLS * (stride / PANEL), stride, kn,
