@@ -148,9 +148,16 @@ int batchq_linear_set_prefetch_t0(int t0) {
    a time, every tile and half-panel tile over those rows before the next ones, their partial sums carried
    over in memory (kb_tile): with 8-float vectors a block's 8 KB of float32 weights is reread by up to a
    dozen tile calls, and half of it at a time stays in L1 while the stream ahead is fetched. A block
-   dequantised into the L1 buffer goes whole. The sums are the block's whatever KB_SUB. */
+   dequantised into the L1 buffer goes whole. So do the blocks of bfloat16 and int8 weights, widened in the
+   tiles' registers, once a step has KB_WHOLE or more rows per byte of weight: there the FMAs and widenings,
+   not the stream, set the pace, and each piece's carry-over of a tile's partial sums is overhead (float32
+   tiles keep the pieces: at 16-32 rows a whole block, its x rows and the sums crowd L1). The sums are the
+   block's whatever the pieces. */
 #ifndef KB_SUB
 #define KB_SUB (VL == 8 ? 32 : KBLOCK)
+#endif
+#ifndef KB_WHOLE
+#define KB_WHOLE 4
 #endif
 
 /* VL weights widened to float32. The widenings are intrinsics on x86: GCC 12 turns the generic
@@ -590,7 +597,8 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                 src = (const char *)dq;
             }
             const size_t hb = (size_t)tcols * (direct ? rb / PANEL : 4), sb = direct ? rb : PANEL * 4;
-            const int sub = direct ? KB_SUB : KBLOCK; /* a dequantised block is in L1 already, whole */
+            /* a dequantised block is in L1 already: whole */
+            const int sub = !direct || (elem != F32 && M >= KB_WHOLE * (int)(rb / PANEL)) ? KBLOCK : KB_SUB;
             for (int s0 = 0; s0 < kn; s0 += sub) {
                 const int sn = kn - s0 < sub ? kn - s0 : sub, first = s0 == 0, last = s0 + sn == kn;
                 const char *ws = wk + (size_t)s0 * rb, *ss = src + (size_t)s0 * sb;
