@@ -572,6 +572,8 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                            const int N, const int p0, const int p1, const int accumulate) {
     const int elem = lw->elem, direct = elem == F32 || elem == BF16 || elem == I8;
     const size_t rb = row_bytes(elem), panel_bytes = (size_t)K * rb;
+    /* rows a tile call takes of a block; a dequantised block is in L1 already: whole */
+    const int sub = !direct || (elem != F32 && M >= KB_WHOLE * (int)(rb / PANEL)) ? KBLOCK : KB_SUB;
     int mr_max = MR, tcols = TCOLS;
     const kb_fn *fns = KB_FNS[direct ? elem : F32];
 #ifdef WIDE_ROWS
@@ -597,8 +599,6 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                 src = (const char *)dq;
             }
             const size_t hb = (size_t)tcols * (direct ? rb / PANEL : 4), sb = direct ? rb : PANEL * 4;
-            /* a dequantised block is in L1 already: whole */
-            const int sub = !direct || (elem != F32 && M >= KB_WHOLE * (int)(rb / PANEL)) ? KBLOCK : KB_SUB;
             for (int s0 = 0; s0 < kn; s0 += sub) {
                 const int sn = kn - s0 < sub ? kn - s0 : sub, first = s0 == 0, last = s0 + sn == kn;
                 const char *ws = wk + (size_t)s0 * rb, *ss = src + (size_t)s0 * sb;
