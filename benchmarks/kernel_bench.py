@@ -197,7 +197,8 @@ def cpu_linear(args: argparse.Namespace) -> int:
     print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
     print(f"command: {' '.join(sys.argv)}")
     hint = "prefetcht0" if native_linear.prefetch_t0() else "prefetchnta"
-    print(f"weights prefetched with {hint} (this machine's measured choice)")
+    far = ", and far ahead into L2 in decode steps" if native_linear.far_prefetch() else ""
+    print(f"weights prefetched with {hint}{far} (this machine's measured choices)")
     if native_linear.has_wide_tiles():
         print(
             f"whole-panel tiles at 1-{native_linear.wide_rows()} rows"

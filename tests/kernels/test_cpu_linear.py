@@ -228,25 +228,40 @@ def test_decode_steps_sum_each_k_block_the_same_whatever_rows_the_tiles_take_at_
         assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, k, dtype)
 
 
-def test_the_prefetch_hint_is_a_setting_that_changes_no_answer() -> None:
-    # prefetcht0 or prefetchnta is each machine's choice by speed (set_prefetch_t0): only when weights
-    # arrive may depend on it. Decode- and prompt-sized steps, every directly read weight type.
-    lib = native_linear.library()
-    assert lib is not None
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_the_prefetch_settings_change_no_answer(
+    isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # prefetcht0 or prefetchnta, and the far prefetch into L2 of decode-sized steps, are each machine's
+    # choices by speed (set_prefetch_t0, set_far_prefetch): only when weights arrive may depend on them.
+    # Decode- and prompt-sized steps, every directly read weight type; the AVX2 build is the one whose
+    # decode steps of every weight type take the K-block tiles that prefetch far.
+    if isa == "native":
+        lib = native_linear.library()
+        assert lib is not None
+    elif platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 instruction set")
+    else:
+        monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+        lib = _load_for(("-march=x86-64-v3", "-mno-avx512f"))
     try:
         assert lib.batchq_linear_set_prefetch_t0(5) == 1  # any positive: t0
         assert lib.batchq_linear_set_prefetch_t0(-1) == 1  # negative: a query
+        assert lib.batchq_linear_set_far_prefetch(7) == 1
+        assert lib.batchq_linear_set_far_prefetch(-1) == 1
         gen = torch.Generator().manual_seed(9)
         for m, dtype in itertools.product((1, 5, 16, 96), (torch.float32, torch.bfloat16, torch.int8)):
             x = torch.randn(m, 200, generator=gen)
             lin = _packed(200, 70, dtype, gen, bias=True)
             ys = []
-            for t0 in (0, 1):
+            for t0, far in itertools.product((0, 1), (0, 1)):
                 assert lib.batchq_linear_set_prefetch_t0(t0) == t0
+                assert lib.batchq_linear_set_far_prefetch(far) == far
                 ys.append(_c_linear(lib, x, lin))
-            assert torch.equal(ys[0], ys[1]), (m, dtype)
+            assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, dtype)
     finally:
         lib.batchq_linear_set_prefetch_t0(int(native_linear.prefetch_t0()))
+        lib.batchq_linear_set_far_prefetch(int(native_linear.far_prefetch()))
 
 
 def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:

@@ -122,6 +122,28 @@ int batchq_linear_set_prefetch_t0(int t0) {
     if (t0 >= 0) prefetch_t0 = t0 != 0;
     return prefetch_t0;
 }
+/* Decode-sized steps can also prefetch every line FAR_PREFETCH_BYTES ahead into L2 (prefetcht1), beside the
+   near prefetch into L1. The near one alone has only as many lines in flight as L1 has miss buffers, and
+   once a step has several rows of arithmetic per weight row the hardware prefetchers run less far ahead of
+   it; on some CPUs the far hint then keeps the stream at the memory's rate, on others it only adds
+   instructions or, where every hint fills L1, evicts the block in use. So it is measured at load and set by
+   batchq_linear_set_far_prefetch (off until then); it changes when lines arrive, never a result. */
+#ifndef FAR_PREFETCH_BYTES
+#define FAR_PREFETCH_BYTES 32768
+#endif
+static int far_prefetch = 0;
+#define PREFETCH_NEAR_FAR(p)                                                                  \
+    do {                                                                                      \
+        PREFETCH(p);                                                                          \
+        if (far_prefetch) __builtin_prefetch((const char *)(p) + FAR_PREFETCH_BYTES, 0, 2);  \
+    } while (0)
+
+/* Sets the far prefetch (1: on, 0: off; a negative `on` changes nothing) and returns the setting in force.
+   Set it while no linear call runs. */
+int batchq_linear_set_far_prefetch(int on) {
+    if (on >= 0) far_prefetch = on != 0;
+    return far_prefetch;
+}
 /* Each output sums KBLOCK products in registers at a time, then adds that partial sum to its total: one
    sequential float32 sum over all of K (an MLP's intermediate size of terms) errs several times more than
    MKL's blocked sums. A KBLOCK of a float32 panel (8 KB) also fits L1 beside the x rows it meets. */
@@ -407,6 +429,16 @@ static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
         const float xs = x[(size_t)i * K + k];            \
         A_COLS(A_FMA, i)                                  \
     }
+#define KB_STEP                                                              \
+    {                                                                        \
+        const char *p = w + (size_t)k * stride;                              \
+        const vf w0 = in_register(load_w(p, elem));                          \
+        vf w1 = {0}, w2 = {0}, w3 = {0};                                     \
+        if (nv > 1) w1 = in_register(load_w(p + VL * es, elem));             \
+        if (nv > 2) w2 = in_register(load_w(p + 2 * VL * es, elem));         \
+        if (nv > 3) w3 = in_register(load_w(p + 3 * VL * es, elem));         \
+        A_ROWS(A_ROW_FMA)                                                    \
+    }
 static inline __attribute__((always_inline)) void kb_tile_named(
     const float *x, const char *w, const char *pf, const int npf, float *tot, float *part, const int K,
     const int kn, const int mr, const int nv, const int elem, const int first, const int last
@@ -414,17 +446,20 @@ static inline __attribute__((always_inline)) void kb_tile_named(
     const size_t stride = row_bytes(elem), es = stride / PANEL;
     A_ROWS(A_ROW)
     A_ROWS(A_ROW_LOAD)
-    for (int k = 0; k < kn; k++) {
-        const char *p = w + (size_t)k * stride;
-        if (k < npf) PREFETCH(pf + (size_t)k * 64);
-        if (k + kn < npf) PREFETCH(pf + (size_t)(k + kn) * 64);
-        const vf w0 = in_register(load_w(p, elem));
-        vf w1 = {0}, w2 = {0}, w3 = {0};
-        if (nv > 1) w1 = in_register(load_w(p + VL * es, elem));
-        if (nv > 2) w2 = in_register(load_w(p + 2 * VL * es, elem));
-        if (nv > 3) w3 = in_register(load_w(p + 3 * VL * es, elem));
-        A_ROWS(A_ROW_FMA)
+    /* The rows that prefetch two lines, then one, then none, as three loops: a test of k against npf at
+       every row cost the tile's loop issue slots it has few of beside 12 FMAs and 8 loads. */
+    const int n2 = npf > kn ? npf - kn : 0, n1 = npf < kn ? npf : kn;
+    int k = 0;
+    for (; k < n2; k++) {
+        PREFETCH_NEAR_FAR(pf + (size_t)k * 64);
+        PREFETCH_NEAR_FAR(pf + (size_t)(k + kn) * 64);
+        KB_STEP
     }
+    for (; k < n1; k++) {
+        PREFETCH_NEAR_FAR(pf + (size_t)k * 64);
+        KB_STEP
+    }
+    for (; k < kn; k++) KB_STEP
     A_ROWS(A_ROW_STORE)
 }
 #endif
@@ -446,8 +481,8 @@ static inline __attribute__((always_inline)) void kb_tile(
             acc[i][j] = first ? (vf){0} : *(const vf *)(part + (size_t)i * PANEL + j * VL);
     for (int k = 0; k < kn; k++) {
         const char *p = w + (size_t)k * stride;
-        if (k < npf) PREFETCH(pf + (size_t)k * 64);
-        if (k + kn < npf) PREFETCH(pf + (size_t)(k + kn) * 64); /* a float32 block in one call */
+        if (k < npf) PREFETCH_NEAR_FAR(pf + (size_t)k * 64);
+        if (k + kn < npf) PREFETCH_NEAR_FAR(pf + (size_t)(k + kn) * 64); /* a float32 block in one call */
         vf wv[PANEL_VECS];
         for (int j = 0; j < nv; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
         for (int i = 0; i < mr; i++) {
@@ -590,7 +625,7 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
             const char *wk = wp + (size_t)k0 * rb, *src = wk;
             const int lines = (int)((kn * rb + 63) / 64);
             if (!direct) {
-                for (int l = 0; l < lines; l++) PREFETCH(wk + PREFETCH_BYTES + (size_t)l * 64);
+                for (int l = 0; l < lines; l++) PREFETCH_NEAR_FAR(wk + PREFETCH_BYTES + (size_t)l * 64);
                 if (M == 1 && elem != FP8) {
                     q_row(x, lw, K, p, k0, kn, tot);
                     continue;

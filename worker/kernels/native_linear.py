@@ -44,10 +44,16 @@ SIGNATURES = {
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
     "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
     "batchq_linear_set_prefetch_t0": Signature(c_int, [c_int]),
+    "batchq_linear_set_far_prefetch": Signature(c_int, [c_int]),
 }
 # linear.c's settings (`configure`), which every library linked with linear.c binds beside its own functions
 SETTING_SIGNATURES = {
-    name: SIGNATURES[name] for name in ("batchq_linear_set_wide_rows", "batchq_linear_set_prefetch_t0")
+    name: SIGNATURES[name]
+    for name in (
+        "batchq_linear_set_wide_rows",
+        "batchq_linear_set_prefetch_t0",
+        "batchq_linear_set_far_prefetch",
+    )
 }
 WIDE_ROWS = 3  # linear.c's WIDE_ROWS: the most rows whole-panel tiles take (8-float vectors)
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
@@ -146,14 +152,16 @@ def library() -> SimpleNamespace | None:
 _LINKED: list[SimpleNamespace] = []
 _wide_rows = 0
 _prefetch_t0 = False
+_far_prefetch = False
 
 
 def configure(lib: SimpleNamespace | None) -> SimpleNamespace | None:
     """A just-loaded library linked with linear.c, given the settings in force (`set_wide_rows`,
-    `set_prefetch_t0`)."""
+    `set_prefetch_t0`, `set_far_prefetch`)."""
     if lib is not None:
         lib.batchq_linear_set_wide_rows(_wide_rows)
         lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
+        lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
         _LINKED.append(lib)
     return lib
 
@@ -199,6 +207,21 @@ def set_prefetch_t0(t0: bool) -> None:
         lib.batchq_linear_set_prefetch_t0(int(t0))
 
 
+def far_prefetch() -> bool:
+    """Whether decode-sized steps also prefetch weights far ahead into L2 (`set_far_prefetch`)."""
+    return _far_prefetch
+
+
+def set_far_prefetch(on: bool) -> None:
+    """Whether linear.c's decode-sized steps also prefetch each weight line far ahead into L2, beside the
+    near prefetch, in every library with linear.c. Only when weights arrive depends on it, never an answer.
+    Set before the kernels run."""
+    global _far_prefetch
+    _far_prefetch = bool(on)
+    for lib in _LINKED:
+        lib.batchq_linear_set_far_prefetch(int(on))
+
+
 def _best_stream_times(
     settings: dict[str, Callable[[SimpleNamespace], None]], rows: tuple[int, ...], megabytes: int, rounds: int
 ) -> dict[str, float]:
@@ -232,6 +255,7 @@ def _best_stream_times(
     finally:
         lib.batchq_linear_set_wide_rows(_wide_rows)
         lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
+        lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
     return best
 
 
@@ -268,6 +292,24 @@ def measure_prefetch_t0_speedup(
         rounds,
     )
     return best["nta"] / best["t0"]
+
+
+def measure_far_prefetch_speedup(
+    rows: tuple[int, ...] = (1, 4, 16), megabytes: int = 96, rounds: int = 5
+) -> float:
+    """How much faster linear.c streams decode-sized steps' weights with the far prefetch into L2 than
+    without it on this machine (time without over time with, `_best_stream_times`), under the hint and
+    tiling in force."""
+    best = _best_stream_times(
+        {
+            "near": lambda lib: lib.batchq_linear_set_far_prefetch(0),
+            "far": lambda lib: lib.batchq_linear_set_far_prefetch(1),
+        },
+        rows,
+        megabytes,
+        rounds,
+    )
+    return best["near"] / best["far"]
 
 
 def fma_peak(threads: int, seconds: float = 0.2) -> float:
