@@ -169,8 +169,8 @@ def cpu_f32_gemm_speedup() -> float:
 def tune_cpu_linear() -> None:
     """linear.c's choices for this machine, made once each and kept (`_kept`): its prefetch hint (on some
     CPUs non-temporal prefetches stream the weights at a fraction of the bandwidth, on others they are
-    best), then, under that hint, whether decode steps also prefetch far ahead into L2 (it keeps some CPUs'
-    streams at the memory's rate and only costs on others), then whether decode steps of 1-3 rows take
+    best), then, under that hint, whether decode steps also prefetch far ahead into L2 (AVX2 builds: it
+    keeps some CPUs' streams at the memory's rate and only costs on others), then whether decode steps of 1-3 rows take
     whole-panel tiles (AVX2 builds: which streams faster differs between CPUs). Made before any probe that
     times linear.c. Results do not depend on them."""
     from worker.kernels import native_linear
@@ -184,13 +184,14 @@ def tune_cpu_linear() -> None:
         native_linear.measure_prefetch_t0_speedup,
     )
     native_linear.set_prefetch_t0(t0 > 1.0)
-    far = _kept(
-        "linear-far-prefetch",
-        "linear.c's far prefetch into L2 over none",
-        "auto",
-        native_linear.measure_far_prefetch_speedup,
-    )
-    native_linear.set_far_prefetch(far > 1.0)
+    if native_linear.has_far_prefetch():
+        far = _kept(
+            "linear-far-prefetch",
+            "linear.c's far prefetch into L2 over none",
+            "auto",
+            native_linear.measure_far_prefetch_speedup,
+        )
+        native_linear.set_far_prefetch(far > 1.0)
     if not native_linear.has_wide_tiles():
         return
     speedup = _kept(

@@ -122,28 +122,6 @@ int batchq_linear_set_prefetch_t0(int t0) {
     if (t0 >= 0) prefetch_t0 = t0 != 0;
     return prefetch_t0;
 }
-/* Decode-sized steps can also prefetch every line FAR_PREFETCH_BYTES ahead into L2 (prefetcht1), beside the
-   near prefetch into L1. The near one alone has only as many lines in flight as L1 has miss buffers, and
-   once a step has several rows of arithmetic per weight row the hardware prefetchers run less far ahead of
-   it; on some CPUs the far hint then keeps the stream at the memory's rate, on others it only adds
-   instructions or, where every hint fills L1, evicts the block in use. So it is measured at load and set by
-   batchq_linear_set_far_prefetch (off until then); it changes when lines arrive, never a result. */
-#ifndef FAR_PREFETCH_BYTES
-#define FAR_PREFETCH_BYTES 32768
-#endif
-static int far_prefetch = 0;
-#define PREFETCH_NEAR_FAR(p)                                                                  \
-    do {                                                                                      \
-        PREFETCH(p);                                                                          \
-        if (far_prefetch) __builtin_prefetch((const char *)(p) + FAR_PREFETCH_BYTES, 0, 2);  \
-    } while (0)
-
-/* Sets the far prefetch (1: on, 0: off; a negative `on` changes nothing) and returns the setting in force.
-   Set it while no linear call runs. */
-int batchq_linear_set_far_prefetch(int on) {
-    if (on >= 0) far_prefetch = on != 0;
-    return far_prefetch;
-}
 /* Each output sums KBLOCK products in registers at a time, then adds that partial sum to its total: one
    sequential float32 sum over all of K (an MLP's intermediate size of terms) errs several times more than
    MKL's blocked sums. A KBLOCK of a float32 panel (8 KB) also fits L1 beside the x rows it meets. */
@@ -161,6 +139,36 @@ int batchq_linear_set_far_prefetch(int on) {
 #ifndef KB_DIRECT
 #define KB_DIRECT (VL == 8)
 #endif
+/* Decode-sized steps taking the K-block tiles (linear_part_kb) can also prefetch every line
+   FAR_PREFETCH_BYTES ahead into L2 (prefetcht1), beside the near prefetch into L1. The near one alone has
+   only as many lines in flight as L1 has miss buffers, and once a step has several rows of arithmetic per
+   weight row the hardware prefetchers run less far ahead of it; on some CPUs the far hint then keeps the
+   stream at the memory's rate, on others it only adds instructions or, where every hint fills L1, evicts
+   the block in use. So it is measured at load and set by batchq_linear_set_far_prefetch (off until then);
+   it changes when lines arrive, never a result. Only where every weight type's decode steps take those
+   tiles (KB_DIRECT: 8-float vectors), so that a probe streaming float32 weights measures what it sets. */
+#ifndef FAR_PREFETCH_BYTES
+#define FAR_PREFETCH_BYTES 32768
+#endif
+static int far_prefetch = 0;
+#define PREFETCH_NEAR_FAR(p)                                                                  \
+    do {                                                                                      \
+        PREFETCH(p);                                                                          \
+        if (far_prefetch) __builtin_prefetch((const char *)(p) + FAR_PREFETCH_BYTES, 0, 2);  \
+    } while (0)
+
+/* Sets the far prefetch (1: on, 0: off; a negative `on` changes nothing) and returns the setting in force:
+   always 0 where decode steps of float32 weights do not take the K-block tiles. Set it while no linear
+   call runs. */
+int batchq_linear_set_far_prefetch(int on) {
+#if KB_DIRECT
+    if (on >= 0) far_prefetch = on != 0;
+#else
+    (void)on;
+#endif
+    return far_prefetch;
+}
+
 /* Prompt-sized steps (M > KB_ROWS) with 8-float vectors take the GEMM-blocked path (linear_part_gemm); with
    16-float ones the panel tiles (linear_part_tiles), which also run AVX-512's decode-sized steps. */
 #ifndef GEMM_BLOCKED

@@ -207,6 +207,17 @@ def set_prefetch_t0(t0: bool) -> None:
         lib.batchq_linear_set_prefetch_t0(int(t0))
 
 
+def has_far_prefetch() -> bool:
+    """Whether linear.c, as built here, has the far prefetch (8-float vectors: AVX2 and narrower, whose
+    decode steps of every weight type take the K-block tiles that issue it)."""
+    lib = library()
+    if lib is None:
+        return False
+    available = int(lib.batchq_linear_set_far_prefetch(1)) == 1
+    lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
+    return available
+
+
 def far_prefetch() -> bool:
     """Whether decode-sized steps also prefetch weights far ahead into L2 (`set_far_prefetch`)."""
     return _far_prefetch
@@ -299,7 +310,9 @@ def measure_far_prefetch_speedup(
 ) -> float:
     """How much faster linear.c streams decode-sized steps' weights with the far prefetch into L2 than
     without it on this machine (time without over time with, `_best_stream_times`), under the hint and
-    tiling in force."""
+    tiling in force. 1.0 where linear.c has no far prefetch."""
+    if not has_far_prefetch():
+        return 1.0
     best = _best_stream_times(
         {
             "near": lambda lib: lib.batchq_linear_set_far_prefetch(0),
