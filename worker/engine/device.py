@@ -170,9 +170,9 @@ def tune_cpu_linear() -> None:
     """linear.c's choices for this machine, made once each and kept (`_kept`): its prefetch hint (on some
     CPUs non-temporal prefetches stream the weights at a fraction of the bandwidth, on others they are
     best), then, under that hint, whether decode steps also prefetch far ahead into L2 (AVX2 builds: it
-    keeps some CPUs' streams at the memory's rate and only costs on others), then whether decode steps of 1-3 rows take
-    whole-panel tiles (AVX2 builds: which streams faster differs between CPUs). Made before any probe that
-    times linear.c. Results do not depend on them."""
+    keeps some CPUs' streams at the memory's rate and only costs on others), then whether decode steps of
+    1-3 rows take whole-panel tiles (AVX2 builds: which streams faster differs between CPUs). Made before
+    any probe that times linear.c. Results do not depend on them."""
     from worker.kernels import native_linear
 
     if native_linear.library() is None:
