@@ -21,9 +21,7 @@ from worker.engine.cpu_tuning import CpuShare, bound_onednn_caches, cpu_budget, 
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.device import (
     BF16_MIN_SPEEDUP,
-    F32_GEMM_MIN_SPEEDUP,
     cpu_bf16_gemm_speedup,
-    cpu_f32_gemm_speedup,
     pick_device,
     pick_dtype,
     pick_kv_dtype,
@@ -170,7 +168,8 @@ class Engine:
             dtype,
             weight_dtype,
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
-            lambda: cpu_f32_gemm_speedup() >= F32_GEMM_MIN_SPEEDUP,
+            # float32 prompt steps stay on linear.c: torch's GEMM (MKL) sums a row differently at different
+            # row counts, so a request's answer depended on the rows that shared its step
         ).for_model(loaded.model)
         if weight_dtype != dtype:
             if loaded.implementation == "transformers":
