@@ -76,6 +76,9 @@ def test_top_on_a_terminal_redraws_until_ctrl_c_then_exits_cleanly(redis_url: st
     proc = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", "top", "--interval", "0.2", "--redis-url", redis_url],
         stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env={**os.environ, "TERM": "xterm-256color"},
+        # Ctrl-C's default action, as a terminal's shell gives it: run in the background (`cmd &` in a
+        # script), the tests inherit SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     os.close(slave)
     out = b""
