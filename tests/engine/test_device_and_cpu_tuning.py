@@ -99,34 +99,23 @@ def test_workers_started_together_share_one_measurement(own_cache_dir: Path) -> 
     assert len(list((own_cache_dir / "probes").glob("bf16-speedup-*.json"))) == 1
 
 
-def test_the_float32_gemm_probe_compares_torch_with_linear_c_and_is_kept(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    rates = {"torch": 240e9, "c": 180e9}
-    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates["torch"])
-    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: rates["c"])
-    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)
-    rates["torch"] = 100e9  # a later start on a loaded machine reads the kept figure
-    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)
-    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: 0.0)
-    assert device.measure_f32_gemm_speedup() == 0.0  # without linear.c nothing to compare
-
-
 def test_a_kept_figure_answers_only_for_the_linear_c_it_timed(
     monkeypatch: pytest.MonkeyPatch, own_cache_dir: Path
 ) -> None:
     # The probes time linear.c (or choose among its settings): a worker upgraded to another linear.c must
     # measure again, not keep the old code's figure for the new code's choices.
     rates = {"torch": 240e9, "c": 180e9}
-    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates["torch"])
-    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: rates["c"])
-    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)
+
+    def kept() -> float:
+        return device._kept("a-probe", "a probe timing linear.c", "auto", lambda: rates["torch"] / rates["c"])
+
+    assert kept() == pytest.approx(240 / 180)
     rates["c"] = 300e9  # the new kernel's rate
-    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 180)  # the same code: the kept figure
+    assert kept() == pytest.approx(240 / 180)  # the same code: the kept figure
     text = native_build.sources_text(native_linear.SOURCES)
     monkeypatch.setattr(native_build, "sources_text", lambda sources: text + "/* a changed kernel */")
-    assert device.cpu_f32_gemm_speedup() == pytest.approx(240 / 300)
-    assert len(list((own_cache_dir / "probes").glob("f32-gemm-speedup-*.json"))) == 2
+    assert kept() == pytest.approx(240 / 300)
+    assert len(list((own_cache_dir / "probes").glob("a-probe-*.json"))) == 2
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")

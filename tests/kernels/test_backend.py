@@ -75,37 +75,6 @@ def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() ->
     assert not backend.stack_applies(torch.empty(3, 4, 16, 64), tables, lens)
 
 
-@needs_c
-def test_prompt_steps_of_float32_weights_take_torchs_gemm_only_where_it_measured_faster() -> None:
-    asked, fast = fast_probe()
-    assert select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, None, fast).f32_gemm_rows == 0
-    assert not asked  # narrower weights stay on linear.c: the probe is not asked
-    slow = select_backend(EngineConfig(), CPU, torch.float32, torch.float32, None, lambda: False)
-    assert slow.f32_gemm_rows == 0 and "torch's float32 GEMM" not in slow.summary
-    backend = select_backend(EngineConfig(), CPU, torch.float32, torch.float32, None, fast)
-    assert backend.f32_gemm_rows == BF16_GEMM_ROWS and asked
-    assert f"(torch's float32 GEMM from {BF16_GEMM_ROWS} rows)" in backend.summary
-    tables = torch.zeros(BF16_GEMM_ROWS, 1, dtype=torch.int32)
-    lens = torch.ones(BF16_GEMM_ROWS, dtype=torch.int32)
-    assert not backend.stack_applies(
-        torch.empty(3, 4, 16, 64), tables, lens
-    )  # such a step runs layer by layer
-    assert backend.stack_applies(torch.empty(3, 4, 16, 64), tables[:4], lens[:4])
-
-    # the layer's outputs: linear.c below the threshold, exactly; torch's F.linear from it on, exactly
-    gen = torch.Generator().manual_seed(2)
-    w, b = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
-    stored = backend.linear.store(w)
-    small, big = (
-        torch.randn(BF16_GEMM_ROWS - 1, 64, generator=gen),
-        torch.randn(BF16_GEMM_ROWS, 64, generator=gen),
-    )
-    assert torch.equal(
-        backend.linear.apply(small, stored, None, b, 48), native_linear.linear(small, stored, None, b, 48)
-    )
-    assert torch.equal(backend.linear.apply(big, stored, None, b, 48), torch.nn.functional.linear(big, w, b))
-
-
 def test_torch_kernels_build_nothing_and_run_torch_everywhere() -> None:
     backend = select_backend(EngineConfig(cpu_kernels="torch"), CPU, torch.float32)
     assert not backend.c_decode and backend.linear is TORCH_LINEAR and not backend.decode_stack
@@ -136,31 +105,26 @@ def test_use_backend_moves_each_layer_onto_the_backends_kernels(tmp_path: Path) 
 
 
 @needs_c
-def test_float32_prompt_steps_stay_on_linear_c_even_where_torchs_gemm_measured_faster(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # torch's float32 GEMM (MKL) sums a row differently at different row counts, so the same text prefilled
-    # alone and beside others got different hidden states (an embedding differed in its 7th digit): the
-    # engine keeps float32 on linear.c, whose answer for a row does not depend on the rows beside it, even
-    # where the kept probe says torch is 2x faster. The same 70-token prompt alone (a 70-row prompt step)
-    # and beside 20 other tokens must give the same logits' argmax chain and the same prompt logprobs.
-    from worker.engine import device
+def test_a_float32_prompts_answer_does_not_depend_on_the_prompts_beside_it(tmp_path: Path) -> None:
+    # torch's float32 GEMM (MKL) sums a row differently at different row counts, so with it the same text
+    # prefilled alone and beside others got different hidden states (an embedding differed in its 7th
+    # digit): float32 stays on linear.c, whose answer for a row does not depend on the rows beside it. The
+    # same 70-token prompt alone (a 70-row prompt step) and beside 20 other tokens must give the same
+    # tokens and logprobs, bit for bit.
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
 
-    monkeypatch.setattr(device, "cpu_f32_gemm_speedup", lambda: 2.0)
     path = build_tiny_checkpoint(tmp_path / "m", "llama", max_position_embeddings=256)
     engine = Engine.load(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.01))
-    assert engine.model_runner.backend.f32_gemm_rows == 0
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 200, (70,), generator=gen).tolist()
     other = torch.randint(3, 200, (20,), generator=gen).tolist()
 
-    def run(prompts: list[list[int]]) -> list[list[float]]:
+    def run(prompts: list[list[int]]) -> list[list[tuple[str, float]]]:
         params = GenerationParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=True)
         reqs = [EngineRequest(f"r{i}", params, prompt_token_ids=p) for i, p in enumerate(prompts)]
-        return [[lp.logprob for lp in out.logprobs] for out in engine.generate(reqs)]
+        return [[(lp.token, lp.logprob) for lp in out.logprobs or []] for out in engine.generate(reqs)]
 
     (alone,) = run([prompt])
     beside, _ = run([prompt, other])

@@ -146,26 +146,6 @@ def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
     )
 
 
-# float32 prompt-sized steps take torch's GEMM (MKL / oneDNN) instead of linear.c only where it is clearly
-# faster: each such call also copies the packed weight back to [out, in] for it.
-F32_GEMM_MIN_SPEEDUP = 1.15
-
-
-def measure_f32_gemm_speedup() -> float:
-    """torch's float32 GEMM FLOP/s over linear.c's on this CPU, measured now (0 without linear.c)."""
-    native = native_gemm_flops()
-    if native == 0:
-        return 0.0
-    torch_rate = gemm_flops(torch.float32)
-    log.info("CPU float32 GEMM %.0f GFLOP/s torch, %.0f linear.c", torch_rate / 1e9, native / 1e9)
-    return torch_rate / native
-
-
-def cpu_f32_gemm_speedup() -> float:
-    """This machine's torch-over-linear.c float32 GEMM speedup (measure_f32_gemm_speedup), kept (`_kept`)."""
-    return _kept("f32-gemm-speedup", "torch float32 GEMM over linear.c's", "auto", measure_f32_gemm_speedup)
-
-
 def tune_cpu_linear() -> None:
     """linear.c's choices for this machine, made once each and kept (`_kept`): its prefetch hint (on some
     CPUs non-temporal prefetches stream the weights at a fraction of the bandwidth, on others they are

@@ -122,8 +122,6 @@ class Engine:
             native_linear=loaded.model.uses_c_linear,
             native_stack=model_runner.backend.decode_stack,
             bf16_gemm_rows=model_runner.backend.bf16_gemm_rows,
-            # only where torch's float32 GEMM runs prompt steps, so other engines keep their fingerprints
-            **({"f32_gemm_rows": r} if (r := model_runner.backend.f32_gemm_rows) else {}),
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
             max_model_len=max_model_len,
@@ -168,8 +166,6 @@ class Engine:
             dtype,
             weight_dtype,
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
-            # float32 prompt steps stay on linear.c: torch's GEMM (MKL) sums a row differently at different
-            # row counts, so a request's answer depended on the rows that shared its step
         ).for_model(loaded.model)
         if weight_dtype != dtype:
             if loaded.implementation == "transformers":

@@ -177,11 +177,6 @@ class Backend:
         return self.linear.bf16_gemm_rows
 
     @property
-    def f32_gemm_rows(self) -> int:
-        """Steps of this many rows or more take torch's float32 GEMM (0: never): the linear method's."""
-        return self.linear.f32_gemm_rows
-
-    @property
     def c_decode(self) -> bool:
         """Whether decode attention runs paged_decode.c where it applies."""
         return self.attention.plain_native_decode is not None
@@ -191,12 +186,8 @@ class Backend:
         """What runs where, for the load log: e.g. "torch attention with C decode, linear.c, decode stack"."""
         parts = [f"{self.name} attention" + (" with C decode" if self.c_decode else "")]
         if self.linear.name == "c":
-            rows, f32_rows = self.bf16_gemm_rows, self.f32_gemm_rows
-            parts.append(
-                "linear.c"
-                + (f" (bf16 GEMM from {rows} rows)" if rows else "")
-                + (f" (torch's float32 GEMM from {f32_rows} rows)" if f32_rows else "")
-            )
+            rows = self.bf16_gemm_rows
+            parts.append("linear.c" + (f" (bf16 GEMM from {rows} rows)" if rows else ""))
         if self.decode_stack:
             parts.append("decode stack")
         elif self.stack_refused is not None:
@@ -234,9 +225,8 @@ class Backend:
         layer)."""
         if not self.decode_stack:
             return False
-        for rows in (self.bf16_gemm_rows, self.f32_gemm_rows):
-            if rows and context_lens.shape[0] >= rows:
-                return False
+        if self.bf16_gemm_rows and context_lens.shape[0] >= self.bf16_gemm_rows:
+            return False
         plain = self.attention.plain_native_decode
         return plain is not None and plain(k_cache, block_tables, context_lens, widest)
 
@@ -290,12 +280,13 @@ def select_backend(
     dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
     fast_bf16_gemm: Callable[[], bool] | None = None,
-    fast_torch_f32_gemm: Callable[[], bool] | None = None,
 ) -> Backend:
     """The backend for a model computing in `dtype` on `device`, its linear weights stored as weight_dtype
     (None: dtype). The C kernels it uses are built (or found cached) now, not in the first step; one that
     cannot be built leaves its torch path, with one warning. fast_bf16_gemm: whether this CPU's bf16 GEMMs
-    are fast enough for prompt-sized steps of bfloat16 weights (asked only then)."""
+    are fast enough for prompt-sized steps of bfloat16 weights (asked only then). float32 weights stay on
+    linear.c at every row count, however fast torch's float32 GEMM is here: MKL sums a row differently at
+    different row counts, so a request's answer would depend on the rows that share its step."""
     c = device.type == "cpu" and settings.cpu_kernels == "auto"
     attention = select_attention(
         device, settings.attention_backend, c and native_attention.library() is not None
@@ -304,11 +295,9 @@ def select_backend(
         return Backend(attention, TritonLinear(), moe=TritonMoE())
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
-    rows = f32_rows = 0
+    rows = 0
     if weight_dtype == torch.bfloat16 and fast_bf16_gemm is not None and fast_bf16_gemm():
         rows = BF16_GEMM_ROWS
-    if weight_dtype in (None, torch.float32) and fast_torch_f32_gemm is not None and fast_torch_f32_gemm():
-        f32_rows = BF16_GEMM_ROWS
     stack = (
         settings.decode_stack
         and attention.plain_native_decode is not None
@@ -317,7 +306,7 @@ def select_backend(
     # moe.c is built where a model has experts (moe_method), not for every model
     return Backend(
         attention,
-        PackedLinear(rows, f32_rows),
+        PackedLinear(rows),
         native_linear.rmsnorm,
         native_linear.rotary_,
         stack,

@@ -39,7 +39,6 @@ class LinearMethod(Protocol):
     name: str
     layout: str  # what `store` returns: methods of one layout share stored weights
     bf16_gemm_rows: int  # bfloat16 weights: steps of this many rows or more take oneDNN's GEMM (0: never)
-    f32_gemm_rows: int  # float32 weights: steps of this many rows or more take torch's GEMM (0: never)
 
     def takes(self, weight: Tensor) -> bool:
         """Whether this method runs a weight of this dtype on this device."""
@@ -98,7 +97,6 @@ class TorchLinear:
     name = "torch"
     layout = "[out, in]"
     bf16_gemm_rows = 0
-    f32_gemm_rows = 0
 
     def takes(self, weight: Tensor) -> bool:
         return True
@@ -167,9 +165,8 @@ class PackedLinear:
     name = "c"
     layout = "packed"
 
-    def __init__(self, bf16_gemm_rows: int, f32_gemm_rows: int = 0) -> None:
+    def __init__(self, bf16_gemm_rows: int) -> None:
         self.bf16_gemm_rows = bf16_gemm_rows  # 0: never
-        self.f32_gemm_rows = f32_gemm_rows  # 0: never
 
     def takes(self, weight: Tensor) -> bool:
         return weight.device.type == "cpu" and (
@@ -233,9 +230,6 @@ class PackedLinear:
             return F.linear(
                 x.bfloat16(), self.unpack(stored, n), None if bias is None else bias.bfloat16()
             ).float()
-        if self.f32_gemm_rows and stored.dtype == torch.float32 and x.shape[0] >= self.f32_gemm_rows:
-            # Prompt-sized steps on a CPU whose float32 GEMM in torch (MKL / oneDNN) outruns linear.c's
-            return F.linear(x, self.unpack(stored, n), bias)
         return native_linear.linear(x, stored, scale, bias, n)
 
 
@@ -246,7 +240,6 @@ class TritonLinear:
     name = "triton"
     layout = "triton"
     bf16_gemm_rows = 0
-    f32_gemm_rows = 0
 
     def takes(self, weight: Tensor) -> bool:
         return True
