@@ -159,11 +159,16 @@ def configure(lib: SimpleNamespace | None) -> SimpleNamespace | None:
     """A just-loaded library linked with linear.c, given the settings in force (`set_wide_rows`,
     `set_prefetch_t0`, `set_far_prefetch`)."""
     if lib is not None:
-        lib.batchq_linear_set_wide_rows(_wide_rows)
-        lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
-        lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
+        _give_settings(lib)
         _LINKED.append(lib)
     return lib
+
+
+def _give_settings(lib: SimpleNamespace) -> None:
+    """Sets the settings in force in `lib`'s copy of linear.c."""
+    lib.batchq_linear_set_wide_rows(_wide_rows)
+    lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
+    lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
 
 
 def has_wide_tiles() -> bool:
@@ -264,9 +269,7 @@ def _best_stream_times(
             for name, setting in settings.items():
                 best[name] = min(best[name], timed(setting))
     finally:
-        lib.batchq_linear_set_wide_rows(_wide_rows)
-        lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
-        lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
+        _give_settings(lib)
     return best
 
 
