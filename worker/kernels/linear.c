@@ -178,11 +178,11 @@ int batchq_linear_set_far_prefetch(int on) {
    a time, every tile and half-panel tile over those rows before the next ones, their partial sums carried
    over in memory (kb_tile): with 8-float vectors a block's 8 KB of float32 weights is reread by up to a
    dozen tile calls, and half of it at a time stays in L1 while the stream ahead is fetched. A block
-   dequantised into the L1 buffer goes whole. So do the blocks of bfloat16 and int8 weights, widened in the
-   tiles' registers, once a step has KB_WHOLE or more rows per byte of weight: there the FMAs and widenings,
-   not the stream, set the pace, and each piece's carry-over of a tile's partial sums is overhead (float32
-   tiles keep the pieces: at 16-32 rows a whole block, its x rows and the sums crowd L1). The sums are the
-   block's whatever the pieces. */
+   dequantised into the L1 buffer goes whole. So do the blocks of weights read as stored once a step has
+   KB_WHOLE or more rows per byte of weight: there the FMAs (and widenings), not the stream, set the pace,
+   and each piece's carry-over of a tile's partial sums is overhead. A piece's prefetches then run a whole
+   piece ahead (a float32 block is 8 KB): PREFETCH_BYTES ahead they would land inside the block in use and
+   fetch nothing new. The sums are the block's whatever the pieces. */
 #ifndef KB_SUB
 #define KB_SUB (VL == 8 ? 32 : KBLOCK)
 #endif
@@ -608,15 +608,17 @@ static void q_row(const float *x, const LinearWeight *lw, const int K, const int
 /* Decode-sized steps: a panel a KBLOCK of rows at a time. The block (8 KB in float32) comes from memory once
    and stays in L1 while every tile of x rows, and with 8-float vectors each half of the panel, uses it; each
    tile adds its partial sums over the block to the panel's totals, the sums tile() would form, in its order.
-   The tiles of a block share out the prefetches of the block PREFETCH_BYTES on, so memory streams evenly
+   The tiles of a block share out the prefetches of the weights ahead of it, so memory streams evenly
    however many tiles reread it. Weights linear.c does not read as it multiplies (FP8, Q4, Q8) are
    dequantised a block at a time into an L1 buffer first, once for all the tiles. */
 static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, const int M, const int K,
                            const int N, const int p0, const int p1, const int accumulate) {
     const int elem = lw->elem, direct = elem == F32 || elem == BF16 || elem == I8;
     const size_t rb = row_bytes(elem), panel_bytes = (size_t)K * rb;
-    /* rows a tile call takes of a block; a dequantised block is in L1 already: whole */
-    const int sub = !direct || (elem != F32 && M >= KB_WHOLE * (int)(rb / PANEL)) ? KBLOCK : KB_SUB;
+    /* rows a tile call takes of a block (a dequantised block is in L1 already: whole), and how far ahead
+       of its piece a call prefetches: at least the piece, or it would prefetch lines of the piece itself */
+    const int sub = !direct || M >= KB_WHOLE * (int)(rb / PANEL) ? KBLOCK : KB_SUB;
+    const size_t ahead = (size_t)sub * rb > PREFETCH_BYTES ? (size_t)sub * rb : PREFETCH_BYTES;
     int mr_max = MR, tcols = TCOLS;
     const kb_fn *fns = KB_FNS[direct ? elem : F32];
 #ifdef WIDE_ROWS
@@ -652,7 +654,7 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                         const int l0 = slines * c / calls, l1 = slines * (c + 1) / calls;
                         const size_t at = (size_t)m0 * PANEL + h * tcols;
                         fns[mr - 1](x + (size_t)m0 * K + k0 + s0, ss + h * hb,
-                                    ws + PREFETCH_BYTES + (size_t)l0 * 64, l1 - l0, tot + at, part + at, K, sn,
+                                    ws + ahead + (size_t)l0 * 64, l1 - l0, tot + at, part + at, K, sn,
                                     first, last);
                     }
                 }
