@@ -1,0 +1,114 @@
+/* Paired A/B of linear.c builds: one decode step's linears of SmolLM2-135M (30 layers + the LM head, every
+   layer's weights its own copy, ~540 MB of float32, so they stream from memory as in the model), timed with
+   each build in turn, round after round, in one process. On a host whose cores other work shares, a
+   figure from one run and one from another minutes later differ by more than most changes do; builds
+   alternating within each round meet the same moments, and the medians compare.
+
+   Build it, and two or more linear.c builds to compare (a git revision's, or one with -D overrides):
+
+     cc -O2 benchmarks/linear_ab.c -o /tmp/linear_ab -ldl
+     F="-O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math -ffp-contract=fast -shared -fPIC"
+     cc $F -Iworker/kernels worker/kernels/linear.c -o /tmp/new.so -lm
+     mkdir -p /tmp/old && git show HEAD~1:worker/kernels/linear.c > /tmp/old/linear.c \
+       && cp worker/kernels/linear.h /tmp/old/ && cc $F -I/tmp/old /tmp/old/linear.c -o /tmp/old.so -lm
+     /tmp/linear_ab 15 16 /tmp/old.so /tmp/new.so                 # 15 rounds, 16 rows
+     /tmp/linear_ab 15 16 /tmp/new.so:1:0:0 /tmp/far.so:1:1:0     # a build's settings: t0:far:wide
+
+   A build's settings (default 1:0:0) are linear.c's prefetch hint (1: prefetcht0), far prefetch and
+   whole-panel rows, set through its setters. A library dlopened twice is one library with one set of
+   settings: copy the .so to compare settings of one build. Float32 weights; 2 threads; prints the min and
+   median ms of each build. */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int (*linear_fn)(const float *, const void *, const float *, const float *, float *, int, int, int, int,
+                         int);
+typedef int (*setter_fn)(int);
+
+#define LAYERS 30
+#define LINEARS (4 * LAYERS + 1)
+#define MAX_BUILDS 8
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static int by_value(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void set(void *lib, const char *name, int value) {
+    const setter_fn f = (setter_fn)dlsym(lib, name);
+    if (f) f(value);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4 || argc - 3 > MAX_BUILDS) {
+        fprintf(stderr, "usage: %s rounds rows lib.so[:t0:far:wide] ... (at most %d builds)\n", argv[0],
+                MAX_BUILDS);
+        return 2;
+    }
+    const int rounds = atoi(argv[1]), rows = atoi(argv[2]), builds = argc - 3;
+    if (rounds < 1 || rows < 1 || rows > 64) {
+        fprintf(stderr, "rounds >= 1 and rows 1..64\n");
+        return 2;
+    }
+    /* SmolLM2-135M: qkv, o, gate_up, down (K x N) per layer, and the tied LM head */
+    static const int shapes[4][2] = {{576, 960}, {576, 576}, {576, 3072}, {1536, 576}};
+    int ks[LINEARS], ns[LINEARS];
+    float *ws[LINEARS];
+    for (int i = 0; i < LINEARS; i++) {
+        ks[i] = i < 4 * LAYERS ? shapes[i % 4][0] : 576;
+        ns[i] = i < 4 * LAYERS ? shapes[i % 4][1] : 49152;
+        const size_t n = (size_t)((ns[i] + 31) / 32) * 32 * (size_t)ks[i]; /* packed panels of 32 */
+        ws[i] = aligned_alloc(64, n * sizeof(float));
+        if (!ws[i]) return 1;
+        for (size_t j = 0; j < n; j++) ws[i][j] = (float)((j * 2654435761u) % 1000) / 1000.0f - 0.5f;
+    }
+    float *x = aligned_alloc(64, (size_t)rows * 1536 * sizeof(float));
+    float *y = aligned_alloc(64, (size_t)rows * 49152 * sizeof(float));
+    if (!x || !y) return 1;
+    for (int i = 0; i < rows * 1536; i++) x[i] = (float)(i % 97) / 97.0f;
+
+    linear_fn fns[MAX_BUILDS];
+    for (int b = 0; b < builds; b++) {
+        char *spec = argv[3 + b], *colon = strchr(spec, ':');
+        int t0 = 1, far = 0, wide = 0;
+        if (colon) {
+            *colon = '\0';
+            sscanf(colon + 1, "%d:%d:%d", &t0, &far, &wide);
+        }
+        void *lib = dlopen(spec, RTLD_NOW | RTLD_LOCAL);
+        if (!lib || !(fns[b] = (linear_fn)dlsym(lib, "batchq_linear"))) {
+            fprintf(stderr, "%s: %s\n", spec, dlerror());
+            return 1;
+        }
+        set(lib, "batchq_linear_set_prefetch_t0", t0);
+        set(lib, "batchq_linear_set_far_prefetch", far);
+        set(lib, "batchq_linear_set_wide_rows", wide);
+        printf("build %d: %s (t0 %d, far %d, wide %d)\n", b, spec, t0, far, wide);
+    }
+    double *ms = malloc(sizeof(double) * (size_t)rounds * (size_t)builds);
+    if (!ms) return 1;
+    for (int b = 0; b < builds; b++) /* a round untimed: page faults, the thread pool's start */
+        for (int i = 0; i < LINEARS; i++) fns[b](x, ws[i], NULL, NULL, y, rows, ks[i], ns[i], 0, 2);
+    for (int r = 0; r < rounds; r++)
+        for (int b = 0; b < builds; b++) {
+            const double t = now();
+            for (int i = 0; i < LINEARS; i++) fns[b](x, ws[i], NULL, NULL, y, rows, ks[i], ns[i], 0, 2);
+            ms[(size_t)b * rounds + r] = (now() - t) * 1e3;
+        }
+    printf("%d rows, %d rounds: one decode step's float32 linears, ms\n", rows, rounds);
+    for (int b = 0; b < builds; b++) {
+        double *v = ms + (size_t)b * rounds;
+        qsort(v, (size_t)rounds, sizeof(double), by_value);
+        printf("build %d: median %.1f  min %.1f\n", b, v[rounds / 2], v[0]);
+    }
+    return 0;
+}
