@@ -210,7 +210,7 @@ def test_decode_steps_sum_each_k_block_the_same_whatever_rows_the_tiles_take_at_
     # The AVX2 decode path goes through a K block in pieces (KB_SUB rows), carrying the tiles' partial sums
     # over: the outputs must be those of the block summed in one piece, bit for bit, for every weight type
     # and tile shape (whole-panel tiles up to 3 rows, half-panel ones beyond), and K not a multiple of it.
-    # (KB_WHOLE: the rows at which narrow weights' blocks go whole; here never, so every type goes in pieces.)
+    # (KB_WHOLE: the rows per weight byte at which blocks go whole; here never, so every type goes in pieces.)
     monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
     avx2 = ("-march=x86-64-v3", "-mno-avx512f")
     whole = _load_for((*avx2, "-DKB_SUB=64"))
