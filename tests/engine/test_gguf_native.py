@@ -18,7 +18,9 @@ from worker.models.resolve import gguf_checkpoint, smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 
-# a Q4_K_M-like mixture: within one fused projection, parts of other widths and group formats
+# a Q4_K_M-like mixture: within one fused projection, parts of other widths and group formats; in the first
+# MIXED_LAYERS layers only (gguf's numpy quantisers take seconds a layer; the rest stay Q4_1)
+MIXED_LAYERS = 3
 MIXED = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q4_0", "ffn_gate": "Q8_0", "ffn_down": "Q5_1"}
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -27,9 +29,10 @@ CHATS = [
 ]
 
 
-def requantised(src: Path, dest: Path, types: dict[str, str]) -> Path:
-    """`src` rewritten with the tensors whose names contain a key of `types` re-quantised to its format
-    (from gguf's dequantisation of the original), every metadata field copied (gguf's own writer)."""
+def requantised(src: Path, dest: Path, types: dict[str, str], layers: int) -> Path:
+    """`src` rewritten with the tensors of its first `layers` layers whose names contain a key of `types`
+    re-quantised to its format (from gguf's dequantisation of the original), every metadata field copied
+    (gguf's own writer)."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
@@ -43,7 +46,10 @@ def requantised(src: Path, dest: Path, types: dict[str, str]) -> Path:
         sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
     for t in reader.tensors:
-        target = next((GGMLQuantizationType[v] for k, v in types.items() if f".{k}." in t.name), None)
+        ours = t.name.startswith(tuple(f"blk.{i}." for i in range(layers)))
+        target = next(
+            (GGMLQuantizationType[v] for k, v in types.items() if ours and f".{k}." in t.name), None
+        )
         data, qtype = t.data, t.tensor_type
         if target is not None:
             data, qtype = quantize(dequantize(t.data, t.tensor_type), target), target
@@ -84,12 +90,29 @@ def test_smollm2s_q4_1_file_computes_its_dequantised_weights_bit_for_bit() -> No
     same_computation(quantised, engine_on(str(gguf_checkpoint(smollm2_gguf_path()))))
 
 
-def test_a_file_of_mixed_formats_keeps_each_and_widens_mixed_fused_parts(tmp_path: Path) -> None:
-    path = requantised(smollm2_gguf_path(), tmp_path / "mixed.gguf", MIXED)
+def test_a_file_of_mixed_formats_keeps_each_and_widens_mixed_fused_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gguf
+
+    path = requantised(smollm2_gguf_path(), tmp_path / "mixed.gguf", MIXED, MIXED_LAYERS)
+    parses: list[str] = []
+    real = gguf.GGUFReader
+
+    def counted(p: str, mode: str = "r") -> gguf.GGUFReader:
+        parses.append(str(p))
+        return real(p, mode)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
     quantised = engine_on(str(path))
+    # a new file's config and tokenizer come from one decoding of its metadata, seconds each (resolve.py)
+    assert parses == [str(path)]
     layer = quantised.model_runner.model.layers[0]
     qkv, gate_up, down = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj  # type: ignore[union-attr]
     assert (qkv.bits, qkv.group) == (8, 32) and qkv.group_table.dtype == torch.float16  # Q5_0 + Q4_0 as 8-bit
     assert (gate_up.bits, gate_up.group) == (8, 32)  # Q8_0 + Q4_1
     assert down.bits == 8  # Q5_1 on its own
-    same_computation(quantised, engine_on(str(gguf_checkpoint(path))))
+    assert quantised.model_runner.model.layers[MIXED_LAYERS].self_attn.qkv_proj.bits == 4  # type: ignore[union-attr]  # Q4_1 as it was
+    reference = gguf_checkpoint(path)
+    assert parses == [str(path)] * 2  # the dequantised checkpoint's tokenizer, config and weights: one more
+    same_computation(quantised, engine_on(str(reference)))

@@ -188,6 +188,31 @@ def smollm2_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
 
 
+@contextlib.contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """While open, every gguf.GGUFReader of one file is the same reader. transformers builds a new one for
+    each thing it reads from a GGUF (the config, the tokenizer's config, the weights), and each decodes
+    every metadata array, the vocabulary's strings one numpy read at a time: seconds each, several times
+    over on a file's first use. transformers imports the class from the package at each call, so the
+    package attribute is what it gets."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared(path: str | os.PathLike[str], mode: str = "r") -> object:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = shared  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real  # type: ignore[misc]
+
+
 def gguf_checkpoint(gguf: Path) -> Path:
     """The dequantised HF checkpoint of `gguf`, building and caching it on first use."""
     st = gguf.stat()
@@ -198,7 +223,7 @@ def gguf_checkpoint(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantising %s into %s (first use only)", gguf.name, target)
-    with reading(str(gguf), "the GGUF file"):
+    with reading(str(gguf), "the GGUF file"), _one_gguf_parse():
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     hf.hf_quantizer = None  # type: ignore[assignment]  # the weights are plain tensors now: let save_pretrained write them
@@ -231,7 +256,7 @@ def gguf_metadata(gguf: Path) -> Path:
         return target
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    with reading(str(gguf), "the GGUF file"):
+    with reading(str(gguf), "the GGUF file"), _one_gguf_parse():
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
