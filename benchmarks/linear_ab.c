@@ -16,16 +16,19 @@
 
    A build's settings (default 1:0:0) are linear.c's prefetch hint (1: prefetcht0), far prefetch and
    whole-panel rows, set through its setters. A library dlopened twice is one library with one set of
-   settings: copy the .so to compare settings of one build. Float32 weights; 2 threads; prints the min and
-   median ms of each build. */
+   settings: copy the .so to compare settings of one build. Float32 weights, or with BATCHQ_AB_WEIGHT=q4 the
+   default engine's: 4-bit in groups of 32 rows with float16 scales and offsets (~150 MB, Q4_1's layout as
+   gguf_weights.py keeps it); 2 threads; prints the min and median ms of each build. */
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-typedef int (*linear_fn)(const float *, const void *, const float *, const float *, float *, int, int, int, int,
-                         int);
+#include "../worker/kernels/linear.h"
+
+typedef int (*linear_fn)(const float *, const LinearWeight *, float *, int, int, int, int);
 typedef int (*setter_fn)(int);
 
 #define LAYERS 30
@@ -61,15 +64,28 @@ int main(int argc, char **argv) {
     }
     /* SmolLM2-135M: qkv, o, gate_up, down (K x N) per layer, and the tied LM head */
     static const int shapes[4][2] = {{576, 960}, {576, 576}, {576, 3072}, {1536, 576}};
+    const char *weight = getenv("BATCHQ_AB_WEIGHT");
+    const int q4 = weight && !strcmp(weight, "q4");
     int ks[LINEARS], ns[LINEARS];
-    float *ws[LINEARS];
+    LinearWeight ws[LINEARS];
     for (int i = 0; i < LINEARS; i++) {
         ks[i] = i < 4 * LAYERS ? shapes[i % 4][0] : 576;
         ns[i] = i < 4 * LAYERS ? shapes[i % 4][1] : 49152;
         const size_t n = (size_t)((ns[i] + 31) / 32) * 32 * (size_t)ks[i]; /* packed panels of 32 */
-        ws[i] = aligned_alloc(64, n * sizeof(float));
-        if (!ws[i]) return 1;
-        for (size_t j = 0; j < n; j++) ws[i][j] = (float)((j * 2654435761u) % 1000) / 1000.0f - 0.5f;
+        memset(&ws[i], 0, sizeof ws[i]);
+        if (q4) {
+            uint8_t *w = aligned_alloc(64, n / 2);
+            _Float16 *g = aligned_alloc(64, n / 32 * 2 * sizeof(_Float16)); /* s and o per 32 rows and column */
+            if (!w || !g) return 1;
+            for (size_t j = 0; j < n / 2; j++) w[j] = (uint8_t)((j * 2654435761u) >> 13);
+            for (size_t j = 0; j < n / 32 * 2; j++) g[j] = (_Float16)((float)((j * 40503u) % 1000) / 8e4f);
+            ws[i] = (LinearWeight){w, NULL, g, NULL, Q4, 32, F16};
+        } else {
+            float *w = aligned_alloc(64, n * sizeof(float));
+            if (!w) return 1;
+            for (size_t j = 0; j < n; j++) w[j] = (float)((j * 2654435761u) % 1000) / 1000.0f - 0.5f;
+            ws[i] = (LinearWeight){w, NULL, NULL, NULL, F32, 0, F32};
+        }
     }
     float *x = aligned_alloc(64, (size_t)rows * 1536 * sizeof(float));
     float *y = aligned_alloc(64, (size_t)rows * 49152 * sizeof(float));
@@ -85,7 +101,7 @@ int main(int argc, char **argv) {
             sscanf(colon + 1, "%d:%d:%d", &t0, &far, &wide);
         }
         void *lib = dlopen(spec, RTLD_NOW | RTLD_LOCAL);
-        if (!lib || !(fns[b] = (linear_fn)dlsym(lib, "batchq_linear"))) {
+        if (!lib || !(fns[b] = (linear_fn)dlsym(lib, "batchq_linear_w"))) {
             fprintf(stderr, "%s: %s\n", spec, dlerror());
             return 1;
         }
@@ -97,14 +113,14 @@ int main(int argc, char **argv) {
     double *ms = malloc(sizeof(double) * (size_t)rounds * (size_t)builds);
     if (!ms) return 1;
     for (int b = 0; b < builds; b++) /* a round untimed: page faults, the thread pool's start */
-        for (int i = 0; i < LINEARS; i++) fns[b](x, ws[i], NULL, NULL, y, rows, ks[i], ns[i], 0, 2);
+        for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, rows, ks[i], ns[i], 2);
     for (int r = 0; r < rounds; r++)
         for (int b = 0; b < builds; b++) {
             const double t = now();
-            for (int i = 0; i < LINEARS; i++) fns[b](x, ws[i], NULL, NULL, y, rows, ks[i], ns[i], 0, 2);
+            for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, rows, ks[i], ns[i], 2);
             ms[(size_t)b * rounds + r] = (now() - t) * 1e3;
         }
-    printf("%d rows, %d rounds: one decode step's float32 linears, ms\n", rows, rounds);
+    printf("%d rows, %d rounds: one decode step's %s linears, ms\n", rows, rounds, q4 ? "Q4" : "float32");
     for (int b = 0; b < builds; b++) {
         double *v = ms + (size_t)b * rounds;
         qsort(v, (size_t)rounds, sizeof(double), by_value);

@@ -230,7 +230,10 @@ def test_a_rows_answer_is_the_same_whatever_rows_share_its_step(
     for name, (weight, scale, ref) in _weights(k, n, gen).items():
         prompt = native_linear.linear_w(x, weight, n, scale=scale, bias=bias)
         for r0 in (0, 90, 184):  # across the 96-row chunks and into the last, short one
-            rows = native_linear.linear_w(x[r0 : r0 + 16], weight, n, scale=scale, bias=bias)
-            assert torch.equal(prompt[r0 : r0 + 16], rows), (name, r0)
+            # 16 rows: tiles over a K block (grouped weights dequantised into a buffer first); 1: one row's
+            # product in registers; 2 and 5: grouped weights dequantised in registers by one tile of rows
+            for m in (16, 1, 2, 5):
+                rows = native_linear.linear_w(x[r0 : r0 + m], weight, n, scale=scale, bias=bias)
+                assert torch.equal(prompt[r0 : r0 + m], rows), (name, r0, m)
         want = x.double() @ ref.t() + bias.double()
         torch.testing.assert_close(prompt.double(), want, rtol=1e-5, atol=1e-4, msg=name)

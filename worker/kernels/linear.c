@@ -472,6 +472,55 @@ static inline __attribute__((always_inline)) void kb_tile_named(
 }
 #endif
 
+#if VL == 8
+/* Grouped weights (Q4, Q8) at a few rows a step, dequantised in registers as the tiles multiply. Through
+   the L1 buffer (dequantize, then tiles reading it) every weight is stored and loaded again besides being
+   widened; the stores alone cost a row of Q4 weights more than its FMAs do at 2-4 x rows. Here each tile
+   of half a panel widens its own half of every row, so the work repeats per tile of rows: it pays while
+   there is one tile of rows (Q_FUSED_ROWS; two tiles of 3 measured slower than the buffer's one of 6). Vector j of a panel row as dequantize computes it: Q4 packs column c
+   and c + PANEL / 2 in the low and high nibble of byte c. */
+#ifndef Q_FUSED_ROWS
+#define Q_FUSED_ROWS 5 /* one tile: 10 accumulators beside 2 weights, a broadcast and the group vectors */
+#endif
+static inline __attribute__((always_inline)) vf dq_vec(const uint8_t *row, const int j, const vf s, const vf o,
+                                                       const int elem) {
+    if (elem == Q4) {
+        const vu32 b = widen_u8(row + (j % (PANEL_VECS / 2)) * VL);
+        return s * u32_to_f32(j >= PANEL_VECS / 2 ? b >> 4 : b & 0xF) - o;
+    }
+    return s * load_w((const char *)row + j * VL, I8) - o;
+}
+
+/* mr rows of x (stride K, from the block's first row) against rows k0 .. k0 + kn - 1 of vectors j0, j0 + 1
+   of a Q4 or Q8 panel (its rows from wq, its group table from gbase), the block's sums added to tot: the
+   tile and the order of kb_tile over the dequantised block. */
+static inline __attribute__((always_inline)) void kbq_tile(const float *x, const uint8_t *wq, const char *gbase,
+                                                           const LinearWeight *lw, float *tot, const int K,
+                                                           const int k0, const int kn, const int mr,
+                                                           const int j0, const int elem) {
+    const int nv = NV, last = 1, ge = lw->group_elem == F32 ? 4 : 2;
+    const size_t rb = row_bytes(elem);
+    float *const part = tot;
+    A_ROWS(A_ROW)
+    for (int k = 0; k < kn;) {
+        const int g = (k0 + k) / lw->group;
+        const int end = (g + 1) * lw->group - k0 < kn ? (g + 1) * lw->group - k0 : kn;
+        const char *gp = gbase + (size_t)g * 2 * PANEL * ge;
+        const vf s0 = load_group(gp + (size_t)j0 * VL * ge, lw->group_elem);
+        const vf s1 = load_group(gp + (size_t)(j0 + 1) * VL * ge, lw->group_elem);
+        const vf o0 = load_group(gp + (size_t)(PANEL + j0 * VL) * ge, lw->group_elem);
+        const vf o1 = load_group(gp + (size_t)(PANEL + (j0 + 1) * VL) * ge, lw->group_elem);
+        for (; k < end; k++) {
+            const uint8_t *row = wq + (size_t)k * rb;
+            const vf w0 = in_register(dq_vec(row, j0, s0, o0, elem));
+            const vf w1 = in_register(dq_vec(row, j0 + 1, s1, o1, elem)), w2 = {0}, w3 = {0};
+            A_ROWS(A_ROW_FMA)
+        }
+    }
+    A_ROWS(A_ROW_STORE)
+}
+#endif
+
 static inline __attribute__((always_inline)) void kb_tile(
     const float *x, const char *w, const char *pf, const int npf, float *tot, float *part, const int K,
     const int kn, const int mr, const int nv, const int elem, const int first, const int last
@@ -534,6 +583,28 @@ KBWS(1)
 KBWS(2)
 #define KWROW(e) {kbw_1_##e, kbw_2_##e, kbw_3_##e}
 static const kb_fn KBW_FNS[3][3] = {KWROW(0), KWROW(1), KWROW(2)};
+#endif
+
+#if VL == 8
+#define KBQ_FN(mr, h, elem)                                                                                 \
+    static __attribute__((noinline)) void kbq_##mr##_##h##_##elem(const float *x, const uint8_t *wq,         \
+                                                                  const char *gbase, const LinearWeight *lw, \
+                                                                  float *tot, int K, int k0, int kn) {       \
+        kbq_tile(x, wq, gbase, lw, tot, K, k0, kn, mr, (h) * NV, elem);                                     \
+    }
+#define KBQS(elem)                                                                                          \
+    KBQ_FN(1, 0, elem) KBQ_FN(2, 0, elem) KBQ_FN(3, 0, elem) KBQ_FN(4, 0, elem) KBQ_FN(5, 0, elem)          \
+        KBQ_FN(1, 1, elem) KBQ_FN(2, 1, elem) KBQ_FN(3, 1, elem) KBQ_FN(4, 1, elem) KBQ_FN(5, 1, elem)
+KBQS(4)
+KBQS(5)
+typedef void (*kbq_fn)(const float *, const uint8_t *, const char *, const LinearWeight *, float *, int, int, int);
+#define KQROW(e)                                                                                  \
+    {{kbq_1_0_##e, kbq_2_0_##e, kbq_3_0_##e, kbq_4_0_##e, kbq_5_0_##e},                            \
+     {kbq_1_1_##e, kbq_2_1_##e, kbq_3_1_##e, kbq_4_1_##e, kbq_5_1_##e}}
+static const kbq_fn KBQ_FNS[2][2][5] = {KQROW(4), KQROW(5)}; /* Q4, Q8; half; rows */
+#if Q_FUSED_ROWS > 5 || NV != 2 || PANEL_VECS != 4
+#error "KBQ_FNS holds one tile of 1 to 5 rows over half a panel of four vectors"
+#endif
 #endif
 
 /* The output of one panel's totals (M rows of PANEL floats): times the column scale, plus the bias, into y
@@ -640,6 +711,15 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                     q_row(x, lw, K, p, k0, kn, tot);
                     continue;
                 }
+#if VL == 8
+                if (M <= Q_FUSED_ROWS && elem != FP8) {
+                    const int ge = lw->group_elem == F32 ? 4 : 2;
+                    const char *gbase = (const char *)lw->groups + (size_t)p * (K / lw->group) * 2 * PANEL * ge;
+                    for (int h = 0; h < 2; h++)
+                        KBQ_FNS[elem == Q8][h][M - 1](x + k0, (const uint8_t *)wk, gbase, lw, tot + h * TCOLS, K, k0, kn);
+                    continue;
+                }
+#endif
                 dequantize(lw, K, p, k0, kn, dq);
                 src = (const char *)dq;
             }
