@@ -475,10 +475,11 @@ static inline __attribute__((always_inline)) void kb_tile_named(
 #if VL == 8
 /* Grouped weights (Q4, Q8) at a few rows a step, dequantised in registers as the tiles multiply. Through
    the L1 buffer (dequantize, then tiles reading it) every weight is stored and loaded again besides being
-   widened; the stores alone cost a row of Q4 weights more than its FMAs do at 2-4 x rows. Here each tile
-   of half a panel widens its own half of every row, so the work repeats per tile of rows: it pays while
-   there is one tile of rows (Q_FUSED_ROWS; two tiles of 3 measured slower than the buffer's one of 6). Vector j of a panel row as dequantize computes it: Q4 packs column c
-   and c + PANEL / 2 in the low and high nibble of byte c. */
+   widened, and at a few x rows that round trip costs more than the FMAs. Here each tile of half a panel
+   widens its own half of every row, so the work repeats per tile of rows: it pays while one tile holds
+   every row (Q_FUSED_ROWS; two tiles of 3 rows measured slower than the buffer's one tile of 6).
+   dq_vec is vector j of a panel row as dequantize computes it: Q4 packs columns c and c + PANEL / 2 in
+   the low and high nibble of byte c. */
 #ifndef Q_FUSED_ROWS
 #define Q_FUSED_ROWS 5 /* one tile: 10 accumulators beside 2 weights, a broadcast and the group vectors */
 #endif
@@ -716,7 +717,8 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                     const int ge = lw->group_elem == F32 ? 4 : 2;
                     const char *gbase = (const char *)lw->groups + (size_t)p * (K / lw->group) * 2 * PANEL * ge;
                     for (int h = 0; h < 2; h++)
-                        KBQ_FNS[elem == Q8][h][M - 1](x + k0, (const uint8_t *)wk, gbase, lw, tot + h * TCOLS, K, k0, kn);
+                        KBQ_FNS[elem == Q8][h][M - 1](x + k0, (const uint8_t *)wk, gbase, lw, tot + h * TCOLS, K,
+                                                      k0, kn);
                     continue;
                 }
 #endif
