@@ -250,6 +250,23 @@ static inline vf load_group(const void *p, const int group_elem) {
 #endif
 }
 
+/* Group g of panel `panel` of a Q4 or Q8 weight of K rows: PANEL scales s, then PANEL offsets o. */
+static inline const char *group_at(const LinearWeight *lw, const int K, const int panel, const int g) {
+    const size_t ge = lw->group_elem == F32 ? 4 : 2;
+    return (const char *)lw->groups + ((size_t)panel * (K / lw->group) + (size_t)g) * 2 * PANEL * ge;
+}
+
+/* Vector v of a group's 2 * PANEL_VECS: s for v < PANEL_VECS, then o. */
+static inline vf group_vec(const LinearWeight *lw, const char *gp, const int v) {
+    return load_group(gp + (size_t)v * VL * (lw->group_elem == F32 ? 4 : 2), lw->group_elem);
+}
+
+/* Rows k .. of a block of kn rows from row k0 that share row k0 + k's group (its s and o) end here. */
+static inline int group_end(const LinearWeight *lw, const int k0, const int k, const int kn) {
+    const int end = ((k0 + k) / lw->group + 1) * lw->group - k0;
+    return end < kn ? end : kn;
+}
+
 /* Rows k0 .. k0 + kn - 1 of panel `panel` of a weight linear.c does not read as it multiplies (FP8, Q4, Q8),
    as float32 [kn, PANEL] in dq: w = q * scale (FP8, per output) or w = s * q - o (Q4, Q8: s, o per output and
    group of lw->group rows), each weight rounded once, as the reference dequantises it. */
@@ -263,16 +280,14 @@ static void dequantize(const LinearWeight *lw, const int K, const int panel, con
                 *(vf *)(dq + (size_t)k * PANEL + j * VL) = load_fp8(w + (size_t)k * rb + j * VL);
         return;
     }
-    const int groups = K / lw->group, ge = lw->group_elem == F32 ? 4 : 2;
-    const char *gbase = (const char *)lw->groups + (size_t)panel * groups * 2 * PANEL * ge;
     for (int k = 0; k < kn;) {
         /* the rows of this block in one group share its s and o: loaded once */
-        const int g = (k0 + k) / lw->group, end = (g + 1) * lw->group - k0 < kn ? (g + 1) * lw->group - k0 : kn;
-        const char *gp = gbase + (size_t)g * 2 * PANEL * ge;
+        const int end = group_end(lw, k0, k, kn);
+        const char *gp = group_at(lw, K, panel, (k0 + k) / lw->group);
         vf s[PANEL_VECS], o[PANEL_VECS];
         for (int j = 0; j < PANEL_VECS; j++) {
-            s[j] = load_group(gp + (size_t)j * VL * ge, lw->group_elem);
-            o[j] = load_group(gp + (size_t)(PANEL + j * VL) * ge, lw->group_elem);
+            s[j] = group_vec(lw, gp, j);
+            o[j] = group_vec(lw, gp, PANEL_VECS + j);
         }
         for (; k < end; k++) {
             const uint8_t *row = w + (size_t)k * rb;
@@ -493,24 +508,21 @@ static inline __attribute__((always_inline)) vf dq_vec(const uint8_t *row, const
 }
 
 /* mr rows of x (stride K, from the block's first row) against rows k0 .. k0 + kn - 1 of vectors j0, j0 + 1
-   of a Q4 or Q8 panel (its rows from wq, its group table from gbase), the block's sums added to tot: the
-   tile and the order of kb_tile over the dequantised block. */
-static inline __attribute__((always_inline)) void kbq_tile(const float *x, const uint8_t *wq, const char *gbase,
+   of panel `panel` of a Q4 or Q8 weight (its rows from wq), the block's sums added to tot: the tile and the
+   order of kb_tile over the dequantised block. */
+static inline __attribute__((always_inline)) void kbq_tile(const float *x, const uint8_t *wq, const int panel,
                                                            const LinearWeight *lw, float *tot, const int K,
                                                            const int k0, const int kn, const int mr,
                                                            const int j0, const int elem) {
-    const int nv = NV, last = 1, ge = lw->group_elem == F32 ? 4 : 2;
+    const int nv = NV, last = 1;
     const size_t rb = row_bytes(elem);
     float *const part = tot;
     A_ROWS(A_ROW)
     for (int k = 0; k < kn;) {
-        const int g = (k0 + k) / lw->group;
-        const int end = (g + 1) * lw->group - k0 < kn ? (g + 1) * lw->group - k0 : kn;
-        const char *gp = gbase + (size_t)g * 2 * PANEL * ge;
-        const vf s0 = load_group(gp + (size_t)j0 * VL * ge, lw->group_elem);
-        const vf s1 = load_group(gp + (size_t)(j0 + 1) * VL * ge, lw->group_elem);
-        const vf o0 = load_group(gp + (size_t)(PANEL + j0 * VL) * ge, lw->group_elem);
-        const vf o1 = load_group(gp + (size_t)(PANEL + (j0 + 1) * VL) * ge, lw->group_elem);
+        const int end = group_end(lw, k0, k, kn);
+        const char *gp = group_at(lw, K, panel, (k0 + k) / lw->group);
+        const vf s0 = group_vec(lw, gp, j0), s1 = group_vec(lw, gp, j0 + 1);
+        const vf o0 = group_vec(lw, gp, PANEL_VECS + j0), o1 = group_vec(lw, gp, PANEL_VECS + j0 + 1);
         for (; k < end; k++) {
             const uint8_t *row = wq + (size_t)k * rb;
             const vf w0 = in_register(dq_vec(row, j0, s0, o0, elem));
@@ -589,16 +601,16 @@ static const kb_fn KBW_FNS[3][3] = {KWROW(0), KWROW(1), KWROW(2)};
 #if VL == 8
 #define KBQ_FN(mr, h, elem)                                                                                 \
     static __attribute__((noinline)) void kbq_##mr##_##h##_##elem(const float *x, const uint8_t *wq,         \
-                                                                  const char *gbase, const LinearWeight *lw, \
+                                                                  int panel, const LinearWeight *lw,         \
                                                                   float *tot, int K, int k0, int kn) {       \
-        kbq_tile(x, wq, gbase, lw, tot, K, k0, kn, mr, (h) * NV, elem);                                     \
+        kbq_tile(x, wq, panel, lw, tot, K, k0, kn, mr, (h) * NV, elem);                                     \
     }
 #define KBQS(elem)                                                                                          \
     KBQ_FN(1, 0, elem) KBQ_FN(2, 0, elem) KBQ_FN(3, 0, elem) KBQ_FN(4, 0, elem) KBQ_FN(5, 0, elem)          \
         KBQ_FN(1, 1, elem) KBQ_FN(2, 1, elem) KBQ_FN(3, 1, elem) KBQ_FN(4, 1, elem) KBQ_FN(5, 1, elem)
 KBQS(4)
 KBQS(5)
-typedef void (*kbq_fn)(const float *, const uint8_t *, const char *, const LinearWeight *, float *, int, int, int);
+typedef void (*kbq_fn)(const float *, const uint8_t *, int, const LinearWeight *, float *, int, int, int);
 #define KQROW(e)                                                                                  \
     {{kbq_1_0_##e, kbq_2_0_##e, kbq_3_0_##e, kbq_4_0_##e, kbq_5_0_##e},                            \
      {kbq_1_1_##e, kbq_2_1_##e, kbq_3_1_##e, kbq_4_1_##e, kbq_5_1_##e}}
@@ -643,17 +655,15 @@ static void q_row(const float *x, const LinearWeight *lw, const int K, const int
                   const int kn, float *tot) {
     const size_t rb = row_bytes(lw->elem);
     const uint8_t *w = (const uint8_t *)lw->w + ((size_t)panel * K + k0) * rb;
-    const int groups = K / lw->group, ge = lw->group_elem == F32 ? 4 : 2;
-    const char *gbase = (const char *)lw->groups + (size_t)panel * groups * 2 * PANEL * ge;
     vf acc[PANEL_VECS];
     for (int j = 0; j < PANEL_VECS; j++) acc[j] = (vf){0};
     for (int k = 0; k < kn;) {
-        const int g = (k0 + k) / lw->group, end = (g + 1) * lw->group - k0 < kn ? (g + 1) * lw->group - k0 : kn;
-        const char *gp = gbase + (size_t)g * 2 * PANEL * ge;
+        const int end = group_end(lw, k0, k, kn);
+        const char *gp = group_at(lw, K, panel, (k0 + k) / lw->group);
         vf s[PANEL_VECS], o[PANEL_VECS];
         for (int j = 0; j < PANEL_VECS; j++) {
-            s[j] = load_group(gp + (size_t)j * VL * ge, lw->group_elem);
-            o[j] = load_group(gp + (size_t)(PANEL + j * VL) * ge, lw->group_elem);
+            s[j] = group_vec(lw, gp, j);
+            o[j] = group_vec(lw, gp, PANEL_VECS + j);
         }
         for (; k < end; k++) {
             const uint8_t *row = w + (size_t)k * rb;
@@ -714,11 +724,8 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                 }
 #if VL == 8
                 if (M <= Q_FUSED_ROWS && elem != FP8) {
-                    const int ge = lw->group_elem == F32 ? 4 : 2;
-                    const char *gbase = (const char *)lw->groups + (size_t)p * (K / lw->group) * 2 * PANEL * ge;
                     for (int h = 0; h < 2; h++)
-                        KBQ_FNS[elem == Q8][h][M - 1](x + k0, (const uint8_t *)wk, gbase, lw, tot + h * TCOLS, K,
-                                                      k0, kn);
+                        KBQ_FNS[elem == Q8][h][M - 1](x + k0, (const uint8_t *)wk, p, lw, tot + h * TCOLS, K, k0, kn);
                     continue;
                 }
 #endif
