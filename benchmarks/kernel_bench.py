@@ -205,6 +205,10 @@ def cpu_linear(args: argparse.Namespace) -> int:
             if native_linear.wide_rows()
             else "half-panel tiles at every row count (this machine's measured choice)"
         )
+    if native_linear.pace_rows():
+        print(
+            f"steps of fewer than {native_linear.pace_rows()} rows paced by tiles of that many (measured choice)"
+        )
     # The bounds are measured before the kernels' rows and again after, and the best of each counts, as the
     # best of the kernels' passes does: on a shared host a slow minute at the start would otherwise set the
     # bounds low and flatter every ratio.

@@ -12,10 +12,10 @@
      mkdir -p /tmp/old && git show HEAD~1:worker/kernels/linear.c > /tmp/old/linear.c \
        && cp worker/kernels/linear.h /tmp/old/ && cc $F -I/tmp/old /tmp/old/linear.c -o /tmp/old.so -lm
      /tmp/linear_ab 15 16 /tmp/old.so /tmp/new.so                 # 15 rounds, 16 rows
-     /tmp/linear_ab 15 16 /tmp/new.so:1:0:0 /tmp/far.so:1:1:0     # a build's settings: t0:far:wide
+     /tmp/linear_ab 15 16 /tmp/new.so:1:0:0:0 /tmp/far.so:1:1:0:0  # a build's settings: t0:far:wide:pace
 
-   A build's settings (default 1:0:0) are linear.c's prefetch hint (1: prefetcht0), far prefetch and
-   whole-panel rows, set through its setters. A library dlopened twice is one library with one set of
+   A build's settings (default 1:0:0:0) are linear.c's prefetch hint (1: prefetcht0), far prefetch,
+   whole-panel rows and paced rows, set through its setters (a build without a setter ignores it). A library dlopened twice is one library with one set of
    settings: copy the .so to compare settings of one build. Float32 weights, or with BATCHQ_AB_WEIGHT=q4 the
    default engine's: 4-bit in groups of 32 rows with float16 scales and offsets (~150 MB, Q4_1's layout as
    gguf_weights.py keeps it); 2 threads; prints the min and median ms of each build. */
@@ -53,7 +53,7 @@ static void set(void *lib, const char *name, int value) {
 
 int main(int argc, char **argv) {
     if (argc < 4 || argc - 3 > MAX_BUILDS) {
-        fprintf(stderr, "usage: %s rounds rows lib.so[:t0:far:wide] ... (at most %d builds)\n", argv[0],
+        fprintf(stderr, "usage: %s rounds rows lib.so[:t0:far:wide:pace] ... (at most %d builds)\n", argv[0],
                 MAX_BUILDS);
         return 2;
     }
@@ -95,10 +95,10 @@ int main(int argc, char **argv) {
     linear_fn fns[MAX_BUILDS];
     for (int b = 0; b < builds; b++) {
         char *spec = argv[3 + b], *colon = strchr(spec, ':');
-        int t0 = 1, far = 0, wide = 0;
+        int t0 = 1, far = 0, wide = 0, pace = 0;
         if (colon) {
             *colon = '\0';
-            sscanf(colon + 1, "%d:%d:%d", &t0, &far, &wide);
+            sscanf(colon + 1, "%d:%d:%d:%d", &t0, &far, &wide, &pace);
         }
         void *lib = dlopen(spec, RTLD_NOW | RTLD_LOCAL);
         if (!lib || !(fns[b] = (linear_fn)dlsym(lib, "batchq_linear_w"))) {
@@ -108,7 +108,8 @@ int main(int argc, char **argv) {
         set(lib, "batchq_linear_set_prefetch_t0", t0);
         set(lib, "batchq_linear_set_far_prefetch", far);
         set(lib, "batchq_linear_set_wide_rows", wide);
-        printf("build %d: %s (t0 %d, far %d, wide %d)\n", b, spec, t0, far, wide);
+        set(lib, "batchq_linear_set_pace_rows", pace);
+        printf("build %d: %s (t0 %d, far %d, wide %d, pace %d)\n", b, spec, t0, far, wide, pace);
     }
     double *ms = malloc(sizeof(double) * (size_t)rounds * (size_t)builds);
     if (!ms) return 1;

@@ -123,7 +123,8 @@ def test_linear_c_choices_are_measured_once_kept_and_reach_every_library_with_li
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # linear.c's prefetch hint, its far prefetch in decode steps, and in the AVX2 build (what AVX2-only
-    # CPUs run) whole- or half-panel tiles for 1-3 rows, are chosen by speed.
+    # CPUs run) whole- or half-panel tiles for 1-3 rows and paced tiles for fewer rows than a tile holds,
+    # are chosen by speed.
     monkeypatch.setenv("BATCHQ_CPU_ISA", "avx2")
     native_build.clear_caches()
     try:
@@ -131,37 +132,49 @@ def test_linear_c_choices_are_measured_once_kept_and_reach_every_library_with_li
             native_linear.measure_prefetch_t0_speedup(megabytes=8, rounds=1),
             native_linear.measure_far_prefetch_speedup(megabytes=8, rounds=1),
             native_linear.measure_wide_tile_speedup(megabytes=8, rounds=1),
+            native_linear.measure_pace_speedup(megabytes=8, rounds=1),
         ):
             assert 0.2 < real < 5  # both settings ran, at rates of the same order
-        speedup = {"prefetch": 1.3, "far": 1.1, "tiles": 1.25}
+        speedup = {"prefetch": 1.3, "far": 1.1, "tiles": 1.25, "pace": 1.2}
+        paced_rows: list[tuple[int, ...]] = []
         monkeypatch.setattr(native_linear, "measure_prefetch_t0_speedup", lambda: speedup["prefetch"])
         monkeypatch.setattr(native_linear, "measure_far_prefetch_speedup", lambda: speedup["far"])
         monkeypatch.setattr(native_linear, "measure_wide_tile_speedup", lambda: speedup["tiles"])
+        monkeypatch.setattr(
+            native_linear, "measure_pace_speedup", lambda rows: paced_rows.append(rows) or speedup["pace"]
+        )
         device.tune_cpu_linear()
         assert native_linear.prefetch_t0() and native_linear.wide_rows() == native_linear.WIDE_ROWS
-        assert native_linear.far_prefetch()
+        assert native_linear.far_prefetch() and native_linear.pace_rows() == native_linear.PACE_ROWS
+        assert paced_rows == [(5,)]  # whole-panel tiles take 1-3 rows: pacing is measured where it applies
         moe = native_moe.library()  # loaded after the choices: given them on load
         for lib in (native_linear.library(), moe):
             assert lib is not None
             assert lib.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS
             assert lib.batchq_linear_set_prefetch_t0(-1) == 1
             assert lib.batchq_linear_set_far_prefetch(-1) == 1
+            assert lib.batchq_linear_set_pace_rows(-1) == native_linear.PACE_ROWS
         with pytest.raises(ValueError, match=r"wide rows 4: linear\.c has whole-panel tiles for 0 to 3 rows"):
             native_linear.set_wide_rows(4)
         native_linear.set_wide_rows(0)  # a later start, whose probes would measure otherwise, keeps the first
         native_linear.set_prefetch_t0(False)
         native_linear.set_far_prefetch(False)
+        native_linear.set_pace_rows(0)
         assert moe.batchq_linear_set_prefetch_t0(-1) == 0
         assert moe.batchq_linear_set_far_prefetch(-1) == 0
-        speedup.update(prefetch=0.7, far=0.9, tiles=0.8)
+        assert moe.batchq_linear_set_pace_rows(-1) == 0
+        speedup.update(prefetch=0.7, far=0.9, tiles=0.8, pace=0.8)
         device.tune_cpu_linear()
         assert moe.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS
         assert moe.batchq_linear_set_prefetch_t0(-1) == 1
         assert moe.batchq_linear_set_far_prefetch(-1) == 1
+        assert moe.batchq_linear_set_pace_rows(-1) == native_linear.PACE_ROWS
+        assert paced_rows == [(5,)]  # kept: not measured again
     finally:
         native_linear.set_wide_rows(0)
         native_linear.set_prefetch_t0(False)
         native_linear.set_far_prefetch(False)
+        native_linear.set_pace_rows(0)
         native_build.clear_caches()
 
 

@@ -167,11 +167,11 @@ def _packed(k: int, n: int, dtype: torch.dtype, gen: torch.Generator, bias: bool
     return lin
 
 
-def _c_linear(lib: SimpleNamespace, x: Tensor, lin: Linear) -> Tensor:
-    """lin(x) through `lib`'s batchq_linear on 2 threads."""
+def _c_linear(lib: SimpleNamespace, x: Tensor, lin: Linear, out: Tensor | None = None) -> Tensor:
+    """lin(x) through `lib`'s batchq_linear on 2 threads, into `out` ([m, n], rows contiguous) if given."""
     m, k = x.shape
     n = lin.out_features
-    y = torch.empty(m, n)
+    y = torch.empty(m, n) if out is None else out
     assert lib.batchq_linear(
         x.data_ptr(), lin.weight.data_ptr(), None if lin.scale is None else lin.scale.data_ptr(),
         None if lin.bias is None else lin.bias.data_ptr(), y.data_ptr(), m, k, n,
@@ -222,8 +222,11 @@ def test_decode_steps_sum_each_k_block_the_same_whatever_rows_the_tiles_take_at_
         x = torch.randn(m, k, generator=gen)
         lin = _packed(k, 40, dtype, gen, bias=False)
         ys = []
-        for lib, wide in itertools.product((whole, pieces), (0, native_linear.WIDE_ROWS)):
+        for lib, wide, pace in itertools.product(
+            (whole, pieces), (0, native_linear.WIDE_ROWS), (0, native_linear.PACE_ROWS)
+        ):
             lib.batchq_linear_set_wide_rows(wide)
+            lib.batchq_linear_set_pace_rows(pace)
             ys.append(_c_linear(lib, x, lin))
         assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, k, dtype)
 
@@ -285,25 +288,33 @@ def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-def test_whole_and_half_panel_tiles_give_the_same_answers_bit_for_bit(
+def test_whole_half_and_paced_tiles_give_the_same_answers_bit_for_bit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # With 8-float vectors, decode steps of 1-3 rows take whole-panel tiles or two half-panel passes, the
-    # machine's choice by speed (set_wide_rows): the answers, and so the result cache's, must not depend on
-    # it. 70 outputs: two whole panels and a partial one; K not a multiple of the block.
+    # With 8-float vectors, decode steps of 1-3 rows take whole-panel tiles or two half-panel passes, and
+    # steps of fewer rows than a tile holds may run through a full tile whose idle rows repeat row 0 (paced):
+    # each the machine's choice by speed (set_wide_rows, set_pace_rows). The answers, and so the result
+    # cache's, must not depend on them, and an idle row must never reach y. 70 outputs: two whole panels and
+    # a partial one; K not a multiple of the block.
     monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
     lib = _load_for(("-march=x86-64-v3", "-mno-avx512f"))
     assert lib.batchq_linear_set_wide_rows(9) == native_linear.WIDE_ROWS  # at most what it has tiles for
     assert lib.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS  # negative: a query
+    assert lib.batchq_linear_set_pace_rows(9) == native_linear.PACE_ROWS  # at most a tile's rows
+    assert lib.batchq_linear_set_pace_rows(1) == 0  # a tile of one row paces nothing: off
+    assert lib.batchq_linear_set_pace_rows(-1) == 0
     gen = torch.Generator().manual_seed(8)
     k, n = 200, 70
-    for m, dtype in itertools.product((1, 2, 3, 4), (torch.float32, torch.bfloat16, torch.int8)):
+    for m, dtype in itertools.product((1, 2, 3, 4, 5, 6), (torch.float32, torch.bfloat16, torch.int8)):
         x = torch.randn(m, k, generator=gen)
         lin = _packed(k, n, dtype, gen, bias=True)
         ys = []
-        for wide in (0, native_linear.WIDE_ROWS):
+        for wide, pace in itertools.product((0, native_linear.WIDE_ROWS), (0, native_linear.PACE_ROWS)):
             assert lib.batchq_linear_set_wide_rows(wide) == wide
-            ys.append(_c_linear(lib, x, lin))
-        assert torch.equal(ys[0], ys[1]), (m, dtype)
+            assert lib.batchq_linear_set_pace_rows(pace) == pace
+            y = torch.full((m + 1, n), 7.0)  # a row past m: an idle row's sums written out would land there
+            ys.append(_c_linear(lib, x, lin, out=y[:m]))
+            assert torch.equal(y[m], torch.full((n,), 7.0)), (m, dtype, wide, pace)
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, dtype)
         want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)
         torch.testing.assert_close(ys[0].double(), want, rtol=1e-5, atol=2e-5)

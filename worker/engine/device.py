@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -151,7 +152,9 @@ def tune_cpu_linear() -> None:
     CPUs non-temporal prefetches stream the weights at a fraction of the bandwidth, on others they are
     best), then, under that hint, whether decode steps also prefetch far ahead into L2 (AVX2 builds: it
     keeps some CPUs' streams at the memory's rate and only costs on others), then whether decode steps of
-    1-3 rows take whole-panel tiles (AVX2 builds: which streams faster differs between CPUs). Made before
+    1-3 rows take whole-panel tiles (AVX2 builds: which streams faster differs between CPUs), then whether
+    decode steps of fewer rows than a tile holds run paced (AVX2 builds: on some CPUs a few-row loop outruns
+    the stream and slows it, elsewhere the idle FMAs only cost). Made before
     any probe that times linear.c. Results do not depend on them."""
     from worker.kernels import native_linear
 
@@ -172,15 +175,24 @@ def tune_cpu_linear() -> None:
             native_linear.measure_far_prefetch_speedup,
         )
         native_linear.set_far_prefetch(far > 1.0)
-    if not native_linear.has_wide_tiles():
-        return
-    speedup = _kept(
-        "linear-wide-tiles",
-        "linear.c whole-panel tiles over half-panel ones at 1-3 rows",
-        "auto",
-        native_linear.measure_wide_tile_speedup,
-    )
-    native_linear.set_wide_rows(native_linear.WIDE_ROWS if speedup > 1.0 else 0)
+    if native_linear.has_wide_tiles():
+        speedup = _kept(
+            "linear-wide-tiles",
+            "linear.c whole-panel tiles over half-panel ones at 1-3 rows",
+            "auto",
+            native_linear.measure_wide_tile_speedup,
+        )
+        native_linear.set_wide_rows(native_linear.WIDE_ROWS if speedup > 1.0 else 0)
+    if native_linear.has_paced_tiles():
+        # the rows the half-panel tiles take, where pacing applies
+        rows = tuple(r for r in (1, 3, 5) if r > native_linear.wide_rows())
+        paced = _kept(
+            "linear-paced-tiles",
+            f"linear.c paced tiles over unpaced ones at {'/'.join(map(str, rows))} rows",
+            "auto",
+            functools.partial(native_linear.measure_pace_speedup, rows),
+        )
+        native_linear.set_pace_rows(native_linear.PACE_ROWS if paced > 1.0 else 0)
 
 
 def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:

@@ -169,6 +169,26 @@ int batchq_linear_set_far_prefetch(int on) {
     return far_prefetch;
 }
 
+/* Decode-sized steps of fewer than pace_rows rows (of weights read as stored, in half-panel K-block tiles)
+   can run through tiles of pace_rows rows, the rows past x's repeating row 0's products, which are never
+   stored. A tile of one to three rows has so little arithmetic per weight line that its loop runs far ahead
+   of the lines arriving, and on some CPUs the stream then slows: a Zen 3 streamed one-row steps a quarter
+   slower than six-row ones, whose FMAs pace the loop; the idle rows cost FMAs that memory-bound steps have
+   to spare. Elsewhere the idle FMAs only cost, so it is measured at load and set by
+   batchq_linear_set_pace_rows (0, off, until then). Each real row's sums are the same either way. */
+static int pace_rows = 0;
+
+/* Sets pace_rows (0 or 2 .. MR; a negative `rows` changes nothing) and returns the setting in force: always 0
+   where decode steps of float32 weights do not take the K-block tiles. Set it while no linear call runs. */
+int batchq_linear_set_pace_rows(int rows) {
+#if KB_DIRECT
+    if (rows >= 0) pace_rows = rows < 2 ? 0 : rows > MR ? MR : rows;
+#else
+    (void)rows;
+#endif
+    return pace_rows;
+}
+
 /* Prompt-sized steps (M > KB_ROWS) with 8-float vectors take the GEMM-blocked path (linear_part_gemm); with
    16-float ones the panel tiles (linear_part_tiles), which also run AVX-512's decode-sized steps. */
 #ifndef GEMM_BLOCKED
@@ -428,7 +448,9 @@ static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
    at w (row stride PANEL elements). The block's partial sums (mr rows of PANEL floats at part) start from
    zero when `first` and from part's otherwise; at the `last` rows of the block they are added to tot (same
    layout), else kept in part for the block's next rows, so a block gone through in pieces sums as one.
-   npf <= 2 kn lines from pf are prefetched on the way. */
+   npf <= 2 kn lines from pf are prefetched on the way. Only the first mx <= mr rows are x's: the tile's
+   rows past them repeat row 0's products and are neither read from part nor written (paced tiles, see
+   pace_rows). */
 #if VL == 8
 /* kb_tile with 8-float vectors (mr <= 6, nv <= 4, mr * nv <= 12): the same sums, each accumulator a named
    variable. GCC 12 allocates an array of 12 accumulators beside 2 weights and a broadcast badly in 16
@@ -437,11 +459,11 @@ static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
 #define A_ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5)
 #define A_COLS(OP, i) OP(i, 0) OP(i, 1) OP(i, 2) OP(i, 3)
 #define A_LOAD(i, j) \
-    if (mr > i && nv > j && !first) a##i##j = *(const vf *)(part + (size_t)i * PANEL + j * VL);
+    if (mx > i && nv > j && !first) a##i##j = *(const vf *)(part + (size_t)i * PANEL + j * VL);
 #define A_FMA(i, j) \
     if (nv > j) a##i##j += xs * w##j;
 #define A_STORE(i, j)                                                          \
-    if (mr > i && nv > j) {                                                    \
+    if (mx > i && nv > j) {                                                    \
         float *t_ = (last ? tot : part) + (size_t)i * PANEL + j * VL;          \
         *(vf *)t_ = last ? *(const vf *)t_ + a##i##j : a##i##j;                \
     }
@@ -449,7 +471,7 @@ static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
 #define A_ROW_STORE(i) A_COLS(A_STORE, i)
 #define A_ROW_FMA(i)                                      \
     if (mr > i) {                                         \
-        const float xs = x[(size_t)i * K + k];            \
+        const float xs = x[(size_t)(mx > i ? i : 0) * K + k]; \
         A_COLS(A_FMA, i)                                  \
     }
 #define KB_STEP                                                              \
@@ -464,7 +486,7 @@ static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
     }
 static inline __attribute__((always_inline)) void kb_tile_named(
     const float *x, const char *w, const char *pf, const int npf, float *tot, float *part, const int K,
-    const int kn, const int mr, const int nv, const int elem, const int first, const int last
+    const int kn, const int mr, const int mx, const int nv, const int elem, const int first, const int last
 ) {
     const size_t stride = row_bytes(elem), es = stride / PANEL;
     A_ROWS(A_ROW)
@@ -514,7 +536,7 @@ static inline __attribute__((always_inline)) void kbq_tile(const float *x, const
                                                            const LinearWeight *lw, float *tot, const int K,
                                                            const int k0, const int kn, const int mr,
                                                            const int j0, const int elem) {
-    const int nv = NV, last = 1;
+    const int nv = NV, last = 1, mx = mr;
     const size_t rb = row_bytes(elem);
     float *const part = tot;
     A_ROWS(A_ROW)
@@ -536,11 +558,11 @@ static inline __attribute__((always_inline)) void kbq_tile(const float *x, const
 
 static inline __attribute__((always_inline)) void kb_tile(
     const float *x, const char *w, const char *pf, const int npf, float *tot, float *part, const int K,
-    const int kn, const int mr, const int nv, const int elem, const int first, const int last
+    const int kn, const int mr, const int mx, const int nv, const int elem, const int first, const int last
 ) {
 #if VL == 8
     if (mr <= 6 && nv <= 4 && mr * nv <= 12) {
-        kb_tile_named(x, w, pf, npf, tot, part, K, kn, mr, nv, elem, first, last);
+        kb_tile_named(x, w, pf, npf, tot, part, K, kn, mr, mx, nv, elem, first, last);
         return;
     }
 #endif
@@ -548,7 +570,7 @@ static inline __attribute__((always_inline)) void kb_tile(
     vf acc[MR][PANEL_VECS];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++)
-            acc[i][j] = first ? (vf){0} : *(const vf *)(part + (size_t)i * PANEL + j * VL);
+            acc[i][j] = first || i >= mx ? (vf){0} : *(const vf *)(part + (size_t)i * PANEL + j * VL);
     for (int k = 0; k < kn; k++) {
         const char *p = w + (size_t)k * stride;
         if (k < npf) PREFETCH_NEAR_FAR(pf + (size_t)k * 64);
@@ -556,11 +578,11 @@ static inline __attribute__((always_inline)) void kb_tile(
         vf wv[PANEL_VECS];
         for (int j = 0; j < nv; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
         for (int i = 0; i < mr; i++) {
-            const float xs = x[(size_t)i * K + k];
+            const float xs = x[(size_t)(i < mx ? i : 0) * K + k];
             for (int j = 0; j < nv; j++) acc[i][j] += xs * wv[j];
         }
     }
-    for (int i = 0; i < mr; i++)
+    for (int i = 0; i < mx; i++)
         for (int j = 0; j < nv; j++) {
             float *t = (last ? tot : part) + (size_t)i * PANEL + j * VL;
             *(vf *)t = last ? *(const vf *)t + acc[i][j] : acc[i][j];
@@ -570,8 +592,8 @@ static inline __attribute__((always_inline)) void kb_tile(
 #define KB_FN(mr, elem)                                                                                   \
     static __attribute__((noinline)) void kb_##mr##_##elem(const float *x, const char *w, const char *pf,  \
                                                            int npf, float *tot, float *part, int K, int kn, \
-                                                           int first, int last) {                           \
-        kb_tile(x, w, pf, npf, tot, part, K, kn, (mr) < MR ? (mr) : MR, NV, elem, first, last);            \
+                                                           int mx, int first, int last) {                   \
+        kb_tile(x, w, pf, npf, tot, part, K, kn, (mr) < MR ? (mr) : MR, mx, NV, elem, first, last);        \
     }
 #define KBS(elem)                                                                                       \
     KB_FN(1, elem) KB_FN(2, elem) KB_FN(3, elem) KB_FN(4, elem) KB_FN(5, elem) KB_FN(6, elem) KB_FN(7, elem) \
@@ -579,7 +601,8 @@ static inline __attribute__((always_inline)) void kb_tile(
 KBS(0)
 KBS(1)
 KBS(2)
-typedef void (*kb_fn)(const float *, const char *, const char *, int, float *, float *, int, int, int, int);
+typedef void (*kb_fn)(const float *, const char *, const char *, int, float *, float *, int, int, int, int,
+                      int);
 #define KROW(e) {kb_1_##e, kb_2_##e, kb_3_##e, kb_4_##e, kb_5_##e, kb_6_##e, kb_7_##e, kb_8_##e, kb_9_##e, \
                  kb_10_##e, kb_11_##e, kb_12_##e}
 static const kb_fn KB_FNS[3][12] = {KROW(0), KROW(1), KROW(2)};
@@ -587,8 +610,8 @@ static const kb_fn KB_FNS[3][12] = {KROW(0), KROW(1), KROW(2)};
 #define KBW_FN(mr, elem)                                                                                  \
     static __attribute__((noinline)) void kbw_##mr##_##elem(const float *x, const char *w, const char *pf, \
                                                             int npf, float *tot, float *part, int K,       \
-                                                            int kn, int first, int last) {                  \
-        kb_tile(x, w, pf, npf, tot, part, K, kn, mr, PANEL_VECS, elem, first, last);                      \
+                                                            int kn, int mx, int first, int last) {          \
+        kb_tile(x, w, pf, npf, tot, part, K, kn, mr, mx, PANEL_VECS, elem, first, last);                  \
     }
 #define KBWS(elem) KBW_FN(1, elem) KBW_FN(2, elem) KBW_FN(3, elem)
 KBWS(0)
@@ -707,6 +730,7 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
     if (M <= wide_rows) mr_max = WIDE_MR, tcols = PANEL, fns = KBW_FNS[direct ? elem : F32];
 #endif
     const int tiles = (M + mr_max - 1) / mr_max, halves = PANEL / tcols, calls = tiles * halves;
+    const int paced = direct && tcols == TCOLS && M < pace_rows ? pace_rows : 0; /* then one tile of M rows */
     float tot[KB_ROWS * PANEL] __attribute__((aligned(64))), part[KB_ROWS * PANEL] __attribute__((aligned(64)));
     float dq[KBLOCK * PANEL] __attribute__((aligned(64)));
     for (int p = p0; p < p1; p++) {
@@ -742,9 +766,9 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
                     for (int h = 0; h < halves; h++, c++) {
                         const int l0 = slines * c / calls, l1 = slines * (c + 1) / calls;
                         const size_t at = (size_t)m0 * PANEL + h * tcols;
-                        fns[mr - 1](x + (size_t)m0 * K + k0 + s0, ss + h * hb,
-                                    ws + ahead + (size_t)l0 * 64, l1 - l0, tot + at, part + at, K, sn,
-                                    first, last);
+                        fns[(paced ? paced : mr) - 1](x + (size_t)m0 * K + k0 + s0, ss + h * hb,
+                                                      ws + ahead + (size_t)l0 * 64, l1 - l0, tot + at,
+                                                      part + at, K, sn, mr, first, last);
                     }
                 }
             }

@@ -45,6 +45,7 @@ SIGNATURES = {
     "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
     "batchq_linear_set_prefetch_t0": Signature(c_int, [c_int]),
     "batchq_linear_set_far_prefetch": Signature(c_int, [c_int]),
+    "batchq_linear_set_pace_rows": Signature(c_int, [c_int]),
 }
 # linear.c's settings (`configure`), which every library linked with linear.c binds beside its own functions
 SETTING_SIGNATURES = {
@@ -53,9 +54,11 @@ SETTING_SIGNATURES = {
         "batchq_linear_set_wide_rows",
         "batchq_linear_set_prefetch_t0",
         "batchq_linear_set_far_prefetch",
+        "batchq_linear_set_pace_rows",
     )
 }
 WIDE_ROWS = 3  # linear.c's WIDE_ROWS: the most rows whole-panel tiles take (8-float vectors)
+PACE_ROWS = 6  # linear.c's MR with 8-float vectors: the tile fewer rows run through when paced
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
 FP8, Q4, Q8 = 3, 4, 5  # linear.h's elem of an FP8 weight and of the group-quantised ones
 GROUP_TYPES = {torch.float32: 0, torch.float16: 1}  # linear.h's group_elem
@@ -153,11 +156,12 @@ _LINKED: list[SimpleNamespace] = []
 _wide_rows = 0
 _prefetch_t0 = False
 _far_prefetch = False
+_pace_rows = 0
 
 
 def configure(lib: SimpleNamespace | None) -> SimpleNamespace | None:
     """A just-loaded library linked with linear.c, given the settings in force (`set_wide_rows`,
-    `set_prefetch_t0`, `set_far_prefetch`)."""
+    `set_prefetch_t0`, `set_far_prefetch`, `set_pace_rows`)."""
     if lib is not None:
         _give_settings(lib)
         _LINKED.append(lib)
@@ -169,6 +173,7 @@ def _give_settings(lib: SimpleNamespace) -> None:
     lib.batchq_linear_set_wide_rows(_wide_rows)
     lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
     lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
+    lib.batchq_linear_set_pace_rows(_pace_rows)
 
 
 def has_wide_tiles() -> bool:
@@ -236,6 +241,36 @@ def set_far_prefetch(on: bool) -> None:
     _far_prefetch = bool(on)
     for lib in _LINKED:
         lib.batchq_linear_set_far_prefetch(int(on))
+
+
+def has_paced_tiles() -> bool:
+    """Whether linear.c, as built here, can pace decode steps of few rows (8-float vectors: AVX2 and
+    narrower, whose decode steps of float32 weights take the K-block tiles)."""
+    lib = library()
+    if lib is None:
+        return False
+    available = int(lib.batchq_linear_set_pace_rows(PACE_ROWS)) == PACE_ROWS
+    lib.batchq_linear_set_pace_rows(_pace_rows)
+    return available
+
+
+def pace_rows() -> int:
+    """Decode steps of fewer rows than this run through tiles of this many (`set_pace_rows`; 0: none)."""
+    return _pace_rows
+
+
+def set_pace_rows(rows: int) -> None:
+    """Decode-sized steps of fewer than `rows` rows (0: none) run through tiles of `rows` rows whose idle
+    rows pace the loop to the weights' arrival (linear.c's pace_rows), in every library with linear.c. The
+    answers are the same either way, bit for bit. Set before the kernels run."""
+    global _pace_rows
+    if rows not in (0, PACE_ROWS):
+        raise ValueError(
+            f"pace rows {rows}: linear.c paces few-row steps with tiles of {PACE_ROWS} rows, or 0"
+        )
+    _pace_rows = rows
+    for lib in _LINKED:
+        lib.batchq_linear_set_pace_rows(rows)
 
 
 def _best_stream_times(
@@ -326,6 +361,24 @@ def measure_far_prefetch_speedup(
         rounds,
     )
     return best["near"] / best["far"]
+
+
+def measure_pace_speedup(rows: tuple[int, ...] = (1, 2, 3), megabytes: int = 96, rounds: int = 5) -> float:
+    """How much faster decode-sized steps of `rows` rows stream paced (`set_pace_rows`) than not on this
+    machine (time unpaced over paced, `_best_stream_times`), under the hint, far prefetch and tiling in
+    force. 1.0 where linear.c cannot pace."""
+    if not has_paced_tiles():
+        return 1.0
+    best = _best_stream_times(
+        {
+            "unpaced": lambda lib: lib.batchq_linear_set_pace_rows(0),
+            "paced": lambda lib: lib.batchq_linear_set_pace_rows(PACE_ROWS),
+        },
+        rows,
+        megabytes,
+        rounds,
+    )
+    return best["unpaced"] / best["paced"]
 
 
 def fma_peak(threads: int, seconds: float = 0.2) -> float:
