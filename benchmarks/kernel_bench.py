@@ -2,12 +2,19 @@
 kernel (worker/kernels/paged_decode.c) vs the torch path of worker/kernels/torch_attention.py. With
 --linear, the CPU linear kernel (worker/kernels/linear.c) against torch and against what the machine allows;
 with --moe, the CPU mixture-of-experts kernel (worker/kernels/moe.c) against its weight-streaming bound
-(benchmarks/moe_bench.py).
+(benchmarks/moe_bench.py); with --prefill-attention, the CPU prompt attention kernel
+(worker/kernels/prefill_attention.c) against torch's SDPA, float32.
 
     .venv/bin/python benchmarks/kernel_bench.py [--heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16]
     .venv/bin/python benchmarks/kernel_bench.py --cpu [--heads 9 --kv-heads 3 --head-dim 64 --dtype float32]
     .venv/bin/python benchmarks/kernel_bench.py --linear [--isa native,avx2] [--hidden 576 --inter 1536 ...]
     .venv/bin/python benchmarks/kernel_bench.py --decode-step [--model smollm2-135m --batches 1,8,32]
+    .venv/bin/python benchmarks/kernel_bench.py --prefill-attention [--heads 9 --kv-heads 3 --head-dim 64]
+
+--prefill-attention: one prompt's causal attention in one layer at several lengths, q, k and v views of one
+fused QKV output as the model hands them over; prefill_attention.c and torch's SDPA (its CPU flash kernel)
+alternating, the median of --passes rounds each, with the FLOP rate (the causal half of 4 q_len^2 D H / 2)
+and its share of the machine's float32 FMA peak.
 
 --linear: the model's real linear shapes (default SmolLM2-135M's: fused QKV, o, fused gate/up, down, LM
 head), each layer's weights a separate copy (--layers of them, cycled) so they are read from DRAM as in
@@ -358,6 +365,57 @@ def cpu_decode_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def cpu_prefill_attention(args: argparse.Namespace) -> int:
+    import statistics
+
+    import torch.nn.functional as F
+
+    from worker.kernels import native_attention, native_linear
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import machine
+
+    if native_attention.library() is None or native_linear.library() is None:
+        print("kernel_bench: the C kernels are not available here (see the warning above)")
+        return 1
+    m = machine()
+    h, kvh, d = args.heads, args.kv_heads, args.head_dim
+    peak = native_linear.fma_peak(torch.get_num_threads())
+    print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
+    print(f"command: {' '.join(sys.argv)}")
+    print(f"heads {h} over {kvh} kv heads, head dim {d}, float32; FMA peak {peak / 1e9:.0f} GFLOP/s\n")
+    print(
+        f"{'tokens':>6} | {'SDPA ms':>8} {'GFLOP/s':>7} | {'C ms':>7} {'GFLOP/s':>7} {'% peak':>6} | {'speed-up':>8}"
+    )
+    gen = torch.Generator().manual_seed(0)
+    for n in (64, 188, 600, 1200, 2400):
+        qkv = torch.randn(n, (h + 2 * kvh) * d, generator=gen)
+        q = qkv[:, : h * d].view(n, h, d)
+        k = qkv[:, h * d : (h + kvh) * d].view(n, kvh, d).transpose(0, 1)
+        v = qkv[:, (h + kvh) * d :].view(n, kvh, d).transpose(0, 1)
+        runs: dict[str, Callable[[], object]] = {
+            "sdpa": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=d**-0.5, enable_gqa=h != kvh
+            ),
+            "c": lambda q=q, k=k, v=v: native_attention.prefill(q, k, v, 0, d**-0.5),
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for fn in runs.values():
+            fn()
+        for _ in range(args.passes):
+            for name, fn in runs.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+        sdpa, c = (statistics.median(times[name]) for name in ("sdpa", "c"))
+        flops = 4 * n * n / 2 * d * h
+        print(
+            f"{n:>6} | {sdpa * 1e3:>8.2f} {flops / sdpa / 1e9:>7.1f} | {c * 1e3:>7.2f} {flops / c / 1e9:>7.1f} "
+            f"{100 * flops / c / peak:>5.0f}% | {sdpa / c:>7.2f}x"
+        )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--linear", action="store_true", help="the CPU linear kernel (linear.c)")
@@ -367,6 +425,9 @@ def main() -> int:
         action="store_true",
         help="whole CPU decode steps of --model: the stack vs layer by layer",
     )
+    parser.add_argument(
+        "--prefill-attention", action="store_true", help="CPU prompt attention: prefill_attention.c vs SDPA"
+    )
     parser.add_argument("--model", default="smollm2-135m", help="--decode-step: the model")
     parser.add_argument("--batches", default="1,8,32", help="--decode-step: sequences per step")
     parser.add_argument("--hidden", type=int, default=576, help="--linear: the model's shapes")
@@ -374,7 +435,12 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--model-layers", type=int, default=30)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="--linear: rows M of x")
-    parser.add_argument("--passes", type=int, default=5, help="--linear: timed passes (the best counts)")
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=5,
+        help="--linear: timed passes (the best counts); --prefill-attention: rounds (the median counts)",
+    )
     parser.add_argument("--cpu", action="store_true", help="the CPU kernels, even where a GPU exists")
     parser.add_argument("--layers", type=int, default=30, help="CPU: layers' caches cycled through")
     parser.add_argument("--heads", type=int, help="default: 32 (GPU), 9 (--linear, SmolLM2-135M's)")
@@ -403,9 +469,9 @@ def main() -> int:
         return cpu_decode_step(args)
     if args.moe:
         return moe_bench.run(args)
-    if args.linear:
+    if args.linear or args.prefill_attention:
         args.heads, args.kv_heads, args.head_dim = args.heads or 9, args.kv_heads or 3, args.head_dim or 64
-        return cpu_linear(args)
+        return cpu_prefill_attention(args) if args.prefill_attention else cpu_linear(args)
     args.heads, args.kv_heads, args.head_dim = args.heads or 32, args.kv_heads or 8, args.head_dim or 128
     if args.cpu or not torch.cuda.is_available():
         return cpu_decode(args)

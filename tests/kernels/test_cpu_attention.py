@@ -232,3 +232,43 @@ def test_c_kernel_outside_its_specialised_shapes(case: Case) -> None:
     )
     assert got is not None
     assert_close(got, want, case.dtype)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_the_c_prefill_kernel_matches_float64_attention_and_splits_a_prompt_without_changing_a_bit(
+    isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # prefill_attention.c on the instruction set AVX2-only CPUs run too. Shapes: one query head per kv
+    # head to 8 (SmolLM2's 3), head dims 64, 96 (half an AVX-512 tile of columns) and 128; prompts shorter
+    # than a block of keys, across block and task edges, and a chunk after a cached prefix (offset). q, k
+    # and v are views of one fused QKV row, as the model hands them over; garbage past the keys a query
+    # sees would show up as NaN.
+    if platform.machine() not in ("x86_64", "AMD64") and isa != "native":
+        pytest.skip("an x86 instruction set")
+    monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHQ_CPU_ISA", isa)
+    native_build.clear_caches()
+    try:
+        gen = torch.Generator().manual_seed(31)
+        for kvh, g, d, n in ((3, 3, 64, 203), (1, 1, 128, 5), (2, 8, 96, 130), (2, 4, 64, 64), (1, 2, 64, 1)):
+            h = kvh * g
+            qkv = torch.randn(n + 1, (h + 2 * kvh) * d, generator=gen)
+            qkv[n] = float("nan")  # a row past the prompt
+            q = qkv[:n, : h * d].view(n, h, d)
+            k = qkv[:n, h * d : (h + kvh) * d].view(n, kvh, d).transpose(0, 1)
+            v = qkv[:n, (h + kvh) * d :].view(n, kvh, d).transpose(0, 1)
+            assert native_attention.prefill_supported(q, k, v)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q.double().transpose(0, 1)[None], k.double()[None], v.double()[None], is_causal=True,
+                scale=d**-0.5, enable_gqa=True,
+            )[0].transpose(0, 1)  # fmt: skip
+
+            whole = native_attention.prefill(q, k, v, 0, d**-0.5)
+
+            assert whole is not None and whole.shape == (n, h, d)
+            torch.testing.assert_close(whole.double(), want, rtol=1e-5, atol=1e-5)
+            for cut in {n // 3, n - 1} - {0}:  # the rest of the prompt after a cached prefix of `cut` keys
+                rest = native_attention.prefill(q[cut:], k, v, cut, d**-0.5)
+                assert rest is not None and torch.equal(rest, whole[cut:]), (kvh, g, d, n, cut)
+    finally:
+        native_build.clear_caches()

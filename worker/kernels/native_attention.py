@@ -7,7 +7,7 @@ place, once, on torch's OpenMP threads (`python benchmarks/kernel_bench.py --cpu
 
 from __future__ import annotations
 
-from ctypes import c_float, c_int, c_void_p
+from ctypes import c_float, c_int, c_long, c_void_p
 from types import SimpleNamespace
 
 import torch
@@ -15,11 +15,15 @@ from torch import Tensor
 
 from worker.kernels.native_build import KERNELS, Signature, cached, load
 
-SOURCES = (KERNELS / "paged_decode.c",)
+SOURCES = (KERNELS / "paged_decode.c", KERNELS / "prefill_attention.c")
 SIGNATURES = {
     "batchq_paged_decode": Signature(c_int, [c_void_p] * 7 + [c_int] * 10 + [c_float, c_int]),
+    "batchq_prefill_attention": Signature(
+        c_int, [c_void_p] * 4 + [c_long] * 6 + [c_int] * 6 + [c_float, c_int]
+    ),
 }
 MAX_D, MAX_G = 256, 16  # paged_decode.c's limits
+PREFILL_MAX_D = 256  # prefill_attention.c's PF_MAX_D; its head_dim must also be a multiple of 16 (a vector)
 ELEMENT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # paged_decode.c's `elem`
 
 
@@ -89,3 +93,41 @@ def paged_decode(
     if rc != 0:
         return None
     return out if lse is not None else out.to(q.dtype)
+
+
+def prefill_supported(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether prefill_attention.c takes this call: float32 on the CPU, head_dim a multiple of 16 up to
+    PREFILL_MAX_D, each row's head_dim contiguous and q's heads head_dim apart."""
+    d = q.shape[-1]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and d % 16 == 0
+        and d <= PREFILL_MAX_D
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and q.stride(1) == d
+        and library() is not None
+    )
+
+
+def prefill(
+    q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float, out: Tensor | None = None
+) -> Tensor | None:
+    """Causal attention of one sequence's new queries (prefill_attention.c; check `prefill_supported`):
+    q [q_len, heads, D], query j at key position offset + j; k, v [kv_heads, n, D] (any row and head
+    strides). -> [q_len, heads, D] float32 (`out` if given: float32, its rows' heads contiguous), or None
+    if the kernel could not allocate its scratch."""
+    lib = library()
+    assert lib is not None
+    q_len, h, d = q.shape
+    kvh, n, _ = k.shape
+    assert offset + q_len <= n and h % kvh == 0, (offset, q_len, n, h, kvh)
+    if out is None:
+        out = torch.empty(q_len, h, d, dtype=torch.float32)
+    assert out.shape == q.shape and out.dtype == torch.float32 and out.stride()[1:] == (d, 1), out.stride()
+    rc = lib.batchq_prefill_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.stride(0), k.stride(1), k.stride(0),
+        v.stride(1), v.stride(0), out.stride(0), q_len, n, offset, h, kvh, d, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    assert rc != -2, f"prefill_attention.c refused q {tuple(q.shape)}, k {tuple(k.shape)}"
+    return out if rc == 0 else None

@@ -1,6 +1,6 @@
 """The torch attention backend: paged attention in torch ops, on any device (the CPU path, and CUDA when
-Triton is unavailable or not asked for); on the CPU, decode runs in C (native_attention.py) where the
-backend turns the C kernels on.
+Triton is unavailable or not asked for); on the CPU, decode and float32 prefill run in C
+(native_attention.py) where the backend turns the C kernels on.
 
 Cache layout (one layer): k_cache, v_cache: [kv_heads, num_blocks, block_size, head_dim], kv-head
 outermost (reference.py and the Triton kernels use [num_blocks, block_size, kv_heads, head_dim]).
@@ -18,8 +18,9 @@ narrower than that (kv_cache_dtype) widens as it is read. Scores are rounded to 
 softmax, which runs in float32 inside (HF's eager attention does the same). SDPA's flash kernel is slower
 here: its tiles do only a few query rows of work per call at decode.
 Prefill attends over each sequence's own K/V from this step (nothing read back from the cache) unless
-the sequence continues a cached prefix: in float32 with one causal SDPA call, in bf16/fp16 (and wherever
-a layer has a sliding window or soft-capping) as causal tiles of batched matmuls (causal_tiles.py).
+the sequence continues a cached prefix: in float32 with the C kernel (prefill_attention.c, with the C
+kernels on) or one causal SDPA call, in bf16/fp16 (and wherever a layer has a sliding window or
+soft-capping) as causal tiles of batched matmuls (causal_tiles.py).
 """
 
 from __future__ import annotations
@@ -317,6 +318,9 @@ class TorchAttention:
             offset = n - (e - s) - first * bs  # the first query's position among the keys read
             if not plain or (tiled and e - s >= TILE_ROWS // 2):
                 out[s:e] = causal_tiles(q[s:e], ki, vi, offset, scale, window, softcap, sinks)
+                continue
+            native = self.native and native_attention.prefill_supported(q[s:e], ki, vi)
+            if native and native_attention.prefill(q[s:e], ki, vi, offset, scale, out=out[s:e]) is not None:
                 continue
             qi = q[s:e].transpose(0, 1)  # [H, q_len, D]
             # 4-D inputs: CPU SDPA only takes its fused flash kernel for [batch, heads, len, dim].
