@@ -152,7 +152,9 @@ static void task(const Job *job, const int kh, const int a, const int b, const S
     for (int kb = 0; kb * KB <= last_key; kb++) {
         const int k0 = kb * KB, kn = job->n_k - k0 < KB ? job->n_k - k0 : KB;
         const float *kt = job->kt + ((size_t)kh * job->blocks + kb) * d * KB;
-        const int cols = (kn + 2 * VL - 1) / (2 * VL) * (2 * VL);
+        /* scores for the keys the task's last row sees, in whole tiles of keys (the rest are never read) */
+        const int need = last_key - k0 + 1 < kn ? last_key - k0 + 1 : kn;
+        const int cols = (need + 2 * VL - 1) / (2 * VL) * (2 * VL);
         for (int r0 = 0; r0 < rows; r0 += TR) {
             const int tr = rows - r0 < TR ? rows - r0 : TR;
             for (int c0 = 0; c0 < cols; c0 += 2 * VL)
