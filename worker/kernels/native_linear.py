@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable
 from ctypes import c_float, c_int, c_long, c_void_p
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -273,13 +272,14 @@ def set_pace_rows(rows: int) -> None:
         lib.batchq_linear_set_pace_rows(rows)
 
 
-def _best_stream_times(
-    settings: dict[str, Callable[[SimpleNamespace], None]], rows: tuple[int, ...], megabytes: int, rounds: int
-) -> dict[str, float]:
-    """Seconds for products of `rows` rows over `megabytes` of float32 weights under each of `settings`
-    (each a function that sets linear.c up for it), best of `rounds` interleaved. The weights are more than
-    most last-level caches hold, so they come from memory as a model's do (a CPU with a larger L3 serves
-    part of a small model's from it too). linear.c's settings are restored after."""
+def _setting_speedup(
+    setter: str, off: int, on: int, rows: tuple[int, ...], megabytes: int, rounds: int
+) -> float:
+    """How much faster products of `rows` rows over `megabytes` of float32 weights stream with linear.c's
+    setting `setter` (a name of SETTING_SIGNATURES) at `on` than at `off`: the time at off over the time at
+    on, each the best of `rounds` interleaved, linear.c's other settings as in force. The weights are more
+    than most last-level caches hold, so they come from memory as a model's do (a CPU with a larger L3
+    serves part of a small model's from it too). linear.c's settings are restored after."""
     lib = library()
     assert lib is not None
     k, n = 576, 3072  # a small model's MLP: 6.75 MB a weight
@@ -287,9 +287,10 @@ def _best_stream_times(
     xs = {m: torch.randn(m, k) for m in rows}
     y = torch.empty(max(rows), n)
     threads = torch.get_num_threads()
+    set_it = getattr(lib, setter)
 
-    def timed(setting: Callable[[SimpleNamespace], None]) -> float:
-        setting(lib)
+    def timed(value: int) -> float:
+        set_it(value)
         t0 = time.perf_counter()
         for m, x in xs.items():
             for w in weights:
@@ -297,88 +298,51 @@ def _best_stream_times(
         return time.perf_counter() - t0
 
     try:
-        for setting in settings.values():
-            timed(setting)  # warm-up: page faults, the thread pool
-        best = dict.fromkeys(settings, float("inf"))
+        for value in (off, on):
+            timed(value)  # warm-up: page faults, the thread pool
+        best = {off: float("inf"), on: float("inf")}
         for _ in range(rounds):
-            for name, setting in settings.items():
-                best[name] = min(best[name], timed(setting))
+            for value in (off, on):
+                best[value] = min(best[value], timed(value))
     finally:
         _give_settings(lib)
-    return best
+    return best[off] / best[on]
 
 
 def measure_wide_tile_speedup(rows: tuple[int, ...] = (1, 3), megabytes: int = 96, rounds: int = 5) -> float:
     """How much faster whole-panel tiles stream decode-sized steps than half-panel ones on this machine
-    (half-panel time over whole-panel, `_best_stream_times`), under the prefetch hint in force. 1.0 where
-    linear.c has no such choice."""
+    (`_setting_speedup`), under the prefetch hint in force. 1.0 where linear.c has no such choice."""
     if not has_wide_tiles():
         return 1.0
-    best = _best_stream_times(
-        {
-            "halves": lambda lib: lib.batchq_linear_set_wide_rows(0),
-            "whole": lambda lib: lib.batchq_linear_set_wide_rows(WIDE_ROWS),
-        },
-        rows,
-        megabytes,
-        rounds,
-    )
-    return best["halves"] / best["whole"]
+    return _setting_speedup("batchq_linear_set_wide_rows", 0, WIDE_ROWS, rows, megabytes, rounds)
 
 
 def measure_prefetch_t0_speedup(
     rows: tuple[int, ...] = (1, 4, 16), megabytes: int = 96, rounds: int = 5
 ) -> float:
     """How much faster linear.c streams weights prefetching them with prefetcht0 than with prefetchnta on
-    this machine (nta time over t0, `_best_stream_times`), under the tiling in force."""
-    best = _best_stream_times(
-        {
-            "nta": lambda lib: lib.batchq_linear_set_prefetch_t0(0),
-            "t0": lambda lib: lib.batchq_linear_set_prefetch_t0(1),
-        },
-        rows,
-        megabytes,
-        rounds,
-    )
-    return best["nta"] / best["t0"]
+    this machine (`_setting_speedup`), under the tiling in force."""
+    return _setting_speedup("batchq_linear_set_prefetch_t0", 0, 1, rows, megabytes, rounds)
 
 
 def measure_far_prefetch_speedup(
     rows: tuple[int, ...] = (1, 4, 16), megabytes: int = 96, rounds: int = 5
 ) -> float:
     """How much faster linear.c streams decode-sized steps' weights with the far prefetch into L2 than
-    without it on this machine (time without over time with, `_best_stream_times`), under the hint and
-    tiling in force. 1.0 where linear.c has no far prefetch."""
+    without it on this machine (`_setting_speedup`), under the hint and tiling in force. 1.0 where linear.c
+    has no far prefetch."""
     if not has_far_prefetch():
         return 1.0
-    best = _best_stream_times(
-        {
-            "near": lambda lib: lib.batchq_linear_set_far_prefetch(0),
-            "far": lambda lib: lib.batchq_linear_set_far_prefetch(1),
-        },
-        rows,
-        megabytes,
-        rounds,
-    )
-    return best["near"] / best["far"]
+    return _setting_speedup("batchq_linear_set_far_prefetch", 0, 1, rows, megabytes, rounds)
 
 
 def measure_pace_speedup(rows: tuple[int, ...] = (1, 2, 3), megabytes: int = 96, rounds: int = 5) -> float:
     """How much faster decode-sized steps of `rows` rows stream paced (`set_pace_rows`) than not on this
-    machine (time unpaced over paced, `_best_stream_times`), under the hint, far prefetch and tiling in
-    force. 1.0 where linear.c cannot pace."""
+    machine (`_setting_speedup`), under the hint, far prefetch and tiling in force. 1.0 where linear.c
+    cannot pace."""
     if not has_paced_tiles():
         return 1.0
-    best = _best_stream_times(
-        {
-            "unpaced": lambda lib: lib.batchq_linear_set_pace_rows(0),
-            "paced": lambda lib: lib.batchq_linear_set_pace_rows(PACE_ROWS),
-        },
-        rows,
-        megabytes,
-        rounds,
-    )
-    return best["unpaced"] / best["paced"]
+    return _setting_speedup("batchq_linear_set_pace_rows", 0, PACE_ROWS, rows, megabytes, rounds)
 
 
 def fma_peak(threads: int, seconds: float = 0.2) -> float:
