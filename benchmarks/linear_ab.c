@@ -66,11 +66,19 @@ int main(int argc, char **argv) {
     static const int shapes[4][2] = {{576, 960}, {576, 576}, {576, 3072}, {1536, 576}};
     const char *weight = getenv("BATCHQ_AB_WEIGHT");
     const int q4 = weight && !strcmp(weight, "q4");
+    /* BATCHQ_AB_COPIES=c: only c distinct layers' weights (layer i uses copy i % c), the LM head too is a
+       qkv-sized copy: with c = 1 the step's weights stay in the caches and the FMA side is timed alone */
+    const char *copies_env = getenv("BATCHQ_AB_COPIES");
+    const int copies = copies_env && atoi(copies_env) > 0 && atoi(copies_env) < LAYERS ? atoi(copies_env) : 0;
     int ks[LINEARS], ns[LINEARS];
     LinearWeight ws[LINEARS];
     for (int i = 0; i < LINEARS; i++) {
         ks[i] = i < 4 * LAYERS ? shapes[i % 4][0] : 576;
-        ns[i] = i < 4 * LAYERS ? shapes[i % 4][1] : 49152;
+        ns[i] = i < 4 * LAYERS ? shapes[i % 4][1] : copies ? 960 : 49152;
+        if (copies && i >= 4 * copies) {
+            ws[i] = ws[i < 4 * LAYERS ? i % (4 * copies) : 0];
+            continue;
+        }
         const size_t n = (size_t)((ns[i] + 31) / 32) * 32 * (size_t)ks[i]; /* packed panels of 32 */
         memset(&ws[i], 0, sizeof ws[i]);
         if (q4) {
@@ -121,11 +129,14 @@ int main(int argc, char **argv) {
             for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, rows, ks[i], ns[i], 2);
             ms[(size_t)b * rounds + r] = (now() - t) * 1e3;
         }
+    double flops = 0;
+    for (int i = 0; i < LINEARS; i++) flops += 2.0 * rows * ks[i] * ns[i];
     printf("%d rows, %d rounds: one decode step's %s linears, ms\n", rows, rounds, q4 ? "Q4" : "float32");
     for (int b = 0; b < builds; b++) {
         double *v = ms + (size_t)b * rounds;
         qsort(v, (size_t)rounds, sizeof(double), by_value);
-        printf("build %d: median %.1f  min %.1f\n", b, v[rounds / 2], v[0]);
+        printf("build %d: median %.1f  min %.1f  (%.0f GFLOP/s at the median)\n", b, v[rounds / 2], v[0],
+               flops / v[rounds / 2] * 1e-6);
     }
     return 0;
 }
