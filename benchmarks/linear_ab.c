@@ -18,7 +18,7 @@
    whole-panel rows and paced rows, set through its setters (a build without a setter ignores it). A library dlopened twice is one library with one set of
    settings: copy the .so to compare settings of one build. Float32 weights, or with BATCHQ_AB_WEIGHT=q4 the
    default engine's: 4-bit in groups of 32 rows with float16 scales and offsets (~150 MB, Q4_1's layout as
-   gguf_weights.py keeps it); 2 threads; prints the min and median ms of each build. */
+   gguf_weights.py keeps it); BATCHQ_AB_COPIES=c reuses c layers' weights (1: they stay in cache); 2 threads; prints the min and median ms of each build. */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -69,7 +69,12 @@ int main(int argc, char **argv) {
     /* BATCHQ_AB_COPIES=c: only c distinct layers' weights (layer i uses copy i % c), the LM head too is a
        qkv-sized copy: with c = 1 the step's weights stay in the caches and the FMA side is timed alone */
     const char *copies_env = getenv("BATCHQ_AB_COPIES");
-    const int copies = copies_env && atoi(copies_env) > 0 && atoi(copies_env) < LAYERS ? atoi(copies_env) : 0;
+    const int copies = copies_env ? atoi(copies_env) : 0;
+    if (copies_env && (copies < 1 || copies >= LAYERS)) {
+        fprintf(stderr, "BATCHQ_AB_COPIES=%s: expected a number of layer copies from 1 to %d\n", copies_env,
+                LAYERS - 1);
+        return 2;
+    }
     int ks[LINEARS], ns[LINEARS];
     LinearWeight ws[LINEARS];
     for (int i = 0; i < LINEARS; i++) {
