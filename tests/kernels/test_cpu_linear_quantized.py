@@ -8,6 +8,7 @@ import ctypes
 import itertools
 import platform
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,13 +39,17 @@ def reference_groups(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, o: torch
     return y if bias is None else y + bias.double()
 
 
-def _use_linear_c_built_with(flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """native_linear's calls go to linear.c built with `flags` (e.g. a narrower -march) for this test."""
+def _use_linear_c_built_with(
+    flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> SimpleNamespace:
+    """native_linear's calls go to linear.c built with `flags` (e.g. a narrower -march) for this test: the
+    library, returned, is this test's own (its settings reach no other)."""
     monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
     cc = native_build.compiler()
     assert cc is not None
     lib = native_build.bind(native_build.build(cc, native_linear.SOURCES, flags), native_linear.SIGNATURES)
     monkeypatch.setattr(native_linear, "library", lambda: lib)
+    return lib
 
 
 # Rows: the wide tiles (1-3), the K-blocked path's tiles and their remainders (4-64), the prompt path (> 64);
@@ -229,7 +234,7 @@ def test_a_rows_answer_is_the_same_whatever_rows_share_its_step(
     # chunks and a remainder that is not a whole block (19 groups of 32); 1,100 outputs: more panels than a
     # group per thread, and a partial last panel, where int8 and FP8 outputs, times their scales, once went
     # out through other code than decode's.
-    _use_linear_c_built_with(flags, tmp_path, monkeypatch)
+    lib = _use_linear_c_built_with(flags, tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(21)
     k, n = 608, 1100
     x = torch.randn(200, k, generator=gen)
@@ -240,7 +245,14 @@ def test_a_rows_answer_is_the_same_whatever_rows_share_its_step(
             # 16 rows: tiles over a K block (grouped weights dequantised into a buffer first); 1: one row's
             # product in registers; 2 and 5: grouped weights dequantised in registers by one tile of rows
             for m in (16, 1, 2, 5):
-                rows = native_linear.linear_w(x[r0 : r0 + m], weight, n, scale=scale, bias=bias)
-                assert torch.equal(prompt[r0 : r0 + m], rows), (name, r0, m)
+                # and with the AVX2 build's measured choices (no-ops elsewhere): few rows through paced
+                # 6-row tiles, or 1-3 rows through whole-panel ones
+                for pace, wide in ((0, 0), (native_linear.PACE_ROWS, 0), (0, native_linear.WIDE_ROWS)):
+                    lib.batchq_linear_set_pace_rows(pace)
+                    lib.batchq_linear_set_wide_rows(wide)
+                    rows = native_linear.linear_w(x[r0 : r0 + m], weight, n, scale=scale, bias=bias)
+                    assert torch.equal(prompt[r0 : r0 + m], rows), (name, r0, m, pace, wide)
+                lib.batchq_linear_set_pace_rows(0)
+                lib.batchq_linear_set_wide_rows(0)
         want = x.double() @ ref.t() + bias.double()
         torch.testing.assert_close(prompt.double(), want, rtol=1e-5, atol=1e-4, msg=name)

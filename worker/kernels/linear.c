@@ -249,31 +249,6 @@ static inline vf u32_to_f32(vu32 v) {
 #endif
 }
 
-/* acc + xs * w and s * q - o, each one fused multiply-add. The results must not depend on which code
-   computed them (a row's answer is the same whatever rows share its step), and left to -ffp-contract GCC
-   does not always fuse: where two rows of an AVX-512 decode tile can read the same x row (a paced tile's
-   repeats of row 0), it kept their shared product as a multiply and an add, rounded twice, and tiles of 7
-   or more rows then gave their first and last rows other answers than the prompt path did. */
-static inline __attribute__((always_inline)) vf fmadd_x(const float xs, const vf w, const vf acc) {
-#if defined(__AVX512F__)
-    return (vf)_mm512_fmadd_ps(_mm512_set1_ps(xs), (__m512)w, (__m512)acc);
-#elif defined(__FMA__)
-    return (vf)_mm256_fmadd_ps(_mm256_set1_ps(xs), (__m256)w, (__m256)acc);
-#else
-    return acc + xs * w;
-#endif
-}
-
-static inline __attribute__((always_inline)) vf fmsub_v(const vf s, const vf q, const vf o) {
-#if defined(__AVX512F__)
-    return (vf)_mm512_fmsub_ps((__m512)s, (__m512)q, (__m512)o);
-#elif defined(__FMA__)
-    return (vf)_mm256_fmsub_ps((__m256)s, (__m256)q, (__m256)o);
-#else
-    return s * q - o;
-#endif
-}
-
 /* FP8 E4M3 (float8_e4m3fn) -> float32: its exponent and mantissa bits moved to float32's positions read as
    a float32 with bias 127; times 2^120 that is the value, subnormals included (exact). */
 static inline vf load_fp8(const uint8_t *p) {
@@ -342,12 +317,12 @@ static void dequantize(const LinearWeight *lw, const int K, const int panel, con
                 for (int j = 0; j < PANEL_VECS / 2; j++) {
                     const vu32 b = widen_u8(row + j * VL);
                     const int hi = j + PANEL_VECS / 2;
-                    *(vf *)(out + j * VL) = fmsub_v(s[j], u32_to_f32(b & 0xF), o[j]);
-                    *(vf *)(out + hi * VL) = fmsub_v(s[hi], u32_to_f32(b >> 4), o[hi]);
+                    *(vf *)(out + j * VL) = s[j] * u32_to_f32(b & 0xF) - o[j];
+                    *(vf *)(out + hi * VL) = s[hi] * u32_to_f32(b >> 4) - o[hi];
                 }
             } else {
                 for (int j = 0; j < PANEL_VECS; j++)
-                    *(vf *)(out + j * VL) = fmsub_v(s[j], load_w((const char *)row + j * VL, I8), o[j]);
+                    *(vf *)(out + j * VL) = s[j] * load_w((const char *)row + j * VL, I8) - o[j];
             }
         }
     }
@@ -398,7 +373,7 @@ static inline __attribute__((always_inline)) void tile(
                    FMA's operand. (A vector built as `(vf){0} + x` costs a scalar add and a register
                    broadcast per row and k: -0.0 + 0.0 is not -0.0, so the add cannot be dropped.) */
                 const float xs = x[(size_t)i * K + k];
-                for (int j = 0; j < nv; j++) acc[i][j] = fmadd_x(xs, wv[j], acc[i][j]);
+                for (int j = 0; j < nv; j++) acc[i][j] += xs * wv[j];
             }
         }
         for (int i = 0; i < mr; i++)
@@ -486,7 +461,7 @@ static const tile_fn WIDE_FNS[3][3] = {WROW(0), WROW(1), WROW(2)};
 #define A_LOAD(i, j) \
     if (mx > i && nv > j && !first) a##i##j = *(const vf *)(part + (size_t)i * PANEL + j * VL);
 #define A_FMA(i, j) \
-    if (nv > j) a##i##j = fmadd_x(xs, w##j, a##i##j);
+    if (nv > j) a##i##j += xs * w##j;
 #define A_STORE(i, j)                                                          \
     if (mx > i && nv > j) {                                                    \
         float *t_ = (last ? tot : part) + (size_t)i * PANEL + j * VL;          \
@@ -549,9 +524,9 @@ static inline __attribute__((always_inline)) vf dq_vec(const uint8_t *row, const
                                                        const int elem) {
     if (elem == Q4) {
         const vu32 b = widen_u8(row + (j % (PANEL_VECS / 2)) * VL);
-        return fmsub_v(s, u32_to_f32(j >= PANEL_VECS / 2 ? b >> 4 : b & 0xF), o);
+        return s * u32_to_f32(j >= PANEL_VECS / 2 ? b >> 4 : b & 0xF) - o;
     }
-    return fmsub_v(s, load_w((const char *)row + j * VL, I8), o);
+    return s * load_w((const char *)row + j * VL, I8) - o;
 }
 
 /* mr rows of x (stride K, from the block's first row) against rows k0 .. k0 + kn - 1 of vectors j0, j0 + 1
@@ -596,6 +571,15 @@ static inline __attribute__((always_inline)) void kb_tile(
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++)
             acc[i][j] = first || i >= mx ? (vf){0} : *(const vf *)(part + (size_t)i * PANEL + j * VL);
+    /* Each row's x, opaque to the compiler: a row past mx reads row 0, and where GCC could see two rows
+       read the same x it shared their product and left it a multiply and an add, rounded twice, not the
+       FMA every other path computes (tiles of 7-12 rows then answered their first and last rows
+       differently from the prompt path). */
+    const float *xr[MR];
+    for (int i = 0; i < mr; i++) {
+        xr[i] = x + (size_t)(i < mx ? i : 0) * K;
+        __asm__("" : "+r"(xr[i]));
+    }
     for (int k = 0; k < kn; k++) {
         const char *p = w + (size_t)k * stride;
         if (k < npf) PREFETCH_NEAR_FAR(pf + (size_t)k * 64);
@@ -603,8 +587,8 @@ static inline __attribute__((always_inline)) void kb_tile(
         vf wv[PANEL_VECS];
         for (int j = 0; j < nv; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
         for (int i = 0; i < mr; i++) {
-            const float xs = x[(size_t)(i < mx ? i : 0) * K + k];
-            for (int j = 0; j < nv; j++) acc[i][j] = fmadd_x(xs, wv[j], acc[i][j]);
+            const float xs = xr[i][k];
+            for (int j = 0; j < nv; j++) acc[i][j] += xs * wv[j];
         }
     }
     for (int i = 0; i < mx; i++)
@@ -720,14 +704,14 @@ static void q_row(const float *x, const LinearWeight *lw, const int K, const int
                 for (int j = 0; j < PANEL_VECS / 2; j++) {
                     const vu32 b = widen_u8(row + j * VL);
                     const int hi = j + PANEL_VECS / 2;
-                    const vf lo_w = fmsub_v(s[j], u32_to_f32(b & 0xF), o[j]), hi_w = fmsub_v(s[hi], u32_to_f32(b >> 4), o[hi]);
-                    acc[j] = fmadd_x(xs, lo_w, acc[j]);
-                    acc[hi] = fmadd_x(xs, hi_w, acc[hi]);
+                    const vf lo_w = s[j] * u32_to_f32(b & 0xF) - o[j], hi_w = s[hi] * u32_to_f32(b >> 4) - o[hi];
+                    acc[j] += xs * lo_w;
+                    acc[hi] += xs * hi_w;
                 }
             } else {
                 for (int j = 0; j < PANEL_VECS; j++) {
-                    const vf wv = fmsub_v(s[j], load_w((const char *)row + j * VL, I8), o[j]);
-                    acc[j] = fmadd_x(xs, wv, acc[j]);
+                    const vf wv = s[j] * load_w((const char *)row + j * VL, I8) - o[j];
+                    acc[j] += xs * wv;
                 }
             }
         }
@@ -893,7 +877,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *xp, con
             const float *xk = xp + (size_t)k * GMR;
             for (int i = 0; i < GMR; i++) {
                 const float xs = xk[i];
-                for (int j = 0; j < NV; j++) acc[i][j] = fmadd_x(xs, wv[j], acc[i][j]);
+                for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
             }
         }
         for (int i = 0; i < GMR; i++)
