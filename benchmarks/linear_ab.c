@@ -1,5 +1,5 @@
-/* Paired A/B of linear.c builds: one decode step's linears of SmolLM2-135M (30 layers + the LM head, every
-   layer's weights its own copy, ~540 MB of float32, so they stream from memory as in the model), timed with
+/* Paired A/B of linear.c builds: one step's linears of SmolLM2-135M (30 layers + the LM head, every layer's
+   weights its own copy, ~540 MB of float32, so they stream from memory as in the model), timed with
    each build in turn, round after round, in one process. On a host whose cores other work shares, a
    figure from one run and one from another minutes later differ by more than most changes do; builds
    alternating within each round meet the same moments, and the medians compare.
@@ -11,7 +11,8 @@
      cc $F -Iworker/kernels worker/kernels/linear.c -o /tmp/new.so -lm
      mkdir -p /tmp/old && git show HEAD~1:worker/kernels/linear.c > /tmp/old/linear.c \
        && cp worker/kernels/linear.h /tmp/old/ && cc $F -I/tmp/old /tmp/old/linear.c -o /tmp/old.so -lm
-     /tmp/linear_ab 15 16 /tmp/old.so /tmp/new.so                 # 15 rounds, 16 rows
+     /tmp/linear_ab 15 16 /tmp/old.so /tmp/new.so                 # 15 rounds, 16 rows (a decode step)
+     /tmp/linear_ab 5 2048 /tmp/old.so /tmp/new.so                 # a prompt step: the LM head takes 64
      /tmp/linear_ab 15 16 /tmp/new.so:1:0:0:0 /tmp/far.so:1:1:0:0  # a build's settings: t0:far:wide:pace
 
    A build's settings (default 1:0:0:0) are linear.c's prefetch hint (1: prefetcht0), far prefetch,
@@ -34,6 +35,7 @@ typedef int (*setter_fn)(int);
 #define LAYERS 30
 #define LINEARS (4 * LAYERS + 1)
 #define MAX_BUILDS 8
+#define HEAD_ROWS 64
 
 static double now(void) {
     struct timespec t;
@@ -58,8 +60,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int rounds = atoi(argv[1]), rows = atoi(argv[2]), builds = argc - 3;
-    if (rounds < 1 || rows < 1 || rows > 64) {
-        fprintf(stderr, "rounds >= 1 and rows 1..64\n");
+    if (rounds < 1 || rows < 1 || rows > 8192) {
+        fprintf(stderr, "rounds >= 1 and rows 1..8192\n");
         return 2;
     }
     /* SmolLM2-135M: qkv, o, gate_up, down (K x N) per layer, and the tied LM head */
@@ -101,7 +103,10 @@ int main(int argc, char **argv) {
         }
     }
     float *x = aligned_alloc(64, (size_t)rows * 1536 * sizeof(float));
-    float *y = aligned_alloc(64, (size_t)rows * 49152 * sizeof(float));
+    /* a prompt-sized step's LM head takes a few rows (each sequence's last): at most HEAD_ROWS here */
+    const int head_rows = rows < HEAD_ROWS ? rows : HEAD_ROWS;
+    float *y = aligned_alloc(64, (size_t)(rows * 3072 > head_rows * 49152 ? rows * 3072 : head_rows * 49152) *
+                                     sizeof(float));
     if (!x || !y) return 1;
     for (int i = 0; i < rows * 1536; i++) x[i] = (float)(i % 97) / 97.0f;
 
@@ -127,16 +132,17 @@ int main(int argc, char **argv) {
     double *ms = malloc(sizeof(double) * (size_t)rounds * (size_t)builds);
     if (!ms) return 1;
     for (int b = 0; b < builds; b++) /* a round untimed: page faults, the thread pool's start */
-        for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, rows, ks[i], ns[i], 2);
+        for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, i < 4 * LAYERS ? rows : head_rows, ks[i], ns[i], 2);
     for (int r = 0; r < rounds; r++)
         for (int b = 0; b < builds; b++) {
             const double t = now();
-            for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, rows, ks[i], ns[i], 2);
+            for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, i < 4 * LAYERS ? rows : head_rows, ks[i], ns[i], 2);
             ms[(size_t)b * rounds + r] = (now() - t) * 1e3;
         }
     double flops = 0;
-    for (int i = 0; i < LINEARS; i++) flops += 2.0 * rows * ks[i] * ns[i];
-    printf("%d rows, %d rounds: one decode step's %s linears, ms\n", rows, rounds, q4 ? "Q4" : "float32");
+    for (int i = 0; i < LINEARS; i++) flops += 2.0 * (i < 4 * LAYERS ? rows : head_rows) * ks[i] * ns[i];
+    printf("%d rows (the LM head %d), %d rounds: one step's %s linears, ms\n", rows, head_rows, rounds,
+           q4 ? "Q4" : "float32");
     for (int b = 0; b < builds; b++) {
         double *v = ms + (size_t)b * rounds;
         qsort(v, (size_t)rounds, sizeof(double), by_value);
