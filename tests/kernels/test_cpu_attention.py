@@ -144,12 +144,38 @@ def test_write_kv_matches_reference(case: Case) -> None:
     v = torch.randn(37, case.kv_heads, case.head_dim, generator=gen)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     reference.write_kv(k, v, want_k, want_v, slots)
-    got_k, got_v = cpu_layout(k_cache), cpu_layout(v_cache)
+    # torch ops, and paged_decode.c's one pass (K and V as strided views into a fused QKV output, as the
+    # model hands them over)
+    qkv = torch.cat(
+        [torch.randn(37, 2, case.kv_heads, case.head_dim, generator=gen), k[:, None], v[:, None]], 1
+    )
+    for native, (kk, vv) in ((False, (k, v)), (True, (k, v)), (True, (qkv[:, 2], qkv[:, 3]))):
+        got_k, got_v = cpu_layout(k_cache), cpu_layout(v_cache)
+        if native:
+            assert native_attention.write_kv(kk, vv, got_k, got_v, slots)  # what native=True runs
+        else:
+            TorchAttention(native=False).write_kv(kk, vv, got_k, got_v, slots)
+        torch.testing.assert_close(got_k, cpu_layout(want_k), atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(got_v, cpu_layout(want_v), atol=0, rtol=0, equal_nan=True)
 
-    TorchAttention.write_kv(k, v, got_k, got_v, slots)
 
-    torch.testing.assert_close(got_k, cpu_layout(want_k), atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(got_v, cpu_layout(want_v), atol=0, rtol=0, equal_nan=True)
+def test_write_kv_in_c_writes_an_fp8_cache_as_the_torch_ops_do() -> None:
+    # saturation past 448, subnormals, signs: the cast's edge cases, through the C pass and the torch ops
+    gen = torch.Generator().manual_seed(9)
+    case = GRID[2]
+    k_cache, v_cache = (cpu_layout(c).to(torch.float8_e4m3fn) for c in garbage_cache(case, 5, gen))
+    slots = torch.randperm(5 * case.block_size, generator=gen)[:50]
+    qkv = (
+        torch.randn(50, 4, case.kv_heads, case.head_dim, generator=gen)
+        * torch.tensor([1e-3, 1.0, 300.0, 2e3])[
+            torch.randint(0, 4, (50, 4, case.kv_heads, case.head_dim), generator=gen)
+        ]
+    )
+    want = [c.clone() for c in (k_cache, v_cache)]
+    TorchAttention(native=False).write_kv(qkv[:, 2], qkv[:, 3], *want, slots)
+    assert native_attention.write_kv(qkv[:, 2], qkv[:, 3], k_cache, v_cache, slots)
+    for got, ref in zip((k_cache, v_cache), want, strict=True):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 
 
 def test_length_groups_cover_every_sequence_once_with_bounded_padding() -> None:

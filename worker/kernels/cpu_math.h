@@ -24,4 +24,43 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* float32 -> bfloat16, rounding to nearest even as torch's .to(torch.bfloat16) does. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* float32 -> FP8 E4M3 (torch.float8_e4m3fn) as torch's CPU .to() converts: round to nearest even,
+   saturating at +-448 (torch's CPU cast saturates; NaN stays NaN). Checked against torch over random bit
+   patterns in tests/kernels/test_decode_stack.py. */
+static inline uint8_t to_fp8(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u > 0x7F800000u) {
+        r = 0x7F; /* NaN */
+    } else if (u > 0x43E80000u) {
+        r = 0x7E; /* past 464, where 448 would round up to 480, which E4M3FN lacks (its NaN): 448 */
+    } else if (u < (121u << 23)) {
+        /* below 2^-6, the smallest normal: the float addition to 2^-(141-127) rounds the subnormal */
+        const uint32_t magic = 141u << 23;
+        float a, m;
+        memcpy(&a, &u, sizeof a);
+        memcpy(&m, &magic, sizeof m);
+        const float sum = a + m;
+        uint32_t b;
+        memcpy(&b, &sum, sizeof b);
+        r = (uint8_t)(b - magic);
+    } else {
+        const uint32_t odd = (u >> 20) & 1u;
+        u += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
+        r = (uint8_t)(u >> 20);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
 #endif

@@ -21,6 +21,9 @@ SIGNATURES = {
     "batchq_prefill_attention": Signature(
         c_int, [c_void_p] * 4 + [c_long] * 6 + [c_int] * 6 + [c_float, c_int]
     ),
+    "batchq_write_kv": Signature(
+        None, [c_void_p, c_long, c_long, c_void_p, c_int, c_int, c_int, c_void_p, c_long, c_int]
+    ),
 }
 MAX_D, MAX_G = 256, 16  # paged_decode.c's limits
 PREFILL_MAX_D = 256  # prefill_attention.c's PF_MAX_D; its head_dim must also be a multiple of 16 (a vector)
@@ -93,6 +96,43 @@ def paged_decode(
     if rc != 0:
         return None
     return out if lse is not None else out.to(q.dtype)
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> bool:
+    """torch_attention.TorchAttention.write_kv's contract in one C pass (paged_decode.c's batchq_write_kv)
+    where it applies: float32 K and V on the CPU, each head's values contiguous (rows and heads at any
+    stride: a fused QKV output's K and V as they are), caches the kernel reads. False: not written."""
+    if not (
+        k.dtype == v.dtype == torch.float32
+        and k.device.type == "cpu"
+        and k.stride(-1) == v.stride(-1) == 1
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and cache_supported(k_cache)
+        and v_cache.dtype == k_cache.dtype
+    ):
+        return False
+    lib = library()
+    assert lib is not None
+    kvh, nb, bs, d = k_cache.shape
+    t = k.shape[0]
+    assert k.shape == v.shape == (t, kvh, d) and slot_mapping.shape == (t,)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    elem = ELEMENT_TYPES[k_cache.dtype]
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        lib.batchq_write_kv(
+            x.data_ptr(),
+            x.stride(0),
+            x.stride(1),
+            slots.data_ptr(),
+            t,
+            kvh,
+            d,
+            cache.data_ptr(),
+            nb * bs,
+            elem,
+        )
+    return True
 
 
 def prefill_supported(q: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -247,3 +247,27 @@ int batchq_paged_decode(const float *q, const void *k, const void *v, float *out
     }
     return failed ? -1 : 0;
 }
+
+/* This step's K or V into one layer's paged cache: token t's kv_heads heads of D values (x: row stride
+   row_stride, head stride head_stride, in floats) into slot slots[t] (block * block_size + offset) of
+   every kv head, cache [kv_heads, nbs slots, D] of `elem`, converted as torch's .to() converts (bfloat16:
+   to nearest even; FP8: saturating). What the torch path's transpose, cast and index_copy_ write, in one
+   pass: that chain over a fused QKV output's strided K and V cost a prompt step as much as its SiLU. */
+void batchq_write_kv(const float *x, long row_stride, long head_stride, const int64_t *slots, int T,
+                     int kv_heads, int D, void *cache, long nbs, int elem) {
+#pragma omp parallel for if ((long)T * kv_heads * D > (1L << 16)) schedule(static)
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < kv_heads; h++) {
+            const float *src = x + (size_t)t * row_stride + (size_t)h * head_stride;
+            const size_t row = ((size_t)h * nbs + (size_t)slots[t]) * D;
+            if (elem == FP8) {
+                uint8_t *c = (uint8_t *)cache + row;
+                for (int i = 0; i < D; i++) c[i] = to_fp8(src[i]);
+            } else if (elem == BF16) {
+                uint16_t *c = (uint16_t *)cache + row;
+                for (int i = 0; i < D; i++) c[i] = to_bf16(src[i]);
+            } else {
+                memcpy((float *)cache + row, src, sizeof(float) * D);
+            }
+        }
+}

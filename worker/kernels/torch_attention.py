@@ -120,9 +120,12 @@ class TorchAttention:
         torch.index_select(cache.view(kvh * nb, bs, d), 0, rows, out=out)
         return out.view(kvh, -1, tokens, d)
 
-    @staticmethod
-    def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-        """k, v: [tokens, kv_heads, head_dim]; slot_mapping: [tokens] int64 (block * block_size + offset)."""
+    def write_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+        """k, v: [tokens, kv_heads, head_dim]; slot_mapping: [tokens] int64 (block * block_size + offset).
+        With native=True, float32 K/V on the CPU go in one C pass (native_attention.write_kv): the same
+        bytes as the torch ops below."""
+        if self.native and native_attention.write_kv(k, v, k_cache, v_cache, slot_mapping):
+            return
         kvh, nb, bs, d = k_cache.shape
         for x, cache in ((k, k_cache), (v, v_cache)):
             rows = x.transpose(0, 1).to(cache.dtype)  # an FP8 cast saturates at the format's largest value
