@@ -132,6 +132,23 @@ def test_rmsnorm_matches_the_torch_formula(t: int) -> None:
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("t", [1, 9, 70])
+def test_silu_mul_matches_silu_times_up(t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    inter = 1536 + 5  # not a whole number of vectors
+    gate_up = torch.randn(t, 2 * inter, generator=gen) * 6
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 88.0, -88.0, 1e-30, -200.0, 200.0, -1e-30])
+    want = torch.nn.functional.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
+
+    got = native_linear.silu_mul(gate_up, inter)
+
+    assert got.shape == (t, inter) and got.dtype == torch.float32
+    # float32 roundings, and a few more where e^x is small (x * log2 e rounded before the polynomial); below
+    # e^-87 the exponential stops at e^-87 (silu(-200) * up ~ 1e-36, not 0)
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-30)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+
+
 @pytest.mark.parametrize("t", [1, 5, 130])
 def test_rotary_in_place_matches_the_torch_formula_on_a_fused_qkv_view(t: int) -> None:
     gen = torch.Generator().manual_seed(t)

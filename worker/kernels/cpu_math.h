@@ -1,4 +1,4 @@
-/* Math shared by the CPU kernels (included by paged_decode.c and decode_stack.c). */
+/* Math shared by the CPU kernels (included by paged_decode.c, decode_stack.c and linear.c). */
 #ifndef BATCHQ_CPU_MATH_H
 #define BATCHQ_CPU_MATH_H
 #include <stdint.h>
@@ -61,6 +61,20 @@ static inline uint8_t to_fp8(float f) {
         r = (uint8_t)(u >> 20);
     }
     return r | (uint8_t)(sign >> 24);
+}
+
+/* act[i] = silu(gate[i]) * up[i] over n values. silu(x) = x / (1 + e^-x), written with e = e^-|x| so the
+   exponential's argument is never positive: x / (1 + e) for x >= 0, x e / (1 + e) below. The polynomial
+   exponential vectorises where expf would not (a layer's intermediate size of them per token, every
+   layer); it differs from torch's SiLU by about one float32 rounding. The decode stack and the prompt
+   path (linear.c's batchq_silu_mul) both take it, so a token's MLP computes the same in either. */
+static inline void silu_mul(const float *gate, const float *up, float *act, long n) {
+#pragma omp simd
+    for (long i = 0; i < n; i++) {
+        const float x = gate[i];
+        const float e = exp_nonpositive(x >= 0.0f ? -x : x);
+        act[i] = (x >= 0.0f ? x : x * e) / (1.0f + e) * up[i];
+    }
 }
 
 #endif

@@ -3,7 +3,7 @@
    Built by worker/kernels/native_build.py together with linear.c and paged_decode.c, whose per-thread
    pieces it calls (batchq_linear_part_w, batchq_paged_decode_task, the RMSNorm and rotary rows), and bound
    by native_stack.py: the arithmetic is theirs, so a step computes what the layer-by-layer path computes,
-   in the same order (the SiLU excepted, see silu_mul).
+   in the same order (the SiLU excepted, see silu_mul in cpu_math.h).
 
    Why: at decode sizes the layer-by-layer path spends more time between its kernels than in them: one
    SmolLM2-135M step is ~1,000 torch ops, ~120 ctypes calls and as many OpenMP fork/joins, several times
@@ -120,19 +120,6 @@ static inline void write_cache(void *cache, const Spec *s, int kh, int64_t slot,
         for (int i = 0; i < d; i++) c[i] = x[i] / div;
     } else {
         memcpy((float *)cache + row, x, sizeof(float) * d);
-    }
-}
-
-/* act[i] = silu(gate[i]) * up[i] over n values. silu(x) = x / (1 + e^-x), written with e = e^-|x| so the
-   exponential's argument is never positive: x / (1 + e) for x >= 0, x e / (1 + e) below. The polynomial
-   exponential vectorises where expf would not (a layer's intermediate size of them per token, every
-   layer); it differs from torch's SiLU by about one float32 rounding. */
-static void silu_mul(const float *gate, const float *up, float *act, long n) {
-#pragma omp simd
-    for (long i = 0; i < n; i++) {
-        const float x = gate[i];
-        const float e = exp_nonpositive(x >= 0.0f ? -x : x);
-        act[i] = (x >= 0.0f ? x : x * e) / (1.0f + e) * up[i];
     }
 }
 

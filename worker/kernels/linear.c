@@ -89,6 +89,7 @@ typedef uint8_t vu8 __attribute__((vector_size(VL), aligned(1)));
 typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
 typedef int32_t vi32 __attribute__((vector_size(VL * 4)));
 
+#include "cpu_math.h"
 #include "linear.h"
 
 /* Bytes of one panel row (PANEL weights) by element type. Q4 packs two weights a byte: byte j of a row holds
@@ -1043,6 +1044,14 @@ void batchq_rmsnorm_row(const float *x, const float *w, float *y, int D, float e
 void batchq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps) {
 #pragma omp parallel for if ((long)T * D > (1L << 16)) schedule(static)
     for (int t = 0; t < T; t++) batchq_rmsnorm_row(x + (size_t)t * D, w, y + (size_t)t * D, D, eps);
+}
+
+/* The gated MLP's SiLU: act [T, I] = silu(gate) * up for rows gu [T, 2I] of gate then up (the fused
+   gate_up projection's output), in one pass (torch's silu and multiply took three over a prompt step's
+   tens of MB); cpu_math.h's silu_mul, as the decode stack computes it. */
+void batchq_silu_mul(const float *gu, float *act, int T, int I) {
+#pragma omp parallel for if ((long)T * I > (1L << 16)) schedule(static)
+    for (int t = 0; t < T; t++) silu_mul(gu + (size_t)t * 2 * I, gu + (size_t)t * 2 * I + I, act + (size_t)t * I, I);
 }
 
 /* Rotary embedding in place, Hugging Face's rotate-half form: for i < D/2, with a = x[i], b = x[i + D/2],

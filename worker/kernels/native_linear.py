@@ -39,6 +39,7 @@ SIGNATURES = {
     "batchq_linear": Signature(c_int, [c_void_p] * 5 + [c_int] * 5),
     "batchq_linear_w": Signature(c_int, [c_void_p] * 3 + [c_int] * 4),  # the LinearWeight by address
     "batchq_rmsnorm": Signature(None, [c_void_p] * 3 + [c_int] * 2 + [c_float]),
+    "batchq_silu_mul": Signature(None, [c_void_p, c_void_p, c_int, c_int]),
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
     "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
@@ -473,6 +474,18 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     out = torch.empty_like(x)
     t, d = x.shape
     lib.batchq_rmsnorm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), t, d, eps)
+    return out
+
+
+def silu_mul(gate_up: Tensor, inter: int) -> Tensor:
+    """silu(gate) * up for float32 rows gate_up [T, 2 * inter] (gate, then up): [T, inter], the SiLU the
+    decode stack computes (within about one float32 rounding of torch's)."""
+    lib = library()
+    assert lib is not None and gate_up.dtype == torch.float32 and gate_up.shape[-1] == 2 * inter
+    gate_up = gate_up.contiguous()
+    t = gate_up.shape[0]
+    out = torch.empty(t, inter, dtype=torch.float32)
+    lib.batchq_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, inter)
     return out
 
 

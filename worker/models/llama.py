@@ -217,7 +217,7 @@ class LlamaFamilyModel(nn.Module):
     def use_backend(self, backend: Backend) -> None:
         """Run every layer on the backend's kernels: each linear layer the method the backend has for its
         weight (which moves it into that method's layout), RMSNorm and rotary rows in C where the backend
-        has them. Once, at load, after quantize_weights."""
+        has them, and a SiLU MLP's activation. Once, at load, after quantize_weights."""
         for lin in self.linears():
             lin.use_method(backend.linear_method(lin.weight))
         for m in self.modules():
@@ -227,6 +227,8 @@ class LlamaFamilyModel(nn.Module):
                 m.c_rotary = backend.rotary_
             elif isinstance(m, MoE):
                 m.use_method(backend.moe_method(self.dtype, m.gate_up))
+            elif isinstance(m, MLP) and m.activation == "silu":
+                m.c_silu_mul = backend.silu_mul
         self._stack = None
 
     def quantize_weights(self, dtype: torch.dtype) -> None:
