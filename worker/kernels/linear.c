@@ -787,6 +787,12 @@ static void linear_part_kb(const float *x, const LinearWeight *lw, float *y, con
     }
 }
 
+/* Rows a tile takes at most in prompt-sized steps (M > KB_ROWS). With 16-float vectors, tiles of MR = 12
+   rows serve decode steps best (the fewest rereads of panels streamed from memory), but prompt steps, which
+   reread every panel from L2 anyway, run faster in 8-row ones (benchmarks/linear_ab.c at prompt sizes). */
+#ifndef PROMPT_MR
+#define PROMPT_MR (VL == 16 ? 8 : MR)
+#endif
 #if !GEMM_BLOCKED
 /* Prompt-sized steps: each panel streamed once, x rows in tiles that reread it from L2. A weight linear.c
    does not read as it multiplies is dequantised a panel at a time into `dq` first (K x PANEL floats). */
@@ -794,7 +800,7 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
                               const int N, const int p0, const int p1, const int accumulate, float *dq) {
     const int direct = lw->elem == F32 || lw->elem == BF16 || lw->elem == I8, elem = direct ? lw->elem : F32;
     const size_t panel_bytes = (size_t)K * row_bytes(lw->elem);
-    int mr_max = MR, tcols = TCOLS;
+    int mr_max = M > KB_ROWS ? PROMPT_MR : MR, tcols = TCOLS;
     const tile_fn *fns = TILE_FNS[elem];
 #ifdef WIDE_ROWS
     if (M <= wide_rows) mr_max = WIDE_MR, tcols = PANEL, fns = WIDE_FNS[elem];
