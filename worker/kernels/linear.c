@@ -844,9 +844,15 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
    other paths (KBLOCK blocks of FMAs, each added to a total that starts at zero), and goes out through
    store_panel as the decode-sized path's do, so a row's answer does not depend on the rows beside it. */
 #if GEMM_BLOCKED
-#define GEMM_MC 96  /* x rows a chunk: 16 tiles of 6 */
+#ifndef GEMM_MC
+#define GEMM_MC 96 /* x rows a chunk: 16 tiles of 6 */
+#endif
+#ifndef GEMM_KC
 #define GEMM_KC 256 /* K rows a chunk; a multiple of KBLOCK, so the block sums are the same */
-#define GEMM_NC 16  /* panels a group: the group's totals, 16 tiles x 16 panels x 768 bytes, 196 KB */
+#endif
+#ifndef GEMM_NC
+#define GEMM_NC 16 /* panels a group: the group's totals, 16 tiles x 16 panels x 768 bytes, 196 KB */
+#endif
 #define GMR MR
 #if GEMM_KC % KBLOCK
 #error "GEMM_KC must be a multiple of KBLOCK"
