@@ -356,7 +356,12 @@ static inline __attribute__((always_inline)) void tile(
     const int accumulate
 ) {
     const size_t stride = row_bytes(elem), es = stride / PANEL;
-    vf acc[MR][PANEL_VECS], total[MR][PANEL_VECS];
+    /* The running totals, touched once a KBLOCK, live in memory: left to the register allocator, a 7-row
+       tile's 14 accumulators, 14 totals, 2 weight vectors and a broadcast took 31 of AVX-512's 32
+       registers, GCC kept the totals and spilled the weights, and every FMA read its weight from the
+       stack at half the rate of 6 or 8 rows. */
+    vf acc[MR][PANEL_VECS];
+    volatile vf total[MR][PANEL_VECS];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++) total[i][j] = (vf){0};
     for (int k0 = 0; k0 < K; k0 += KBLOCK) {
