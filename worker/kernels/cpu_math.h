@@ -63,6 +63,24 @@ static inline uint8_t to_fp8(float f) {
     return r | (uint8_t)(sign >> 24);
 }
 
+/* One head's d values, divided by `div` (a per-tensor scale; 1 leaves them as they are), into row `row`
+   (in elements) of a K or V cache of `elem` (0 float32, 1 bfloat16, 2 FP8 E4M3), converted as torch's
+   .to() converts. The decode stack's cache writes and paged_decode.c's batchq_write_kv both go through it. */
+static inline void store_kv_row(void *cache, size_t row, const float *x, int d, int elem, float div) {
+    if (elem == 2) {
+        uint8_t *c = (uint8_t *)cache + row;
+        for (int i = 0; i < d; i++) c[i] = to_fp8(div != 1.0f ? x[i] / div : x[i]);
+    } else if (elem == 1) {
+        uint16_t *c = (uint16_t *)cache + row;
+        for (int i = 0; i < d; i++) c[i] = to_bf16(div != 1.0f ? x[i] / div : x[i]);
+    } else if (div != 1.0f) {
+        float *c = (float *)cache + row;
+        for (int i = 0; i < d; i++) c[i] = x[i] / div;
+    } else {
+        memcpy((float *)cache + row, x, sizeof(float) * d);
+    }
+}
+
 /* act[i] = silu(gate[i]) * up[i] over n values. silu(x) = x / (1 + e^-x), written with e = e^-|x| so the
    exponential's argument is never positive: x / (1 + e) for x >= 0, x e / (1 + e) below. The polynomial
    exponential vectorises where expf would not (a layer's intermediate size of them per token, every

@@ -108,19 +108,7 @@ void batchq_to_fp8(const float *x, uint8_t *y, long n) {
    row of `slot` (block * block_size + offset) of kv head kh. */
 static inline void write_cache(void *cache, const Spec *s, int kh, int64_t slot, const float *x, float div) {
     const int d = s->head_dim;
-    const size_t row = ((size_t)kh * s->num_blocks * s->block_size + (size_t)slot) * d;
-    if (s->kv_elem == 2) {
-        uint8_t *c = (uint8_t *)cache + row;
-        for (int i = 0; i < d; i++) c[i] = to_fp8(div != 1.0f ? x[i] / div : x[i]);
-    } else if (s->kv_elem == 1) {
-        uint16_t *c = (uint16_t *)cache + row;
-        for (int i = 0; i < d; i++) c[i] = to_bf16(div != 1.0f ? x[i] / div : x[i]);
-    } else if (div != 1.0f) {
-        float *c = (float *)cache + row;
-        for (int i = 0; i < d; i++) c[i] = x[i] / div;
-    } else {
-        memcpy((float *)cache + row, x, sizeof(float) * d);
-    }
+    store_kv_row(cache, ((size_t)kh * s->num_blocks * s->block_size + (size_t)slot) * d, x, d, s->kv_elem, div);
 }
 
 /* act[i] = gelu(gate[i]) * up[i], torch's GELU: its tanh approximation (ACT_GELU_TANH, Gemma's

@@ -257,17 +257,7 @@ void batchq_write_kv(const float *x, long row_stride, long head_stride, const in
                      int kv_heads, int D, void *cache, long nbs, int elem) {
 #pragma omp parallel for if ((long)T * kv_heads * D > (1L << 16)) schedule(static)
     for (int t = 0; t < T; t++)
-        for (int h = 0; h < kv_heads; h++) {
-            const float *src = x + (size_t)t * row_stride + (size_t)h * head_stride;
-            const size_t row = ((size_t)h * nbs + (size_t)slots[t]) * D;
-            if (elem == FP8) {
-                uint8_t *c = (uint8_t *)cache + row;
-                for (int i = 0; i < D; i++) c[i] = to_fp8(src[i]);
-            } else if (elem == BF16) {
-                uint16_t *c = (uint16_t *)cache + row;
-                for (int i = 0; i < D; i++) c[i] = to_bf16(src[i]);
-            } else {
-                memcpy((float *)cache + row, src, sizeof(float) * D);
-            }
-        }
+        for (int h = 0; h < kv_heads; h++)
+            store_kv_row(cache, ((size_t)h * nbs + (size_t)slots[t]) * D,
+                         x + (size_t)t * row_stride + (size_t)h * head_stride, D, elem, 1.0f);
 }
