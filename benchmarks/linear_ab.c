@@ -16,10 +16,12 @@
      /tmp/linear_ab 15 16 /tmp/new.so:1:0:0:0 /tmp/far.so:1:1:0:0  # a build's settings: t0:far:wide:pace
 
    A build's settings (default 1:0:0:0) are linear.c's prefetch hint (1: prefetcht0), far prefetch,
-   whole-panel rows and paced rows, set through its setters (a build without a setter ignores it). A library dlopened twice is one library with one set of
-   settings: copy the .so to compare settings of one build. Float32 weights, or with BATCHQ_AB_WEIGHT=q4 the
-   default engine's: 4-bit in groups of 32 rows with float16 scales and offsets (~150 MB, Q4_1's layout as
-   gguf_weights.py keeps it); BATCHQ_AB_COPIES=c reuses c layers' weights (1: they stay in cache); 2 threads; prints the min and median ms of each build. */
+   whole-panel rows and paced rows, set through its setters (a build without a setter ignores it). A library
+   dlopened twice is one library with one set of settings: copy the .so to compare settings of one build.
+   Float32 weights, or with BATCHQ_AB_WEIGHT=q4 the default engine's: 4-bit in groups of 32 rows with float16
+   scales and offsets (~150 MB, Q4_1's layout as gguf_weights.py keeps it); BATCHQ_AB_COPIES=c reuses c
+   layers' weights (1: they stay in cache); 2 threads; prints the min and median ms of each build. Anything
+   else in an argument or a setting is refused by name. */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -48,6 +50,15 @@ static int by_value(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* s as a whole decimal number in lo..hi into *out; 0 (nothing written) otherwise, trailing text included. */
+static int whole_number(const char *s, long lo, long hi, long *out) {
+    char *end;
+    const long v = strtol(s, &end, 10);
+    if (end == s || *end != '\0' || v < lo || v > hi) return 0;
+    *out = v;
+    return 1;
+}
+
 static void set(void *lib, const char *name, int value) {
     const setter_fn f = (setter_fn)dlsym(lib, name);
     if (f) f(value);
@@ -59,24 +70,30 @@ int main(int argc, char **argv) {
                 MAX_BUILDS);
         return 2;
     }
-    const int rounds = atoi(argv[1]), rows = atoi(argv[2]), builds = argc - 3;
-    if (rounds < 1 || rows < 1 || rows > 8192) {
-        fprintf(stderr, "rounds >= 1 and rows 1..8192\n");
+    long rounds_l, rows_l;
+    if (!whole_number(argv[1], 1, 1000000, &rounds_l) || !whole_number(argv[2], 1, 8192, &rows_l)) {
+        fprintf(stderr, "rounds %s, rows %s: expected rounds >= 1 and rows 1..8192\n", argv[1], argv[2]);
         return 2;
     }
+    const int rounds = (int)rounds_l, rows = (int)rows_l, builds = argc - 3;
     /* SmolLM2-135M: qkv, o, gate_up, down (K x N) per layer, and the tied LM head */
     static const int shapes[4][2] = {{576, 960}, {576, 576}, {576, 3072}, {1536, 576}};
     const char *weight = getenv("BATCHQ_AB_WEIGHT");
+    if (weight && strcmp(weight, "q4") && strcmp(weight, "float32")) {
+        fprintf(stderr, "BATCHQ_AB_WEIGHT=%s: expected float32 (the default) or q4\n", weight);
+        return 2;
+    }
     const int q4 = weight && !strcmp(weight, "q4");
     /* BATCHQ_AB_COPIES=c: only c distinct layers' weights (layer i uses copy i % c), the LM head too is a
        qkv-sized copy: with c = 1 the step's weights stay in the caches and the FMA side is timed alone */
     const char *copies_env = getenv("BATCHQ_AB_COPIES");
-    const int copies = copies_env ? atoi(copies_env) : 0;
-    if (copies_env && (copies < 1 || copies >= LAYERS)) {
+    long copies_l = 0;
+    if (copies_env && !whole_number(copies_env, 1, LAYERS - 1, &copies_l)) {
         fprintf(stderr, "BATCHQ_AB_COPIES=%s: expected a number of layer copies from 1 to %d\n", copies_env,
                 LAYERS - 1);
         return 2;
     }
+    const int copies = (int)copies_l;
     int ks[LINEARS], ns[LINEARS];
     LinearWeight ws[LINEARS];
     for (int i = 0; i < LINEARS; i++) {
@@ -116,7 +133,12 @@ int main(int argc, char **argv) {
         int t0 = 1, far = 0, wide = 0, pace = 0;
         if (colon) {
             *colon = '\0';
-            sscanf(colon + 1, "%d:%d:%d:%d", &t0, &far, &wide, &pace);
+            int used = -1;
+            if (sscanf(colon + 1, "%d:%d:%d:%d%n", &t0, &far, &wide, &pace, &used) != 4 ||
+                colon[1 + used] != '\0') {
+                fprintf(stderr, "%s:%s: expected lib.so:t0:far:wide:pace, four whole numbers\n", spec, colon + 1);
+                return 2;
+            }
         }
         void *lib = dlopen(spec, RTLD_NOW | RTLD_LOCAL);
         if (!lib || !(fns[b] = (linear_fn)dlsym(lib, "batchq_linear_w"))) {
