@@ -80,16 +80,18 @@ def test_a_linear_layer_runs_quantised_weights_through_the_triton_method(tq: Mod
     from worker.models.layers import Linear
 
     gen = torch.Generator().manual_seed(9)
+    device = torch.device("cuda" if ON_GPU else "cpu")  # the kernel is compiled on a GPU: CUDA tensors
     n, k, group = 40, 128, 32
     q, s, o = groups(n, k, group, 4, gen)
-    x = torch.randn(3, k, generator=gen)
+    x = torch.randn(3, k, generator=gen).to(device)
     lin = Linear(k, n, bias=False)
     lin.load_groups(q, s, o, group, 4)
+    lin.to(device)
     want = lin(x)  # the torch method: dequantised per call
     lin.use_method(TritonLinear())
-    assert lin.weight.shape == (n, k // 2) and torch.equal(lin.unpacked(), q)
+    assert lin.weight.shape == (n, k // 2) and torch.equal(lin.unpacked().cpu(), q)
     torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
-    ids = torch.tensor([0, 39, 7])
+    ids = torch.tensor([0, 39, 7], device=device)
     torch.testing.assert_close(lin.rows(ids, torch.float32), lin.dequantized(torch.float32)[ids])
     lin.use_method(TORCH_LINEAR)
-    assert torch.equal(lin.unpacked(), q)
+    assert torch.equal(lin.unpacked().cpu(), q)

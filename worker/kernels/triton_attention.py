@@ -121,7 +121,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        DOT_PRECISION=checks.dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
         WINDOWED=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -187,7 +187,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         HEADS=heads, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        DOT_PRECISION=_precision(q.dtype), UPCAST=_upcast(q.dtype),
+        DOT_PRECISION=checks.dot_precision(q.dtype), UPCAST=_upcast(q.dtype),
         WINDOWED=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -204,11 +204,6 @@ def _sinks(sinks: Tensor | None, heads: int, q: Tensor) -> Tensor:
 
 
 # --- launch parameters --------------------------------------------------------------------------------
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: exact fp32 dots (Triton defaults to TF32, ~1e-3 off the reference). 16-bit: ignored.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _upcast(dtype: torch.dtype) -> bool:

@@ -1,4 +1,5 @@
-"""Input checks for the Triton attention launchers: ValueError with a clear message on bad input.
+"""Input checks for the Triton launchers (attention, quantised GEMM, MoE): ValueError with a clear message
+on bad input; and the dot precision they share.
 
 Only metadata is checked (shapes, strides, dtypes, devices), never tensor values, so no check syncs the GPU.
 """
@@ -87,10 +88,16 @@ def check_device(*tensors: Tensor, cpu_ok: bool) -> None:
     if device.type == "cpu" and not cpu_ok:
         raise ValueError(
             "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing "
-            "worker.kernels.triton_attention, or pass CUDA tensors"
+            "the worker.kernels.triton_* modules, or pass CUDA tensors"
         )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {device}; the Triton kernels take CUDA tensors")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 operands: exact float32 dots. Triton's default is TF32 (10-bit mantissas, ~1e-3 off), which
+    # would make a float32 model on the GPU silently less exact than F.linear. 16-bit operands: ignored.
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def output(out: Tensor | None, q: Tensor) -> Tensor:

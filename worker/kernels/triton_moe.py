@@ -9,8 +9,9 @@ weight. A block reads only its own expert's weights, so each active expert's wei
 (block of rows, column tile): once per step at decode sizes. The grid is sized for the worst case
 (cdiv(slots, BLOCK_M) + experts blocks); blocks past the last expert's exit at once. Each token's picks are
 then added in increasing expert order (experts_reference's order). Weights stay in torch's layout ([E, 2I,
-H], [E, H, I]), in the compute dtype; tl.dot accumulates in float32. Without a GPU the kernels run on CPU
-tensors under the Triton interpreter (TRITON_INTERPRET=1 before import), which is how the tests check them.
+H], [E, H, I]), in the compute dtype; tl.dot accumulates in float32 (exact float32 dots for a float32
+model, not Triton's default TF32). Without a GPU the kernels run on CPU tensors under the Triton interpreter
+(TRITON_INTERPRET=1 before import), which is how the tests check them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from worker.kernels import triton_checks as checks
+
 SILU, CLAMPED_SWIGLU = 0, 1  # the kernel's ACT
 BLOCK_M = 16
 
@@ -28,8 +31,8 @@ BLOCK_M = 16
 @triton.jit
 def gate_up_kernel(
     x_ptr, w_ptr, b_ptr, h_ptr, slots_ptr, block_expert_ptr, H, INTER, TOPK, alpha, limit,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -52,8 +55,8 @@ def gate_up_kernel(
             wm = n_mask[:, None] & k_mask[None, :]
             wg = tl.load(w_ptr + gate_rows + offs_k[None, :], mask=wm, other=0.0)
             wu = tl.load(w_ptr + up_rows + offs_k[None, :], mask=wm, other=0.0)
-            acc_g += tl.dot(x, tl.trans(wg))
-            acc_u += tl.dot(x, tl.trans(wu))
+            acc_g += tl.dot(x, tl.trans(wg), input_precision=DOT_PRECISION)
+            acc_u += tl.dot(x, tl.trans(wu), input_precision=DOT_PRECISION)
         if HAS_BIAS:
             base = e.to(tl.int64) * 2 * INTER
             acc_g += tl.load(b_ptr + base + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -71,7 +74,8 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     h_ptr, w_ptr, b_ptr, rw_ptr, out_ptr, slots_ptr, block_expert_ptr, H, INTER,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -90,7 +94,7 @@ def down_kernel(
             h = tl.load(h_ptr + rows[:, None] * INTER + offs_k[None, :], mask=valid[:, None] & k_mask[None, :],
                         other=0.0)  # fmt: skip
             w = tl.load(w_ptr + w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.dot(h, tl.trans(w))
+            acc += tl.dot(h, tl.trans(w), input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e.to(tl.int64) * H + offs_n, mask=n_mask, other=0.0).to(tl.float32)[
                 None, :
@@ -144,6 +148,9 @@ def moe_experts(
     t, h = x.shape
     e, k, inter = gate_up.shape[0], ids.shape[1], down.shape[2]
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    biases = [b for b in (gate_up_bias, down_bias) if b is not None]
+    checks.check_device(x, ids, weights, gate_up, down, *biases, cpu_ok=interpreted())
+    precision = checks.dot_precision(x.dtype)
     slots, block_expert = expert_blocks(ids, e)
     hidden = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
@@ -154,11 +161,12 @@ def moe_experts(
     gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, gate_up, gate_up_bias if gate_up_bias is not None else dummy, hidden, slots, block_expert, h, inter,
         k, alpha, limit, ACT=SILU if activation == "silu" else CLAMPED_SWIGLU, HAS_BIAS=gate_up_bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     down_kernel[(blocks, triton.cdiv(h, block_n))](
         hidden, down, down_bias if down_bias is not None else dummy, rw, out, slots, block_expert, h, inter,
-        HAS_BIAS=down_bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=down_bias is not None, DOT_PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )  # fmt: skip
     picks = out.view(t, k, h).gather(1, ids.argsort(dim=1)[:, :, None].expand(t, k, h))  # by expert
     y = torch.zeros(t, h, dtype=torch.float32, device=x.device)

@@ -8,8 +8,9 @@ Weights (TritonLinear's layout, linear_methods.py):
 - FP8 E4M3 ([N, K] float8_e4m3fn) with a float32 scale per output.
 Each program computes a [BLOCK_M, BLOCK_N] tile of y over K in BLOCK_K steps (BLOCK_K divides GROUP, so a
 step reads one group's s and o); the dequantised [BLOCK_N, BLOCK_K] tile meets x in tl.dot in x's dtype,
-accumulating in float32. On a machine without a GPU the kernel runs on CPU tensors under the Triton
-interpreter (TRITON_INTERPRET=1 before this module is imported), which is how the tests check it.
+accumulating in float32 (float32 x: exact float32 dots, not Triton's default TF32). On a machine without a
+GPU the kernel runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1 before this module is
+imported), which is how the tests check it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
+
+from worker.kernels import triton_checks as checks
 
 Q4, Q8, FP8 = 0, 1, 2  # the kernel's KIND
 
@@ -40,6 +43,7 @@ def quant_gemm_kernel(
     KIND: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FP8_BITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,7 +83,7 @@ def quant_gemm_kernel(
             s = tl.load(t, mask=n_mask, other=0.0).to(tl.float32)
             o = tl.load(t + 1, mask=n_mask, other=0.0).to(tl.float32)
             w = q * s[:, None] - o[:, None]
-        acc += tl.dot(x, tl.trans(w).to(x.dtype))
+        acc += tl.dot(x, tl.trans(w).to(x.dtype), input_precision=DOT_PRECISION)
     if KIND == 2:
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -119,6 +123,8 @@ def quant_linear(
     W: q and table (with group, bits); FP8 W: q float8_e4m3fn [n, K] with scale [n] float32."""
     m, k = x.shape
     x = x.contiguous()
+    extra = [t for t in (table, scale, bias) if t is not None]
+    checks.check_device(x, q, *extra, cpu_ok=interpreted())
     if bits:
         kind = Q4 if bits == 4 else Q8
         assert table is not None and table.shape == (n, k // group, 2)
@@ -137,7 +143,8 @@ def quant_linear(
     quant_gemm_kernel[grid](
         x, q, table if table is not None else dummy, scale if scale is not None else dummy,
         bias if bias is not None else dummy, y, m, n, k, x.stride(0), y.stride(0),
-        GROUP=group, KIND=kind, HAS_BIAS=bias is not None, FP8_BITS=q.dtype == torch.uint8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP=group, KIND=kind, HAS_BIAS=bias is not None, FP8_BITS=q.dtype == torch.uint8,
+        DOT_PRECISION=checks.dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return y
 
