@@ -173,6 +173,15 @@ def think_prompt_ids(tok: Any, **kwargs: Any) -> list[int]:
 
 
 @torch.no_grad()
+def hf_reference(path: Path | str, dtype: torch.dtype = torch.float32) -> Any:
+    """Hugging Face's model of a checkpoint, as the tests' reference: eager attention, the only one of HF's
+    that applies Gemma 2's attention-logit soft-capping (transformers 5.17 picks sdpa for Gemma 2 by
+    default, which skips it and answers as an uncapped model)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+
+
 def hf_greedy(hf: Any, ids: list[int], n: int, forced: dict[int, int] | None = None) -> list[int]:
     """HF's greedy continuation (up to EOS, included), with `forced` tokens {output index: id} in place of
     what it would pick there."""

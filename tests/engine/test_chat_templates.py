@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from tests.tiny_models import BYTE_OFFSET, byte_tokenizer, perturb, tiny_config
+from tests.tiny_models import BYTE_OFFSET, byte_tokenizer, hf_reference, perturb, tiny_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
@@ -145,7 +145,7 @@ def chat_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def hf_chat(path: Path, messages: list[dict[str, str]]) -> tuple[str, str, list[int]]:
     """HF's greedy answer: text without special tokens, finish reason, generated ids."""
     tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_reference(path)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     out = hf.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

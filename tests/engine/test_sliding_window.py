@@ -17,7 +17,7 @@ import torch
 from greedy_parity import check_greedy, hf_greedy
 from transformers import AutoModelForCausalLM
 
-from tests.tiny_models import build_tiny_checkpoint, tiny_config
+from tests.tiny_models import build_tiny_checkpoint, hf_reference, tiny_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
@@ -90,7 +90,7 @@ def run_checked(engine: Engine, reqs: list[EngineRequest]) -> list[EngineResult]
 
 
 def hf_model(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_reference(path)
 
 
 def test_layer_windows_are_the_ones_transformers_builds() -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_parity import check_greedy, hf_greedy
-from transformers import AutoModelForCausalLM
 
-from tests.tiny_models import build_tiny_checkpoint, build_tiny_gemma3_image_text
+from tests.tiny_models import build_tiny_checkpoint, build_tiny_gemma3_image_text, hf_reference
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
@@ -137,7 +136,7 @@ def greedy(max_new: int) -> GenerationParams:
 def test_greedy_matches_hf_generate_in_one_mixed_batch(tiny: tuple[Path, str]) -> None:
     path, name = tiny
     engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = hf_reference(path)
     reqs = [
         EngineRequest(f"r{i}", greedy(n), prompt_token_ids=p)
         for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW, strict=True))
@@ -156,7 +155,7 @@ def test_greedy_matches_hf_generate_in_one_mixed_batch(tiny: tuple[Path, str]) -
 def test_prefill_and_decode_logits_match_hf(tiny: tuple[Path, str]) -> None:
     path, _ = tiny
     engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = hf_reference(path)
     prompts = [list(range(10, 47)), [7, 8, 9, 10, 11]]
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"p{i}", greedy(5), prompt_token_ids=p))
@@ -197,9 +196,7 @@ def test_label_scores_and_token_logprobs_match_hf(new_family: tuple[Path, str], 
         dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8, cpu_kernels=cpu_kernels
     )
     engine = Engine.load(cfg)
-    check_labels_and_logprobs_match_hf(
-        engine, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    )
+    check_labels_and_logprobs_match_hf(engine, hf_reference(path))
 
 
 # What each family's decode steps run on, with the C kernels: the decode stack where decode_stack.c computes
@@ -230,7 +227,7 @@ def test_longrope_positions_past_the_threshold_take_the_long_factors(
     rotated by the long factors (loader._long_rope): Hugging Face's model stepped token by token over its own
     cache computes the same."""
     path = build_tiny_checkpoint(tmp_path, "phi3", seed=3, **longrope(16, 24))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_reference(path)
     prompt, new = list(range(10, 30)), 12  # 20 tokens, then 12 more: the threshold passed at the 5th
     for cpu_kernels in ("auto", "torch"):
         cfg = EngineConfig(
@@ -266,7 +263,7 @@ def test_gemma_runs_natively_and_each_of_its_rules_changes_hf_logits(
         engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.01, block_size=8))
     assert f"native decoder: {'gemma3_text' if arch == 'gemma3' else arch}" in caplog.text
     assert not isinstance(engine.model_runner.model, TransformersModel)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_reference(path)
     m, ids = hf.model, torch.tensor([PROMPTS[2]])  # 80 tokens, past every window
     attn = [layer.self_attn for layer in m.layers]
     scale, local = attn[0].scaling, getattr(m.rotary_emb, "sliding_attention_inv_freq", None)

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from greedy_parity import check_greedy, hf_greedy
-from transformers import AutoModelForCausalLM
 
-from tests.tiny_models import build_tiny_checkpoint
+from tests.tiny_models import build_tiny_checkpoint, hf_reference
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
@@ -76,7 +75,7 @@ def test_greedy_matches_hf_generate_in_mixed_batches_over_the_prefix_cache(
     assert isinstance(engine.model_runner.model, TransformersModel)
     backend = engine.model_runner.backend
     assert backend.linear.name == "torch" and not backend.decode_stack
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_reference(path)
     engine.generate([EngineRequest("warm", greedy(2), prompt_token_ids=SHARED)])
     cached = engine.counters.cached_prompt_tokens
     reqs = [EngineRequest(f"r{i}", greedy(), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]
@@ -94,9 +93,7 @@ def test_label_scores_and_token_logprobs_match_hf(family: tuple[Path, str], cpu_
 
     path, _ = family
     engine = load(path, cpu_kernels=cpu_kernels)
-    check_labels_and_logprobs_match_hf(
-        engine, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    )
+    check_labels_and_logprobs_match_hf(engine, hf_reference(path))
 
 
 def test_llama_gives_the_same_tokens_and_logits_through_the_fallback_as_natively(tmp_path: Path) -> None:
@@ -217,7 +214,7 @@ def test_gemma2_gives_hf_tokens_through_the_fallback_as_natively(tmp_path: Path)
     native, fallback = load(path, model_impl="native"), load(path, model_impl="transformers")
     assert isinstance(fallback.model_runner.model, TransformersModel)
     assert fallback.model_runner.model.layer_windows == (12, None)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_reference(path)
     for engine in (native, fallback):
         engine.generate([EngineRequest("warm", greedy(2), prompt_token_ids=SHARED)])
     reqs = [EngineRequest(f"r{i}", greedy(), prompt_token_ids=p) for i, p in enumerate(PROMPTS)]

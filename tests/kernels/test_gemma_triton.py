@@ -10,9 +10,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tests.tiny_models import build_tiny_checkpoint
+from tests.tiny_models import build_tiny_checkpoint, hf_reference
 from worker.kernels.backend import TORCH_LINEAR, Backend, triton_attention
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import LlamaFamilyModel
@@ -45,7 +44,7 @@ def test_gemma_through_triton_attention_equals_hf(
         )
         for _ in range(s.num_layers)
     ]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_reference(path)
     prompt = list(range(10, 50))  # 40 tokens: past both windows, three blocks
     n = len(prompt)
     table = torch.arange(8, dtype=torch.int32, device=device)[None]

@@ -232,10 +232,13 @@ CHECK_PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2])  # token ids below a
 
 
 def fallback_model(hf: Any, max_len: int) -> TransformersModel:
-    """`hf` (loaded under transformers' own attention) with batchq's attention plugged in, once it has shown
-    itself exact (`check_exact`). Raises ValueError with the reason where it is not."""
+    """`hf` with batchq's attention plugged in, once it has shown itself exact against transformers' eager
+    attention (`check_exact`). Raises ValueError with the reason where it is not."""
     if not hf._can_set_attn_implementation():
         raise ValueError("its attention modules do not call transformers' AttentionInterface")
+    # The reference runs transformers' eager attention: its only one that every model's rules reach (sdpa,
+    # which transformers 5.17 picks for Gemma 2, skips its attention-logit soft-capping).
+    hf.set_attn_implementation("eager")
     with torch.inference_mode():
         device = next(hf.parameters()).device
         reference = [hf(torch.tensor([p], device=device)).logits[0].float() for p in CHECK_PROMPTS]
@@ -272,7 +275,7 @@ def check_windows(model: TransformersModel, cfg: Any) -> str | None:
 @torch.inference_mode()
 def check_exact(model: TransformersModel, reference: list[Tensor], block_size: int = 4) -> str | None:
     """Why `model` is not exact, or None: CHECK_PROMPTS packed in one step over scratch caches must give
-    `reference`, each prompt's logits under transformers' own attention, every layer attending through
+    `reference`, each prompt's logits under transformers' eager attention, every layer attending through
     batchq's cache."""
     from worker.kernels.backend import torch_backend
 
