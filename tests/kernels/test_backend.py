@@ -116,7 +116,8 @@ def test_a_float32_prompts_answer_does_not_depend_on_the_prompts_beside_it(tmp_p
     from worker.engine.request import EngineRequest
 
     path = build_tiny_checkpoint(tmp_path / "m", "llama", max_position_embeddings=256)
-    engine = Engine.load(EngineConfig(model=str(path), dtype="float32", kv_cache_gb=0.01))
+    # On the CPU, where linear.c runs, also on a machine with a GPU (cuBLAS picks kernels by row count).
+    engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_gb=0.01))
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 200, (70,), generator=gen).tolist()
     other = torch.randint(3, 200, (20,), generator=gen).tolist()
