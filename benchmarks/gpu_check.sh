@@ -2,8 +2,10 @@
 # One-shot GPU check for a single GPU (sized for an H200): hardware, kernel tests on the GPU, greedy parity
 # with HF generate, output throughput of batchq vs HF generate vs HF continuous batching on a random 8B
 # Llama, and a random 1B kept 4-bit. No network needed; ends within ~6.5 minutes; results in
-# $OUT/gpu_check.json and the kernel tests' whole log in $OUT/kernels.log. The device image lacks some
-# packages: carry them as wheels (README's GPU section lists them).
+# $OUT/gpu_check.json and the kernel tests' whole log in $OUT/kernels.log. An image with only torch,
+# Triton and transformers also needs (as wheels, say): pydantic, pydantic-core, annotated-types,
+# typing-inspection, typing-extensions, orjson, redis, PyJWT, hiredis, arq, llguidance, gguf, jsonschema
+# (+ referencing, rpds-py, jsonschema-specifications), pytest, pytest-asyncio and pytest-xdist.
 #
 #   bash benchmarks/gpu_check.sh            # from the repo root (or anywhere: it cds there)
 #   bash benchmarks/gpu_check.sh --tiny     # CPU dry run of the same flow with tiny models
