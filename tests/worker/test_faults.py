@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -130,15 +131,29 @@ def test_request_that_keeps_killing_workers_fails_after_max_tries(server, worker
     tries = retry_key_prefix + keys.job_id(bid, 0)
     r = redis.Redis.from_url(server.url)
 
-    def started(attempt: int) -> bool:
+    def started(attempt: int, w: Any) -> bool:
+        assert w.proc.poll() is None, f"worker w{attempt} exited before the poison started:\n{w.log()}"
+        assert not r.hexists(keys.batch_results(bid), "0"), "the poison request finished before the kill"
         if attempt == 0:
             return bool(r.sismember(keys.batch_running(bid), "0"))
         return int(r.get(tries) or 0) >= attempt
 
+    def state(w: Any) -> str:  # what a timeout needs to be understood
+        return (
+            f"running {sorted(r.smembers(keys.batch_running(bid)))}, tries {r.get(tries)}, results "
+            f"{sorted(r.hkeys(keys.batch_results(bid)))}, queue {r.zrange(keys.queue_name('default'), 0, -1, withscores=True)}"
+            f"\nworker log:\n{w.log()}"
+        )
+
     for attempt in range(2):
-        w = workers(server.url, str(tiny_model_dir), *args, name=f"w{attempt}").wait_ready()
-        # Kill as soon as the try starts: a fixed delay lets a fast machine finish the 900 tokens first.
-        wait_until(lambda: started(attempt), 60, "poison started", interval=0.005)  # noqa: B023
+        # Kill as soon as the try starts, watched from the worker's start: a worker claims the moment it is
+        # ready, and a fast machine finished the 900 tokens (and left the running set) inside wait_ready's
+        # 0.2 s polls, so the start was never seen.
+        w = workers(server.url, str(tiny_model_dir), *args, name=f"w{attempt}")
+        try:
+            wait_until(lambda: started(attempt, w), 180, "poison started", interval=0.005)  # noqa: B023
+        except AssertionError as e:
+            raise AssertionError(f"attempt {attempt}: {e}\n{state(w)}") from None
         w.signal(signal.SIGKILL)  # "the request kills the worker"
         w.wait(10)
         assert not r.hexists(keys.batch_results(bid), "0"), "the poison request finished before the kill"
