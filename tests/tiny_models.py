@@ -172,7 +172,6 @@ def think_prompt_ids(tok: Any, **kwargs: Any) -> list[int]:
     return list(tok(text, add_special_tokens=False).input_ids)
 
 
-@torch.no_grad()
 def hf_reference(path: Path | str, dtype: torch.dtype = torch.float32) -> Any:
     """Hugging Face's model of a checkpoint, as the tests' reference: eager attention, the only one of HF's
     that applies Gemma 2's attention-logit soft-capping (transformers 5.17 picks sdpa for Gemma 2 by
@@ -182,6 +181,7 @@ def hf_reference(path: Path | str, dtype: torch.dtype = torch.float32) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
 
 
+@torch.no_grad()
 def hf_greedy(hf: Any, ids: list[int], n: int, forced: dict[int, int] | None = None) -> list[int]:
     """HF's greedy continuation (up to EOS, included), with `forced` tokens {output index: id} in place of
     what it would pick there."""
