@@ -37,10 +37,9 @@ def groups(n: int, k: int, group: int, bits: int, gen: torch.Generator):
 @pytest.mark.parametrize(("bits", "group", "k", "n"), [(4, 32, 64, 70), (4, 128, 256, 64), (8, 16, 96, 33),
                                                        (8, 64, 128, 130)])  # fmt: skip
 def test_group_quantised_gemm_matches_the_reference(
-    tq: ModuleType, m: int, bits: int, group: int, k: int, n: int
+    tq: ModuleType, device: torch.device, m: int, bits: int, group: int, k: int, n: int
 ) -> None:
     gen = torch.Generator().manual_seed(m + n + bits)
-    device = torch.device("cuda" if ON_GPU else "cpu")
     q, s, o = groups(n, k, group, bits, gen)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen)
@@ -58,9 +57,8 @@ def test_group_quantised_gemm_matches_the_reference(
         torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol * 10)
 
 
-def test_fp8_gemm_scales_each_output(tq: ModuleType) -> None:
+def test_fp8_gemm_scales_each_output(tq: ModuleType, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(3)
-    device = torch.device("cuda" if ON_GPU else "cpu")
     n, k = 48, 128
     w = torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn)
     scale = torch.rand(n, generator=gen) + 0.5
@@ -75,12 +73,13 @@ def test_a_group_the_step_cannot_divide_is_refused(tq: ModuleType) -> None:
         tq._block_k(24, 96)
 
 
-def test_a_linear_layer_runs_quantised_weights_through_the_triton_method(tq: ModuleType) -> None:
+def test_a_linear_layer_runs_quantised_weights_through_the_triton_method(
+    tq: ModuleType, device: torch.device
+) -> None:
     from worker.kernels.linear_methods import TORCH_LINEAR, TritonLinear
     from worker.models.layers import Linear
 
     gen = torch.Generator().manual_seed(9)
-    device = torch.device("cuda" if ON_GPU else "cpu")  # the kernel is compiled on a GPU: CUDA tensors
     n, k, group = 40, 128, 32
     q, s, o = groups(n, k, group, 4, gen)
     x = torch.randn(3, k, generator=gen).to(device)
