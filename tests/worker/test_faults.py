@@ -9,14 +9,13 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_prefix
 
 from producer.wire import keys
-from tests.worker.conftest import assert_consistent, results_count, submit, wait_until, write_jsonl
+from tests.worker.conftest import Worker, assert_consistent, results_count, submit, wait_until, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -131,14 +130,14 @@ def test_request_that_keeps_killing_workers_fails_after_max_tries(server, worker
     tries = retry_key_prefix + keys.job_id(bid, 0)
     r = redis.Redis.from_url(server.url)
 
-    def started(attempt: int, w: Any) -> bool:
+    def started(attempt: int, w: Worker) -> bool:
         assert w.proc.poll() is None, f"worker w{attempt} exited before the poison started:\n{w.log()}"
         assert not r.hexists(keys.batch_results(bid), "0"), "the poison request finished before the kill"
         if attempt == 0:
             return bool(r.sismember(keys.batch_running(bid), "0"))
         return int(r.get(tries) or 0) >= attempt
 
-    def state(w: Any) -> str:  # what a timeout needs to be understood
+    def state(w: Worker) -> str:  # what a timeout needs to be understood
         return (
             f"running {sorted(r.smembers(keys.batch_running(bid)))}, tries {r.get(tries)}, results "
             f"{sorted(r.hkeys(keys.batch_results(bid)))}, queue {r.zrange(keys.queue_name('default'), 0, -1, withscores=True)}"
