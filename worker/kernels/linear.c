@@ -844,8 +844,11 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
    leaves L1 past K = 512 (and, with the x rows it meets, L2 past a few thousand): at a 7B model's K of
    4,096-14,336 their rate fell well below the FMA peak. Here K goes in chunks of GEMM_KC rows, so each
    chunk of a half-panel (16 KB of float32) stays in L1 while every tile of a chunk of GEMM_MC x rows rereads
-   it, and that chunk of x, packed tile by tile (GMR rows, k-major: one broadcast stream per tile), stays in
-   L2 while every panel of a group meets it. Every output sums the same products in the same order as the
+   it, and that chunk of x stays in L2 while every panel of a group meets it. x is read where it lies (a
+   tile's GMR row pointers, one broadcast each per k), not packed first: GotoBLAS packs for long K strides
+   and TLB reach, which a prompt step's rows of a few thousand floats do not need, and here each thread
+   would repack all of x for every group of its panels (benchmarks/linear_ab.c's prompt steps
+   measure the difference). Every output sums the same products in the same order as the
    other paths (KBLOCK blocks of FMAs, each added to a total that starts at zero), and goes out through
    store_panel as the decode-sized path's do, so a row's answer does not depend on the rows beside it. */
 #if GEMM_BLOCKED
@@ -863,24 +866,17 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
 #error "GEMM_KC must be a multiple of KBLOCK"
 #endif
 
-/* Rows 0 .. mr - 1 (mr <= GMR; stride K) of x, columns k0 .. k0 + kn - 1, as xp[k * GMR + i], rows past mr
-   zero (their products are computed and never stored: one tile shape for every tile). */
-static void pack_x(const float *x, const int K, const int mr, const int k0, const int kn, float *xp) {
-    for (int k = 0; k < kn; k++) {
-        float *out = xp + (size_t)k * GMR;
-        int i = 0;
-        for (; i < mr; i++) out[i] = x[(size_t)i * K + k0 + k];
-        for (; i < GMR; i++) out[i] = 0.0f;
-    }
-}
-
-/* kn rows (KBLOCK blocks, the last possibly short) of a packed tile xp against TCOLS columns of weights at w
-   (row stride `stride`): each block's sums added to tot (GMR rows of PANEL floats). npf lines from pf are
-   prefetched into L2 on the way: the block the next call of the group reads. */
-static inline __attribute__((always_inline)) void gemm_tile(const float *xp, const char *w, const size_t stride,
-                                                            const int kn, const int elem, float *tot,
-                                                            const char *pf, const int npf) {
+/* kn rows (KBLOCK blocks, the last possibly short) of GMR x rows (x + i * ldx, columns 0 .. kn - 1; rows past
+   mr repeat row 0: one tile shape for every tile, their products never stored) against TCOLS columns of
+   weights at w (row stride `stride`): each block's sums added to tot (GMR rows of PANEL floats). npf lines
+   from pf are prefetched into L2 on the way: the block the next call of the group reads. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, const size_t ldx, const int mr,
+                                                            const char *w, const size_t stride, const int kn,
+                                                            const int elem, float *tot, const char *pf,
+                                                            const int npf) {
     const size_t es = stride / PANEL;
+    const float *xr[GMR];
+    for (int i = 0; i < GMR; i++) xr[i] = x + (size_t)(i < mr ? i : 0) * ldx;
     int l = 0;
     for (int b0 = 0; b0 < kn; b0 += KBLOCK) {
         const int b1 = b0 + KBLOCK < kn ? b0 + KBLOCK : kn;
@@ -892,9 +888,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *xp, con
             if (l < npf) __builtin_prefetch(pf + (size_t)l++ * 64, 0, 2);
             vf wv[NV];
             for (int j = 0; j < NV; j++) wv[j] = in_register(load_w(p + (size_t)j * VL * es, elem));
-            const float *xk = xp + (size_t)k * GMR;
             for (int i = 0; i < GMR; i++) {
-                const float xs = xk[i];
+                const float xs = xr[i][k];
                 for (int j = 0; j < NV; j++) acc[i][j] += xs * wv[j];
             }
         }
@@ -902,15 +897,16 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *xp, con
             for (int j = 0; j < NV; j++) *(vf *)(tot + (size_t)i * PANEL + j * VL) += acc[i][j];
     }
 }
-#define GEMM_FN(elem)                                                                                     \
-    static __attribute__((noinline)) void gemm_##elem(const float *xp, const char *w, size_t stride, int kn, \
-                                                      float *tot, const char *pf, int npf) {               \
-        gemm_tile(xp, w, stride, kn, elem, tot, pf, npf);                                                  \
+#define GEMM_FN(elem)                                                                                       \
+    static __attribute__((noinline)) void gemm_##elem(const float *x, size_t ldx, int mr, const char *w,   \
+                                                      size_t stride, int kn, float *tot, const char *pf,   \
+                                                      int npf) {                                           \
+        gemm_tile(x, ldx, mr, w, stride, kn, elem, tot, pf, npf);                                           \
     }
 GEMM_FN(0)
 GEMM_FN(1)
 GEMM_FN(2)
-typedef void (*gemm_fn)(const float *, const char *, size_t, int, float *, const char *, int);
+typedef void (*gemm_fn)(const float *, size_t, int, const char *, size_t, int, float *, const char *, int);
 static const gemm_fn GEMM_FNS[3] = {gemm_0, gemm_1, gemm_2}; /* by element type: F32, BF16, I8 */
 
 /* A thread's scratch for the blocked path, kept for its next call (a call's fresh allocation of these
@@ -933,10 +929,10 @@ static int linear_part_gemm(const float *x, const LinearWeight *lw, float *y, co
     const size_t rb = row_bytes(lw->elem), panel_bytes = (size_t)K * rb;
     const int halves = PANEL / TCOLS;
     const size_t tiles_max = (GEMM_MC + GMR - 1) / GMR, kc_max = K < GEMM_KC ? (size_t)K : GEMM_KC;
-    const size_t xp_floats = tiles_max * GMR * kc_max, tot_floats = tiles_max * GEMM_NC * GMR * PANEL;
-    float *const xp = scratch(xp_floats + tot_floats + (direct ? 0 : kc_max * PANEL));
-    if (!xp) return 1;
-    float *const tot = xp + xp_floats, *const dq = tot + tot_floats;
+    const size_t tot_floats = tiles_max * GEMM_NC * GMR * PANEL;
+    float *const tot = scratch(tot_floats + (direct ? 0 : kc_max * PANEL));
+    if (!tot) return 1;
+    float *const dq = tot + tot_floats;
     const gemm_fn fn = GEMM_FNS[elem];
     for (int g0 = p0; g0 < p1; g0 += GEMM_NC) {
         const int g1 = p1 - g0 < GEMM_NC ? p1 : g0 + GEMM_NC, np = g1 - g0;
@@ -945,10 +941,6 @@ static int linear_part_gemm(const float *x, const LinearWeight *lw, float *y, co
             memset(tot, 0, sizeof(float) * (size_t)tiles * np * GMR * PANEL);
             for (int k0 = 0; k0 < K; k0 += GEMM_KC) {
                 const int kn = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
-                for (int t = 0; t < tiles; t++) {
-                    const int r0 = t * GMR, mr = mc - r0 < GMR ? mc - r0 : GMR;
-                    pack_x(x + (size_t)(m0 + r0) * K, K, mr, k0, kn, xp + (size_t)t * GMR * kn);
-                }
                 for (int p = g0; p < g1; p++) {
                     const char *wk = (const char *)lw->w + (size_t)p * panel_bytes + (size_t)k0 * rb, *src = wk;
                     size_t stride = rb;
@@ -961,7 +953,9 @@ static int linear_part_gemm(const float *x, const LinearWeight *lw, float *y, co
                     for (int h = 0, c = 0; h < halves; h++)
                         for (int t = 0; t < tiles; t++, c++) {
                             const int l0 = lines * c / calls, l1 = lines * (c + 1) / calls;
-                            fn(xp + (size_t)t * GMR * kn, src + (size_t)h * TCOLS * (stride / PANEL), stride, kn,
+                            const int r0 = t * GMR, mr = mc - r0 < GMR ? mc - r0 : GMR;
+                            fn(x + (size_t)(m0 + r0) * K + k0, (size_t)K, mr,
+                               src + (size_t)h * TCOLS * (stride / PANEL), stride, kn,
                                tot + ((size_t)t * np + (p - g0)) * GMR * PANEL + h * TCOLS,
                                wk + panel_bytes + (size_t)l0 * 64, l1 - l0);
                         }
