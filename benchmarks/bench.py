@@ -47,6 +47,8 @@ def isa_kernels() -> list[dict[str, Any]]:
     """The CPU linear kernel per instruction set it can be built for here (native; AVX2 too where AVX-512
     exists): decode rows' time against the weight-streaming / FMA bound, and a prompt-sized GEMM's share of
     that ISA's FMA peak (benchmarks/kernel_bench.py --linear, one process per ISA)."""
+    from worker.kernels.native_build import LIBRARY_CAPS
+
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isas = ["native"] + (["avx2"] if " avx512f " in f" {flags} " else [])
     out = []
@@ -54,9 +56,11 @@ def isa_kernels() -> list[dict[str, Any]]:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_bench.py"), "--linear", "--rows", "1,8,16",
                    "--passes", "3", "--json", f.name]  # fmt: skip
-            proc = subprocess.run(
-                cmd, env={**os.environ, "BATCHQ_CPU_ISA": isa}, capture_output=True, check=False
-            )
+            # each ISA's process caps torch's libraries as that ISA's machine would (none for native), so
+            # the native one drops the caps this process set for a forced ISA
+            caps = {(k, v) for c in LIBRARY_CAPS.values() for k, v in c.items()}
+            env = {k: v for k, v in os.environ.items() if (k, v) not in caps}
+            proc = subprocess.run(cmd, env={**env, "BATCHQ_CPU_ISA": isa}, capture_output=True, check=False)
             if proc.returncode != 0:
                 print(f"kernel_bench for {isa} failed: {proc.stderr.decode()[-500:]}")
                 continue
@@ -102,8 +106,12 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    from worker.kernels.native_build import cap_libraries, cpu_isa
+
     return {
         "cpu": cpu,
+        "isa": cpu_isa(),
+        "library_caps": cap_libraries(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -259,6 +267,14 @@ def table(info: dict[str, Any], rows: list[dict[str, Any]], hf_tps: float | None
     lines = [
         f"machine: {info['machine']['cpu']}, {info['machine']['cores']} cores, torch {info['machine']['torch']}, "
         f"dtype {info['dtype']}; CPU flags: {' '.join(info['machine']['flags']) or '-'}",
+        *(
+            [
+                f"kernels built for {info['machine']['isa']} (BATCHQ_CPU_ISA); every contender's torch GEMMs "
+                + ", ".join(f"{k}={v}" for k, v in info["machine"]["library_caps"].items())
+            ]
+            if info["machine"].get("isa", "native") != "native"
+            else []
+        ),
         f"workload: {info['requests']} requests (seed {info['seed']}), model smollm2-135m, greedy, EOS honoured",
         "",
         "| contender | output tok/s | req/s | TTFT p50 s | TTFT p95 s | peak RSS MB | vs HF |",

@@ -469,6 +469,9 @@ def main() -> int:
         "--dequantised", action="store_true", help="the GGUF's float32 dequantisation (weight_dtype's source)"
     )
     ns = p.parse_args()
+    from worker.kernels.native_build import cap_libraries
+
+    cap_libraries()  # BATCHQ_CPU_ISA=avx2: HF's GEMMs as on an AVX2-only machine too, before any matmul
     lines = load_lines(ns.workload)
     if ns.mode == "engine":
         res = run_engine(

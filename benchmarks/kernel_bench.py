@@ -417,6 +417,9 @@ def cpu_prefill_attention(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    from worker.kernels.native_build import cap_libraries
+
+    cap_libraries()  # BATCHQ_CPU_ISA=avx2: torch's columns as an AVX2-only machine's, before any matmul
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--linear", action="store_true", help="the CPU linear kernel (linear.c)")
     moe_bench.add_arguments(parser)

@@ -269,3 +269,40 @@ def test_freed_step_temporaries_are_reused_not_faulted_in_again() -> None:
     if default < 10 * (64 << 20):
         pytest.skip(f"this allocator reuses large blocks already ({default} bytes mapped for 10 x 64 MB)")
     assert kept == 0, f"{kept} bytes mapped afresh with freed memory kept, {default} without"
+
+
+# A fresh interpreter (torch's GEMM libraries read their instruction-set setting at their first matmul):
+# the settings cap_libraries left in force, then bf16 GEMM FLOP/s over float32's, the engine's probe.
+_CAPPED = """
+import sys, torch
+from worker.engine.device import gemm_flops
+from worker.kernels.native_build import cap_libraries
+caps = cap_libraries()
+print(sorted(caps.items()))
+print(gemm_flops(torch.bfloat16, n=256, reps=2) / gemm_flops(torch.float32, n=256, reps=2))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_a_forced_avx2_run_gives_torchs_gemm_libraries_an_avx2_only_machines_instructions() -> None:
+    # BATCHQ_CPU_ISA=avx2 stands for an AVX2-only CPU. The kernels' build is one half of that; the other is
+    # torch's oneDNN and MKL, which would otherwise keep AVX-512 (and AMX): then the engine's bf16 probe
+    # found fast bf16 GEMMs no AVX2-only CPU has, and the AVX2 run's bf16 rows took them.
+    clean = {k: v for k, v in os.environ.items() if k not in native_build.LIBRARY_CAPS["avx2"]}
+
+    def run(**env: str) -> tuple[str, float]:
+        out = subprocess.run(
+            [sys.executable, "-c", _CAPPED], env={**clean, **env}, capture_output=True, text=True, check=True,
+            cwd=Path(__file__).parents[2], timeout=300,
+        )  # fmt: skip
+        caps, ratio = out.stdout.splitlines()[-2:]
+        return caps, float(ratio)
+
+    caps, ratio = run(BATCHQ_CPU_ISA="avx2")
+    assert caps == "[('MKL_ENABLE_INSTRUCTIONS', 'AVX2'), ('ONEDNN_MAX_CPU_ISA', 'AVX2')]"
+    assert ratio < device.BF16_MIN_SPEEDUP  # what an AVX2-only CPU measures: bf16 never pays there
+    # an operator's own setting is kept; native caps nothing
+    assert run(BATCHQ_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="SSE4_2")[0] == (
+        "[('MKL_ENABLE_INSTRUCTIONS', 'SSE4_2'), ('ONEDNN_MAX_CPU_ISA', 'AVX2')]"
+    )
+    assert run(BATCHQ_CPU_ISA="native")[0] == "[]"

@@ -53,6 +53,7 @@ from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
 from worker.kernels.backend import select_backend
+from worker.kernels.native_build import cap_libraries
 from worker.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class Engine:
     def load(cls, cfg: EngineConfig) -> Engine:
         device = pick_device(cfg.device)
         if device.type == "cpu":
+            cap_libraries()  # BATCHQ_CPU_ISA=avx2: torch's GEMMs as an AVX2-only CPU's, before any matmul
             bound_onednn_caches()  # before the dtype probe's matmuls
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
