@@ -37,6 +37,11 @@ def main() -> int:
     p.add_argument("--admission", default="optimistic", choices=["optimistic", "reserve"])
     p.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"])
     p.add_argument(
+        "--dequantised",
+        action="store_true",
+        help="the GGUF's float32 dequantisation, as bench.py's weight rows load it (what --weight-dtype narrows)",
+    )
+    p.add_argument(
         "--ops", type=int, default=0, help="print the top N ops of one prefill and one decode step"
     )
     ns = p.parse_args()
@@ -47,9 +52,10 @@ def main() -> int:
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineError, EngineRequest
+    from worker.models.resolve import hf_checkpoint
 
     cfg = EngineConfig(
-        model=MODEL,
+        model=hf_checkpoint(MODEL) if ns.dequantised else MODEL,
         device="cpu",
         dtype=ns.dtype,
         weight_dtype=ns.weight_dtype,
