@@ -845,10 +845,9 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
    4,096-14,336 their rate fell well below the FMA peak. Here K goes in chunks of GEMM_KC rows, so each
    chunk of a half-panel (16 KB of float32) stays in L1 while every tile of a chunk of GEMM_MC x rows rereads
    it, and that chunk of x stays in L2 while every panel of a group meets it. x is read where it lies (a
-   tile's GMR row pointers, one broadcast each per k), not packed first: GotoBLAS packs for long K strides
-   and TLB reach, which a prompt step's rows of a few thousand floats do not need, and here each thread
-   would repack all of x for every group of its panels (benchmarks/linear_ab.c's prompt steps
-   measure the difference). Every output sums the same products in the same order as the
+   tile's GMR row pointers, one broadcast each per k: GMR sequential streams), not packed first: packing
+   buys one stream per tile, which the tiles do not need, and here each thread would repack all of x for
+   every group of its panels (benchmarks/linear_ab.c's prompt steps measure the difference). Every output sums the same products in the same order as the
    other paths (KBLOCK blocks of FMAs, each added to a total that starts at zero), and goes out through
    store_panel as the decode-sized path's do, so a row's answer does not depend on the rows beside it. */
 #if GEMM_BLOCKED
