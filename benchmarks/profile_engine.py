@@ -93,9 +93,11 @@ def main() -> int:
         return out
 
     runner.run = timed  # type: ignore[method-assign]
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     results = engine.generate(reqs(lines))
     wall = time.perf_counter() - t0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     runner.run = inner  # type: ignore[method-assign]
 
     out_tokens = sum(r.completion_tokens for r in results)
@@ -103,6 +105,9 @@ def main() -> int:
     print(f"{ns.n} requests, {out_tokens} output tokens in {wall:.1f}s = {out_tokens / wall:.1f} tok/s")
     print(f"outside the model: {wall - model_s:.1f}s; peak RSS {_peak_rss_mb():.0f} MB; "
           f"preemptions {engine.stats().preemptions}")  # fmt: skip
+    # Pages touched for the first time (the KV pool's fresh blocks above all): each costs a fault, which on
+    # a VM can take ~10 us, so a cold worker's prompt steps pay for it until its pool is resident.
+    print(f"minor page faults: {faults} ({faults * 4 / 1024:.0f} MB of 4 KB pages)")
     pre = times["prefill"]
     if pre:
         pt, ps = sum(x[1] for x in pre), sum(x[2] for x in pre)
