@@ -106,12 +106,13 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    from worker.kernels.native_build import cap_libraries, cpu_isa
+    from worker.kernels.native_build import LIBRARY_CAPS, cpu_isa
 
+    isa = cpu_isa()
     return {
         "cpu": cpu,
-        "isa": cpu_isa(),
-        "library_caps": cap_libraries(),
+        "isa": isa,
+        "library_caps": {k: os.environ[k] for k in LIBRARY_CAPS[isa] if k in os.environ},
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -418,6 +419,11 @@ def main() -> int:
     import workload as wl
     from transformers import AutoTokenizer
 
+    from worker.kernels.native_build import cap_libraries
+
+    # BATCHQ_CPU_ISA=avx2: this process's GEMMs (the auto-dtype probe, the GEMM ceiling) as an AVX2-only
+    # machine's, before its first matmul; the contenders' processes inherit the settings
+    cap_libraries()
     if ns.dtype == "auto":
         from worker.engine.device import cpu_auto_dtype
 

@@ -847,9 +847,10 @@ static void linear_part_tiles(const float *x, const LinearWeight *lw, float *y, 
    it, and that chunk of x stays in L2 while every panel of a group meets it. x is read where it lies (a
    tile's GMR row pointers, one broadcast each per k: GMR sequential streams), not packed first: packing
    buys one stream per tile, which the tiles do not need, and here each thread would repack all of x for
-   every group of its panels (benchmarks/linear_ab.c's prompt steps measure the difference). Every output sums the same products in the same order as the
-   other paths (KBLOCK blocks of FMAs, each added to a total that starts at zero), and goes out through
-   store_panel as the decode-sized path's do, so a row's answer does not depend on the rows beside it. */
+   every group of its panels (benchmarks/linear_ab.c's prompt steps measure the difference). Every output
+   sums the same products in the same order as the other paths (KBLOCK blocks of FMAs, each added to a
+   total that starts at zero), and goes out through store_panel as the decode-sized path's do, so a row's
+   answer does not depend on the rows beside it. */
 #if GEMM_BLOCKED
 #ifndef GEMM_MC
 #define GEMM_MC 96 /* x rows a chunk: 16 tiles of 6 */
