@@ -23,6 +23,8 @@ def main() -> int:
     p.add_argument("mib", type=int, nargs="?", default=1024, help="MiB a round touches")
     p.add_argument("rounds", type=int, nargs="?", default=2)
     ns = p.parse_args()
+    if ns.mib < 1 or ns.rounds < 1:
+        p.error(f"mib and rounds must be at least 1, got {ns.mib} and {ns.rounds}")
     mib, size = ns.mib, ns.mib << 20
     for r in range(ns.rounds):
         m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -32,7 +32,8 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-PROMPT_ROWS = 64  # linear calls of at least this many rows: prompt chunks (decode steps have fewer)
+# linear.c's KB_ROWS: calls of more rows take its GEMM-blocked path (prompt chunks), the rest its decode path
+KB_ROWS = 64
 
 
 @contextmanager
@@ -69,7 +70,7 @@ def timed_pieces(engine: Any) -> Iterator[dict[str, list[float]]]:
     wrap(
         layers.Linear,
         "forward",
-        lambda m, x: "linears, prompt-sized" if x.shape[0] >= PROMPT_ROWS else "linears, decode-sized",
+        lambda m, x: "linears, prompt-sized" if x.shape[0] > KB_ROWS else "linears, decode-sized",
         lambda m, x: 2.0 * x.shape[0] * m.in_features * m.out_features,
     )
     attn = engine.model_runner.backend.attention
