@@ -11,7 +11,7 @@ PROMPTS ?= configs/examples/prompts.jsonl
 OUT ?= results.jsonl
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint typecheck pytest pytest-fast hooks run bench gpu-check clean chromium
+.PHONY: install test test-loaded test-fast lint typecheck pytest pytest-fast hooks run bench gpu-check clean chromium
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ pytest: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=15
 
 test: lint typecheck pytest
+
+# The whole of `make test` beside a co-tenant that keeps one core busy, as a shared CI host's neighbours
+# do. It must pass: no test may depend on an idle machine (a test that needs one skips and says why).
+test-loaded: $(STAMP)
+	@$(PY) -c 'while True: pass' & hog=$$!; trap 'kill $$hog' EXIT; $(MAKE) --no-print-directory test
 
 # Everything not marked slow (no real SmolLM2 model, no worker processes): about a minute on 2 cores.
 pytest-fast: $(STAMP)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from worker.engine.config import EngineConfig
@@ -47,19 +48,114 @@ def proposals(share: CpuShare, seconds: float) -> list[int]:
     return got
 
 
-def test_a_co_tenant_on_one_core_costs_the_engine_one_thread_and_its_leaving_gives_it_back() -> None:
-    assert CPUS >= 2, "this test needs two cores to share"
+class Machine:
+    """A /proc/stat the test writes, with clocks it advances: CpuShare's rule checked on loads the test
+    chooses, whatever else the real machine runs."""
+
+    HZ = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, path: Path, cores: int) -> None:
+        self.path, self.cores = path, cores
+        self.now, self.own, self.readable = 100.0, 0.0, True
+        self.busy = [0.0] * cores  # seconds each core was busy (user, system or stolen)
+        self.write()
+
+    def write(self) -> None:
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        for c, busy in enumerate(self.busy):
+            idle = max(0, int(self.now * self.HZ) - int(busy * self.HZ))
+            # user nice system idle iowait irq softirq steal guest guest_nice: busy time split over user,
+            # system and steal, as a shared VM's is (steal is another tenant's time too)
+            b = int(busy * self.HZ)
+            lines.append(f"cpu{c} {b - b // 2 - b // 4} 0 {b // 2} {idle} 3 0 0 {b // 4} 0 0")
+        if self.readable:
+            self.path.write_text("\n".join([*lines, "intr 12345", "ctxt 678"]) + "\n")
+
+    def run(self, seconds: float, own: float, others: float) -> None:
+        """`seconds` pass; this process uses `own` cores of them and other processes `others` cores."""
+        self.now += seconds
+        self.own += own * seconds
+        per_core = (own + others) * seconds / self.cores
+        self.busy = [b + per_core for b in self.busy]
+        self.write()
+
+    def share(self, budget: int, interval: float = 1.0) -> CpuShare:
+        return CpuShare(
+            budget, interval, str(self.path), cpus=range(self.cores), clock=lambda: self.now,
+            own_cpu=lambda: self.own,
+        )  # fmt: skip
+
+
+def steps(machine: Machine, share: CpuShare, seconds: float, own: float, others: float) -> list[int]:
+    """Proposals over `seconds` of engine steps (a quarter second each: binary fractions, so the clock lands
+    on every interval's end exactly) beside `others` cores of other processes."""
+    assert own + others <= machine.cores
+    got = []
+    for _ in range(round(seconds / 0.25)):
+        machine.run(0.25, own, others)
+        if (n := share.poll()) is not None:
+            got.append(n)
+    return got
+
+
+def test_the_thread_count_follows_the_cores_other_processes_leave_free(tmp_path: Path) -> None:
+    machine = Machine(tmp_path / "stat", cores=4)
+    share = machine.share(4)
+    assert steps(machine, share, 3.0, own=4, others=0) == [], "the engine's own time is not a co-tenant's"
+    assert steps(machine, share, 3.0, own=3.8, others=0.2) == [], "a stray fifth of a core moves nothing"
+    assert steps(machine, share, 1.0, own=3, others=1) == [], "one interval is a passing burst"
+    assert steps(machine, share, 1.0, own=4, others=0) == []
+    assert steps(machine, share, 3.0, own=3, others=1) == [3], "two intervals in a row agree"
+    assert share.threads == 3
+    assert steps(machine, share, 3.0, own=1, others=2.8) == [1]
+    assert steps(machine, share, 3.0, own=0.1, others=3.9) == [], "never below one thread"
+    assert steps(machine, share, 3.0, own=4, others=0) == [4], "a co-tenant's leaving gives the threads back"
+    budget = machine.share(2)  # a budget below the cores (a cgroup quota) is never exceeded
+    assert steps(machine, budget, 3.0, own=2, others=0.5) == []
+    assert steps(machine, budget, 3.0, own=1, others=3) == [1]
+
+
+def test_an_unreadable_stat_proposes_nothing(tmp_path: Path) -> None:
+    machine = Machine(tmp_path / "stat", cores=2)
+    share = machine.share(2)
+    machine.readable = False
+    machine.path.unlink()
+    assert steps(machine, share, 3.0, own=1, others=1) == []
+
+
+def others_load(seconds: float) -> float:
+    """The cores other processes kept busy on this process's CPUs over `seconds` (this process idle)."""
+    share = CpuShare(CPUS, interval=seconds)
+    time.sleep(seconds)
+    free = share.free_cores()
+    assert free is not None
+    return CPUS - free
+
+
+def test_a_real_co_tenant_on_one_core_costs_the_engine_one_thread_and_its_leaving_gives_it_back() -> None:
+    # The same rule on the real /proc/stat, with a real co-tenant process. It needs what it measures: two
+    # cores, and none of them kept busy by anything else (a shared CI host's tenants show as busy time).
+    if CPUS < 2:
+        pytest.skip(f"needs two cores to share; this process may use {CPUS}")
+    if (load := others_load(1.0)) > 0.3:
+        pytest.skip(f"needs a quiet machine: other processes kept {load:.2f} cores busy before the test")
     share = CpuShare(CPUS, interval=0.5)
-    assert proposals(share, 1.5) == [], "alone, the budget is the thread count"
     with busy_core():
         assert proposals(share, 3.0)[:1] == [CPUS - 1]
-    assert proposals(share, 3.0)[:1] == [CPUS]
+    back = proposals(share, 3.0)[:1]
+    if back != [CPUS] and (load := others_load(1.0)) > 0.3:
+        pytest.skip(
+            f"needs a quiet machine: other processes kept {load:.2f} cores busy after the co-tenant left"
+        )
+    assert back == [CPUS]
 
 
 def test_the_engine_drops_a_thread_beside_a_co_tenant_and_keeps_an_explicit_setting(
     tiny_model_dir: Path,
 ) -> None:
     threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip(f"needs two threads to drop one; torch runs {threads}")
     cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_gb=0.05, repetition_window=0)
     assert Engine.load(cfg.model_copy(update={"num_threads": threads})).cpu_share is None
     engine = Engine.load(cfg)
@@ -67,13 +163,15 @@ def test_the_engine_drops_a_thread_beside_a_co_tenant_and_keeps_an_explicit_sett
     engine.cpu_share.interval = 0.5
     params = GenerationParams(max_new_tokens=100, temperature=0, ignore_eos=True)
     try:
+        # With its own co-tenant beside it, the engine runs fewer threads than its budget, and exactly as
+        # many as its share proposed (other load on the machine may take more than the one core it adds).
         with busy_core():
             deadline = time.monotonic() + 4.0
             while torch.get_num_threads() == threads and time.monotonic() < deadline:
                 if not engine.has_work():
                     engine.add_request(EngineRequest(uuid.uuid4().hex, params, prompt_token_ids=[5, 6, 7]))
                 engine.step()
-            assert torch.get_num_threads() == threads - 1
+            assert torch.get_num_threads() == engine.cpu_share.threads < threads
     finally:
         torch.set_num_threads(threads)
 
@@ -116,7 +214,8 @@ def test_a_worker_in_a_cgroup_with_a_cpu_quota_sizes_its_threads_to_it(tiny_mode
         group, limit = v2 / f"batchq-test-{uuid.uuid4().hex[:8]}", ("cpu.max", "150000 100000")
     else:
         group, limit = v1 / f"batchq-test-{uuid.uuid4().hex[:8]}", ("cpu.cfs_quota_us", "150000")
-    assert os.access(group.parent, os.W_OK), f"needs a writable cgroup hierarchy at {group.parent} (root)"
+    if not os.access(group.parent, os.W_OK):
+        pytest.skip(f"needs a writable cgroup hierarchy at {group.parent} (root)")
     group.mkdir()
     try:
         (group / limit[0]).write_text(limit[1])

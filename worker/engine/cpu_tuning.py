@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # oneDNN, which runs bf16 matmuls on the CPU, JIT-compiles a kernel per matmul shape and keeps up to
@@ -127,11 +128,24 @@ def cpu_budget() -> int:
 class CpuShare:
     """Proposes the engine's thread count from the CPU time other processes take on this process's cores:
     per-core busy time from /proc/stat minus this process's own CPU time, over `interval` seconds. A new
-    count is proposed only when two intervals in a row agree, so a passing burst moves nothing."""
+    count is proposed only when two intervals in a row agree, so a passing burst moves nothing.
 
-    def __init__(self, budget: int, interval: float = 1.0, stat: str = "/proc/stat") -> None:
+    `stat`, `cpus`, `clock` and `own_cpu` default to the machine's own; tests pass a /proc/stat they write
+    and clocks they advance, so the rule can be checked whatever else the machine runs."""
+
+    def __init__(
+        self,
+        budget: int,
+        interval: float = 1.0,
+        stat: str = "/proc/stat",
+        *,
+        cpus: Sequence[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        own_cpu: Callable[[], float] = time.process_time,
+    ) -> None:
         self.budget, self.interval, self.stat = budget, interval, stat
-        self.cpus = affinity()
+        self.cpus = list(cpus) if cpus is not None else affinity()
+        self.clock, self.own_cpu = clock, own_cpu
         self.threads = budget
         self._last = self._sample()
         self._pending: int | None = None
@@ -149,13 +163,13 @@ class CpuShare:
                 # user nice system idle iowait irq softirq steal: time not idle is someone's, steal too
                 ticks = [int(f) for f in fields[:8]]
                 busy += sum(ticks) - ticks[3] - ticks[4]
-        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
+        return self.clock(), busy / os.sysconf("SC_CLK_TCK"), self.own_cpu()
 
     def free_cores(self) -> float | None:
         """The cores other processes left free since the last call; None before `interval` has passed."""
         # Sampling is not free for the busy threads (the kernel gathers every thread's CPU time, and a step
         # reading it each time decoded visibly slower): once per interval only.
-        if self._last is None or time.monotonic() - self._last[0] < self.interval:
+        if self._last is None or self.clock() - self._last[0] < self.interval:
             return None
         now = self._sample()
         if now is None:
