@@ -62,17 +62,25 @@ def fast_probe() -> tuple[list[bool], Callable[[], bool]]:
 @needs_c
 def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() -> None:
     asked, fast = fast_probe()
-    assert select_backend(EngineConfig(), CPU, torch.float32, torch.float32, fast).bf16_gemm_rows == 0
+    fastest = EngineConfig(batch_invariant=False)
+    assert select_backend(fastest, CPU, torch.float32, torch.float32, fast).bf16_gemm_rows == 0
     assert not asked  # the probe runs only for bfloat16 weights
-    backend = select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, fast)
+    backend = select_backend(fastest, CPU, torch.float32, torch.bfloat16, fast)
     assert backend.bf16_gemm_rows == BF16_GEMM_ROWS and asked
-    assert (
-        select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, lambda: False).bf16_gemm_rows == 0
-    )
+    assert select_backend(fastest, CPU, torch.float32, torch.bfloat16, lambda: False).bf16_gemm_rows == 0
     # a step of that many rows runs layer by layer (oneDNN's GEMM), a smaller one may take the stack
     tables = torch.zeros(BF16_GEMM_ROWS, 1, dtype=torch.int32)
     lens = torch.ones(BF16_GEMM_ROWS, dtype=torch.int32)
     assert not backend.stack_applies(torch.empty(3, 4, 16, 64), tables, lens)
+
+
+@needs_c
+def test_batch_invariance_never_switches_kernels_by_a_steps_rows() -> None:
+    # oneDNN's bf16 GEMM from BF16_GEMM_ROWS rows up would give a row other bits in a prompt-sized step
+    # than in a decode-sized one: under batch_invariant (the default) bfloat16 weights stay on linear.c
+    asked, fast = fast_probe()
+    backend = select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, fast)
+    assert backend.bf16_gemm_rows == 0 and not asked and backend.linear.name == "c"
 
 
 def test_torch_kernels_build_nothing_and_run_torch_everywhere() -> None:

@@ -296,6 +296,15 @@ class BlockManager:
         for b in reversed(table):
             self._free_one(b)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no sequence holds (vLLM's reset_prefix_cache): the next prompts are
+        computed afresh. Blocks that running sequences hold stay registered. Returns the blocks forgotten."""
+        dropped = [b for b in self._free if b in self._hash_of]
+        for b in dropped:
+            del self._block_of[self._hash_of.pop(b)]
+            self._free.move_to_end(b, last=False)
+        return len(dropped)
+
     def _free_one(self, b: int) -> None:
         """Drop one reference to block b; unreferenced, it joins the free queue: last if it is registered
         (evicted after the blocks freed before it), first if not (nothing worth keeping)."""

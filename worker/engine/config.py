@@ -44,8 +44,17 @@ class EngineConfig(BaseModel):
     device: Device = "auto"
     dtype: Dtype = Field(
         default="auto",
-        description="auto: bfloat16 on CUDA; on a CPU bfloat16 where its matmuls run >= 1.3x faster, "
-        "else float32",
+        description="auto: bfloat16 on CUDA; on a CPU float32 (with batch_invariant off: bfloat16 where its "
+        "matmuls run >= 1.3x faster). On a CPU under batch_invariant, bfloat16 / float16 store the weights "
+        "(bfloat16 only) and the KV cache narrow and compute in float32 in the C kernels",
+    )
+    batch_invariant: bool = Field(
+        default=True,
+        description="a request's numbers (logits, label scores, logprobs, embeddings, greedy tokens) never "
+        "depend on what shares its step: no kernel, split or code path is chosen by a step's rows. CPU: "
+        "float32 arithmetic in the C kernels (never oneDNN's bf16 GEMM), decode attention per sequence (no "
+        "cascade over a shared prefix); CUDA: fixed-tile Triton GEMMs and RMSNorm, a fixed KV split for "
+        "decode. false: the fastest kernels, whose rounding may follow the batch",
     )
     attention_backend: AttentionBackendName = Field(
         default="auto", description="auto: Triton kernels on CUDA where they import, else torch"

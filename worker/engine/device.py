@@ -203,11 +203,43 @@ def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:
     return choice
 
 
-def pick_dtype(name: Dtype, device: torch.device, cpu_kernels: CpuKernels) -> torch.dtype:
-    """auto: bfloat16 on CUDA; on CPU the faster of float32 and bfloat16 (see cpu_auto_dtype)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else cpu_auto_dtype(cpu_kernels)
-    return _DTYPES[name]
+def pick_dtype(
+    name: Dtype, device: torch.device, cpu_kernels: CpuKernels, invariant: bool = False
+) -> torch.dtype:
+    """auto: bfloat16 on CUDA; on CPU float32 under batch invariance, else the faster of float32 and
+    bfloat16 (see cpu_auto_dtype)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if invariant:
+        # bfloat16's speed on a CPU is oneDNN's GEMM, which picks its kernel by the step's row count; the
+        # C kernels' float32 sums a row the same way at every row count. No probe: nothing would use it.
+        log.info("dtype auto -> float32 (batch_invariant: no CPU bf16 GEMM sums a row the same at every "
+                 "row count; batch_invariant = false lets oneDNN's in where it is faster)")  # fmt: skip
+        return torch.float32
+    return cpu_auto_dtype(cpu_kernels)
+
+
+def invariant_cpu_storage(
+    dtype: torch.dtype, device: torch.device, invariant: bool, c_kernels: bool
+) -> tuple[torch.dtype, torch.dtype | None]:
+    """(compute dtype, narrow storage or None). A CPU engine under batch invariance asked for bfloat16 or
+    float16 keeps what it stores narrow (the weights where linear.c reads them: bfloat16; the KV cache)
+    and computes in float32 in the C kernels, whose sum for a row is the same at every row count; torch's
+    bf16 ops pick kernels by the step's size. Without the C kernels nothing is invariant on a CPU: the
+    dtype stays, with a warning."""
+    if not invariant or device.type != "cpu" or dtype == torch.float32:
+        return dtype, None
+    name = str(dtype).removeprefix("torch.")
+    if not c_kernels:
+        log.warning("batch_invariant: %s on this CPU runs torch's ops (no C kernels here), whose GEMMs pick "
+                    "kernels by the step's rows: outputs may depend on the batch", name)  # fmt: skip
+        return dtype, None
+    weights = "bfloat16 weights" if dtype == torch.bfloat16 else "float32 weights (linear.c reads no float16)"
+    log.info("dtype %s on the CPU, batch-invariant: %s and a %s KV cache, float32 arithmetic in the C "
+             "kernels (batch_invariant = false computes in %s through torch)", name, weights, name, name)  # fmt: skip
+    return torch.float32, dtype
 
 
 def pick_kv_dtype(name: KVCacheDtype, compute: torch.dtype) -> torch.dtype:
@@ -215,10 +247,14 @@ def pick_kv_dtype(name: KVCacheDtype, compute: torch.dtype) -> torch.dtype:
     return compute if name == "auto" else {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn}[name]
 
 
-def pick_weight_dtype(name: WeightDtype, compute: torch.dtype, device: torch.device) -> torch.dtype:
-    """The linear weights' storage: auto = the compute dtype. A narrower one (bfloat16, int8) only on a
-    CPU with float32 compute, where the C linear kernel widens it as it reads."""
-    want = compute if name == "auto" else {**_DTYPES, "int8": torch.int8}[name]
+def pick_weight_dtype(
+    name: WeightDtype, compute: torch.dtype, device: torch.device, storage: torch.dtype | None = None
+) -> torch.dtype:
+    """The linear weights' storage: auto = the compute dtype, or the narrow storage of invariant_cpu_storage
+    (bfloat16; float32 for float16). A narrower one (bfloat16, int8) only on a CPU with float32 compute,
+    where the C linear kernel widens it as it reads."""
+    auto = compute if storage is None else (storage if storage == torch.bfloat16 else torch.float32)
+    want = auto if name == "auto" else {**_DTYPES, "int8": torch.int8}[name]
     if want != compute and (device.type != "cpu" or compute != torch.float32):
         raise ValueError(
             f"weight_dtype {name} needs a CPU with float32 compute (dtype = 'float32'); this engine computes "

@@ -22,6 +22,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.device import (
     BF16_MIN_SPEEDUP,
     cpu_bf16_gemm_speedup,
+    invariant_cpu_storage,
     pick_device,
     pick_dtype,
     pick_kv_dtype,
@@ -52,11 +53,59 @@ from worker.engine.samples import SampleGroup, combine, plan_samples, sample_see
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
-from worker.kernels.backend import select_backend
+from worker.kernels.backend import Backend, c_linear_available, select_backend
 from worker.kernels.native_build import cap_libraries
 from worker.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
+
+
+def batch_invariant_here(backend: Backend, implementation: str) -> bool:
+    """Whether the kernels chosen hold batch invariance (cfg.batch_invariant asks for it); the load log
+    says why where they cannot."""
+    why = None
+    if implementation != "native":
+        why = "the model runs Hugging Face's own layers (the transformers fallback), whose GEMMs pick kernels by row count"
+    elif backend.name == "triton":
+        why = "its linear layers run cuBLAS (F.linear), which picks kernels by row count"
+    elif backend.linear.name != "c":
+        why = "its linear layers run torch's GEMMs (no C kernels here), which pick kernels by row count"
+    if why is not None:
+        log.warning("batch_invariant: not held by this engine: %s; a request's numbers may depend on what "
+                    "shares its step", why)  # fmt: skip
+    return why is None
+
+
+def store_weights(
+    cfg: EngineConfig,
+    loaded: LoadedModel,
+    backend: Backend,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    narrow_auto: bool,
+) -> None:
+    """The linear weights stored as weight_dtype where it differs from the compute dtype (linear.c reads
+    them), a quantised checkpoint's dequantised where no kernel here runs it as stored. narrow_auto: the
+    narrow storage came from weight_dtype auto (invariant_cpu_storage), and is dropped quietly where it
+    cannot apply (a quantised checkpoint, Hugging Face's layers)."""
+    quantised = loaded.model.quantised_linears()
+    if narrow_auto and cfg.weight_dtype == "auto" and (quantised or loaded.implementation != "native"):
+        weight_dtype = dtype
+    if weight_dtype != dtype:
+        if loaded.implementation == "transformers":
+            loaded.model.quantize_weights(weight_dtype)  # raises: it has no narrower weights
+        if backend.linear.name != "c":
+            why = "cpu_kernels = 'torch'" if cfg.cpu_kernels == "torch" else "the warning above says why"
+            raise ValueError(
+                f"weight_dtype {cfg.weight_dtype} needs the C linear kernel, unavailable here ({why}): use "
+                "weight_dtype = 'auto'"
+            )
+        loaded.model.quantize_weights(weight_dtype)
+        log.info("linear weights stored as %s", weight_dtype)
+    if quantised and backend.linear.name == "torch":
+        loaded.model.dequantize_weights(dtype)  # torch's F.linear would dequantise them every step
+        log.info("%d quantised linear layers dequantised to %s (no kernel here runs them as stored)",
+                 len(quantised), str(dtype).removeprefix("torch."))  # fmt: skip
 
 
 class Engine:
@@ -67,8 +116,12 @@ class Engine:
         model_runner: ModelRunner,
         num_blocks: int,
         max_model_len: int,
+        batch_invariant: bool = False,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.cfg = cfg
+        # whether a request's numbers are independent of what shares its step (batch_invariant_here)
+        self.batch_invariant = batch_invariant
         self.model_name = loaded.name
         self.checkpoint_dir = loaded.checkpoint_dir  # a local HF dir (the GGUF cache for .gguf inputs)
         self.tokenizer: Any = loaded.tokenizer
@@ -123,6 +176,10 @@ class Engine:
             native_linear=loaded.model.uses_c_linear,
             native_stack=model_runner.backend.decode_stack,
             bf16_gemm_rows=model_runner.backend.bf16_gemm_rows,
+            # the compute dtype apart from the weights' and the KV cache's (a CPU's invariant bfloat16
+            # stores narrow and computes in float32), and whether the kernels follow the batch
+            compute_dtype=str(compute_dtype),
+            batch_invariant=batch_invariant,
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
             max_model_len=max_model_len,
@@ -156,9 +213,14 @@ class Engine:
             torch.set_num_threads(budget)  # a thread per core of the node would outrun the cgroup's quota
         if device.type == "cpu" and cfg.cpu_kernels == "auto":
             tune_cpu_linear()  # before the dtype and GEMM probes, which time linear.c
-        dtype = pick_dtype(cfg.dtype, device, cfg.cpu_kernels)
+        dtype, storage = invariant_cpu_storage(
+            pick_dtype(cfg.dtype, device, cfg.cpu_kernels, cfg.batch_invariant),
+            device,
+            cfg.batch_invariant,
+            c_linear_available(cfg, device),
+        )
         t0 = time.monotonic()
-        weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device)
+        weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device, storage)
         loaded = load_model(cfg.model, dtype, device, cfg.model_impl)
         if device.type == "cpu":
             keep_freed_memory()  # after loading, so what the load freed (staging buffers) went back to the OS
@@ -169,24 +231,10 @@ class Engine:
             weight_dtype,
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
         ).for_model(loaded.model)
-        if weight_dtype != dtype:
-            if loaded.implementation == "transformers":
-                loaded.model.quantize_weights(weight_dtype)  # raises: it has no narrower weights
-            if backend.linear.name != "c":
-                why = "cpu_kernels = 'torch'" if cfg.cpu_kernels == "torch" else "the warning above says why"
-                raise ValueError(
-                    f"weight_dtype {cfg.weight_dtype} needs the C linear kernel, unavailable here ({why}): use "
-                    "weight_dtype = 'auto'"
-                )
-            loaded.model.quantize_weights(weight_dtype)
-            log.info("linear weights stored as %s", weight_dtype)
-        quantised = loaded.model.quantised_linears()
-        if quantised and backend.linear.name == "torch":
-            loaded.model.dequantize_weights(dtype)  # torch's F.linear would dequantise them every step
-            log.info("%d quantised linear layers dequantised to %s (no kernel here runs them as stored)",
-                     len(quantised), str(dtype).removeprefix("torch."))  # fmt: skip
+        store_weights(cfg, loaded, backend, dtype, weight_dtype, narrow_auto=storage is not None)
         loaded.model.use_backend(backend)
-        kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype)
+        kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, storage or dtype)
+        invariant = cfg.batch_invariant and batch_invariant_here(backend, loaded.implementation)
         if backend.name == "triton" and kv_dtype != dtype:
             raise ValueError(
                 f"kv_cache_dtype {cfg.kv_cache_dtype} with {dtype} compute: the Triton kernels read a cache "
@@ -214,18 +262,19 @@ class Engine:
         if reset is not None:  # the scratch passes above (pool sizing, calibration) routed tokens too
             reset()
         log.info(
-            "loaded %s in %.1fs: %s%s %s, %s, %d KV blocks of %d tokens (%s)",
+            "loaded %s in %.1fs: %s%s %s, %s%s, %d KV blocks of %d tokens (%s)",
             cfg.model,
             time.monotonic() - t0,
             device,
             f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else "",
             dtype,
             backend.summary,
+            ", batch-invariant" if invariant else "",
             num_blocks,
             cfg.block_size,
             kv_dtype,
         )
-        return cls(cfg, loaded, runner, num_blocks, max_model_len)
+        return cls(cfg, loaded, runner, num_blocks, max_model_len, invariant, dtype)
 
     # ---- public API -------------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from torch import nn
 
 # Bump when a change to the engine alters any output for the same weights, dtype and request (a kernel
 # that rounds differently, a sampler change, a stop-rule change): cached results then miss.
-# 2: cascade decode attention over shared prefix blocks; 3: choices results carry their logprobs.
-NUMERICS_VERSION = 3
+# 2: cascade decode attention over shared prefix blocks; 3: choices results carry their logprobs;
+# 4: batch invariance by default (no cascade, no bf16 GEMM threshold, a CPU's bfloat16 computed in float32).
+NUMERICS_VERSION = 4
 SAMPLES_PER_TENSOR = 4096
 
 

@@ -12,7 +12,8 @@ What a Backend decides:
 - a mixture-of-experts layer's experts (moe_methods): moe.c where linear.c runs, Triton's grouped GEMMs
   where Triton's attention does, else the torch reference;
 - the bf16-GEMM row threshold: bfloat16 weights on a CPU whose bf16 GEMMs are fast take oneDNN's GEMM for
-  steps of BF16_GEMM_ROWS rows or more (prompt chunks), linear.c for smaller ones (decode);
+  steps of BF16_GEMM_ROWS rows or more (prompt chunks), linear.c for smaller ones (decode); never under
+  batch_invariant (the default), where no kernel is chosen by a step's row count;
 - per decode step, whether decode_stack.c runs it whole (`stack_applies`, `build_decode_stack`); a model
   whose structure decode_stack.c does not compute (OLMo 2's norms, a partial rotary factor) says so, and
   `for_model` keeps its decode steps layer by layer. A model that runs layers of its own (the transformers
@@ -96,9 +97,10 @@ class AttentionBackend:
     plain_native_decode: Callable[[Tensor, Tensor, Tensor, int | None], bool] | None = None
 
 
-def torch_attention(c_decode: bool) -> AttentionBackend:
-    """Attention in torch ops (any device); c_decode: decode through paged_decode.c where it applies."""
-    attn = TorchAttention(native=c_decode)
+def torch_attention(c_decode: bool, invariant: bool = False) -> AttentionBackend:
+    """Attention in torch ops (any device); c_decode: decode through paged_decode.c where it applies;
+    invariant: no kernel choice follows the sequences beside one (TorchAttention's)."""
+    attn = TorchAttention(native=c_decode, invariant=invariant)
     return AttentionBackend(
         "torch",
         attn.kv_cache_shape,
@@ -136,10 +138,12 @@ def triton_attention() -> AttentionBackend:
     )
 
 
-def select_attention(device: torch.device, requested: str, c_decode: bool) -> AttentionBackend:
+def select_attention(
+    device: torch.device, requested: str, c_decode: bool, invariant: bool = False
+) -> AttentionBackend:
     """requested: auto | torch | triton. auto = triton on CUDA when importable, else torch."""
     if requested == "torch":
-        return torch_attention(c_decode)
+        return torch_attention(c_decode, invariant)
     if requested == "triton":
         if device.type != "cuda":
             raise ValueError("attention_backend 'triton' needs a CUDA device")
@@ -151,7 +155,7 @@ def select_attention(device: torch.device, requested: str, c_decode: bool) -> At
             return triton_attention()
         except (ImportError, AttributeError) as exc:
             log.warning("Triton attention unavailable (%s); using the torch path", exc)
-    return torch_attention(c_decode)
+    return torch_attention(c_decode, invariant)
 
 
 @dataclass(frozen=True)
@@ -274,6 +278,13 @@ class KernelSettings(Protocol):
     def cpu_kernels(self) -> str: ...
     @property
     def decode_stack(self) -> bool: ...
+    @property
+    def batch_invariant(self) -> bool: ...
+
+
+def c_linear_available(settings: KernelSettings, device: torch.device) -> bool:
+    """Whether linear.c would run the linear layers of a float32 model here (built now if it must be)."""
+    return device.type == "cpu" and settings.cpu_kernels == "auto" and native_linear.library() is not None
 
 
 def select_backend(
@@ -288,17 +299,20 @@ def select_backend(
     cannot be built leaves its torch path, with one warning. fast_bf16_gemm: whether this CPU's bf16 GEMMs
     are fast enough for prompt-sized steps of bfloat16 weights (asked only then). float32 weights stay on
     linear.c at every row count, however fast torch's float32 GEMM is here: MKL sums a row differently at
-    different row counts, so a request's answer would depend on the rows that share its step."""
+    different row counts, so a request's answer would depend on the rows that share its step. Under
+    settings.batch_invariant nothing is chosen by a step's rows: no bf16 GEMM threshold, and decode
+    attention per sequence (TorchAttention's invariant mode)."""
     c = device.type == "cpu" and settings.cpu_kernels == "auto"
+    invariant = settings.batch_invariant
     attention = select_attention(
-        device, settings.attention_backend, c and native_attention.library() is not None
+        device, settings.attention_backend, c and native_attention.library() is not None, invariant
     )
     if attention.name == "triton":  # quantised weights through Triton's GEMM, the rest through F.linear
         return Backend(attention, TritonLinear(), moe=TritonMoE())
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
     rows = 0
-    if weight_dtype == torch.bfloat16 and fast_bf16_gemm is not None and fast_bf16_gemm():
+    if not invariant and weight_dtype == torch.bfloat16 and fast_bf16_gemm is not None and fast_bf16_gemm():
         rows = BF16_GEMM_ROWS
     stack = (
         settings.decode_stack

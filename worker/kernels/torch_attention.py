@@ -93,9 +93,14 @@ class TorchAttention:
     shapes.
     """
 
-    def __init__(self, native: bool, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+    def __init__(self, native: bool, workspace_bytes: int = WORKSPACE_BYTES, invariant: bool = False) -> None:
         self.workspace_bytes = workspace_bytes
         self.native = native
+        # invariant: a sequence's decode attention never depends on the sequences beside it. Cascade's
+        # shared-prefix half is a GEMM over every member's rows, and a padded group's matmuls sum over the
+        # group's longest context: both follow the neighbours, so each sequence then attends on its own.
+        self.invariant = invariant
+        self.max_group = 1 if invariant else MAX_GROUP
         self._ws: dict[str, Tensor] = {}
         # one plan per window: a model's windowed and full layers alternate within a step (Gemma)
         self._plans: dict[int | None, _DecodePlan] = {}
@@ -162,7 +167,7 @@ class TorchAttention:
         per_token = kvh * d * k_cache.element_size()
         chunks: list[_Chunk] = []
         order: list[int] = []
-        for group in length_groups(spans, bs):
+        for group in length_groups(spans, bs, self.max_group):
             nblk = -(-spans[group[-1]] // bs)
             step = max(1, self.workspace_bytes // (nblk * bs * per_token))
             for i in range(0, len(group), step):
@@ -200,7 +205,7 @@ class TorchAttention:
         cascade runs only in a layer whose window covers every context."""
         if not self.native or not native_attention.cache_supported(k_cache):
             return False
-        if widest is not None and widest < int(context_lens.max()):
+        if self.invariant or (widest is not None and widest < int(context_lens.max())):
             return True
         return not self._cascade.plan(block_tables, context_lens, k_cache.shape[2]).groups
 
@@ -235,7 +240,7 @@ class TorchAttention:
         if self.native and sinks is None and native_attention.supports(q, k_cache):
             out = None
             # cascade's shared prefix is seen whole by every member: not where a window cuts a context
-            if window is None or window >= int(context_lens.max()):
+            if not self.invariant and (window is None or window >= int(context_lens.max())):
                 shared = self._cascade.plan(block_tables, context_lens, k_cache.shape[2])
                 if shared.groups:
                     out = cascade_decode(q, k_cache, v_cache, shared, scale, softcap)
