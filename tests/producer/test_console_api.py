@@ -10,7 +10,7 @@ import uuid
 import orjson
 import pytest
 
-from tests.producer.console_stack import KEY_A, KEY_B, Stack
+from tests.producer.console_stack import KEY_A, KEY_B, REVIEWS, SHARED, Stack, shared_instruction_lines
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +135,24 @@ def test_the_batch_report_downloads_and_retry_guards(console_stack: Stack) -> No
     with urllib.request.urlopen(retry, timeout=10) as r:  # rejected at submit: the CLI's not_retryable
         assert orjson.loads(r.read()) == {"batch_id": bid, "selected": 1, "enqueued": 0, "in_flight": 0,
                                           "not_retryable": 1}  # fmt: skip
+
+
+def test_label_rows_show_what_differs_from_the_instruction_every_row_shares(console_stack: Stack) -> None:
+    tag = uuid.uuid4().hex[:6]
+    bid = console_stack.submit(shared_instruction_lines(tag))
+    assert console_stack.wait(bid)["completed"] == len(REVIEWS)
+    d = orjson.loads(console_stack.get(f"/console/api/batches/{bid}/labels", KEY_A)[1])
+    assert d["input_shared"] == SHARED + " "  # said once, not on every row
+    rows = {r["id"]: r for r in d["least_confident"]}
+    for i, text in enumerate(REVIEWS):
+        row = rows[f"{tag}-{i + 1}"]
+        assert row["index"] == i  # the result's index, from 0; the page numbers rows from 1
+        assert row["input"] == f"{SHARED} {text} Sentiment:"  # the whole input stays, for the asking
+        assert row["input_differs"] == f"{text} Sentiment:"
+    export = console_stack.get(f"/console/api/batches/{bid}/labels.jsonl", KEY_A)[1]
+    assert sorted(orjson.loads(x)["input"] for x in export.splitlines()) == sorted(
+        r["input"] for r in rows.values()
+    )
 
 
 def test_the_workers_page_reads_the_heartbeats(console_stack: Stack) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.producer.console_stack import KEY_A, KEY_B, Stack
+from tests.producer.console_stack import KEY_A, KEY_B, REVIEWS, SHARED, Stack, shared_instruction_lines
 from tests.worker.conftest import ROOT, wait_until
 
 pytestmark = pytest.mark.slow
@@ -192,6 +192,15 @@ def test_the_labels_page_shows_what_the_results_hold_as_text(console: Console) -
     markup = next(r["text"] for r in results if r["id"] == f"{tag}-11")
     assert markup in XSS_LABELS
     expect(page.locator('#least-confident tr[data-row="11"] .answer')).to_have_text(markup)
+    # Rows are numbered from 1, as the lines of a file are: the 12th result (index 11) is row 12.
+    expect(page.locator('#least-confident tr[data-row="11"] td.num').first).to_have_text("12")
+    assert sorted(
+        int(n) for n in page.locator("#least-confident tbody tr td:first-child").all_text_contents()
+    ) == (list(range(1, 13)))
+    # "Review: " is all these inputs share: too little to set apart, so each row shows its whole input.
+    assert (
+        page.locator("#input-shared").count() == 0 and page.locator("#least-confident details").count() == 0
+    )
     expect(page.locator("#distribution")).to_contain_text(markup)
     expect(page.locator("#least-confident")).to_contain_text(XSS)
     expect(page.locator("#least-confident")).to_contain_text(f"<b>{tag}</b>")
@@ -213,6 +222,32 @@ def test_the_labels_page_shows_what_the_results_hold_as_text(console: Console) -
     assert [r["id"] for r in rows] == page.locator("#least-confident .rid").all_text_contents()
     assert all(r["answer"] == answer and r["labels"][0]["prob"] <= cut for r in rows) and rows
     assert all("Review:" in r["input"] for r in rows)
+
+
+def test_the_labels_page_says_a_shared_instruction_once_and_each_row_what_differs(console: Console) -> None:
+    tag = uuid.uuid4().hex[:6]
+    bid = console.stack.submit(shared_instruction_lines(tag))
+    assert console.stack.wait(bid)["completed"] == len(REVIEWS)
+    console.sign_in(KEY_A, f"#/labels/{bid}")
+    page = console.page
+    expect(page.locator("#least-confident tbody tr")).to_have_count(len(REVIEWS))
+    expect(page.locator("#input-shared .shared")).to_have_text(SHARED)
+    for i, text in enumerate(REVIEWS):
+        row = page.locator(f'#least-confident tr[data-row="{i}"]')
+        expect(row.locator("td.num").first).to_have_text(str(i + 1))  # numbered from 1, as ids here are
+        expect(row.locator(".rid")).to_have_text(f"{tag}-{i + 1}")
+        cell = row.locator("td.excerpt")
+        expect(cell.locator("summary")).to_have_text(
+            f"… {text} Sentiment:"
+        )  # what differs, not the instruction
+        assert SHARED not in (cell.locator("summary").text_content() or "")
+        full = f"{SHARED} {text} Sentiment:"
+        expect(cell).to_have_attribute("title", full)  # the whole input on hover
+        expect(cell.locator(".full")).to_be_hidden()
+        cell.locator("summary").click()  # and on a click
+        expect(cell.locator(".full")).to_be_visible()
+        expect(cell.locator(".full")).to_have_text(full)
+    console.shot("labels-shared-instruction")
 
 
 def test_downloads_are_the_cli_files(console: Console) -> None:

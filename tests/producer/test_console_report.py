@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.api.console_report import BatchReport, LabelRow, least_confident
+from producer.api.console_report import BatchReport, LabelRow, least_confident, shared_start
 from producer.client.submit import EXCERPT_CHARS, excerpt
 from producer.wire.contract import ErrorInfo, LabelScore, Result, Timing, Usage
 
@@ -79,3 +79,25 @@ def test_excerpt_is_the_prompt_or_the_last_user_message_cut_short() -> None:
     assert excerpt({"prompt": None, "messages": [{"role": "system", "content": "only"}]}) == "only"
     long = excerpt({"prompt": "x" * 1000})
     assert len(long) == EXCERPT_CHARS and long.endswith("\u2026")
+
+
+INSTRUCTION = "Classify the sentiment of this review as positive, negative or neutral. Review: "
+
+
+def test_the_inputs_shared_start_is_cut_at_a_word_and_each_row_keeps_what_differs() -> None:
+    inputs = [INSTRUCTION + "great phone", INSTRUCTION + "broke at once", INSTRUCTION + "great"]
+    assert shared_start(inputs) == INSTRUCTION
+    row = LabelRow.of(labeled(0, {"positive": 0.6, "negative": 0.4}))
+    assert row is not None
+    d = row.to_dict(inputs[1], INSTRUCTION)
+    assert d["input"] == inputs[1] and d["input_differs"] == "broke at once"
+    assert row.to_dict("other", "")["input_differs"] == "other"  # no shared start: the whole input
+    assert row.to_dict(INSTRUCTION, INSTRUCTION)["input_differs"] == ""  # the shared start alone
+    assert "input_differs" not in row.to_dict(inputs[1])  # the export's rows: the input as kept
+    # A common start that ends inside a word is cut back to that word's start.
+    assert shared_start([INSTRUCTION + "greatest", INSTRUCTION + "great deal"]) == INSTRUCTION
+    assert shared_start([INSTRUCTION + "x", INSTRUCTION]) == INSTRUCTION
+    # One row, rows sharing little ("Review: "), or nothing: no shared start.
+    assert shared_start([inputs[0]]) == ""
+    assert shared_start(["Review: good", "Review: bad"]) == ""
+    assert shared_start([inputs[0], ""]) == ""

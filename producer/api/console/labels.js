@@ -36,10 +36,13 @@ export function labelsPage(id) {
       overview.replaceChildren(distribution(d), histogram(d.histogram));
     }
     fill(rows, el("h2", { text: `Least confident rows (${num(d.matching)} match)` }),
+      d.input_shared ? el("p", { id: "input-shared", class: "muted" },
+        "Every input below starts with ", el("q", { class: "shared", text: d.input_shared.trim() }),
+        "; the input column shows the rest (open a row's input for all of it).") : null,
       table(["#", "id", "input", "answer", "top label", "p", "second label", "p"],
         d.least_confident.map((r) => el("tr", { "data-row": r.index },
-          el("td", { class: "num", text: r.index }), el("td", { class: "rid", text: r.id }),
-          el("td", { class: "excerpt", text: r.input }), el("td", { class: "answer", text: r.answer }),
+          el("td", { class: "num", text: r.index + 1 }), el("td", { class: "rid", text: r.id }),
+          inputCell(r, d.input_shared), el("td", { class: "answer", text: r.answer }),
           el("td", { text: r.labels[0].label }), el("td", { class: "num prob", text: r.labels[0].prob.toFixed(3) }),
           el("td", { text: r.labels[1] ? r.labels[1].label : "-" }),
           el("td", { class: "num", text: r.labels[1] ? r.labels[1].prob.toFixed(3) : "-" }))),
@@ -52,6 +55,15 @@ export function labelsPage(id) {
   exportBtn.addEventListener("click", () => download(path + "/labels.jsonl" + query(), `${id}_review.jsonl`)
     .catch(failed));
   load().catch(failed);
+}
+
+// A row's input: what sets it apart from the other rows (past the start they all share), the whole input
+// one click away and in the cell's title.
+function inputCell(r, shared) {
+  if (!shared) return el("td", { class: "excerpt", title: r.input, text: r.input });
+  return el("td", { class: "excerpt", title: r.input },
+    el("details", {}, el("summary", { class: "differs", text: "… " + (r.input_differs || "(the shared start only)") }),
+      el("div", { class: "full", text: r.input })));
 }
 
 function distribution(d) {
