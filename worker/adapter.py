@@ -113,8 +113,21 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         label_scores=None if res.label_scores is None else [LabelScore(**vars(s)) for s in res.label_scores],
         logprobs=_logprobs(res.logprobs),
         embeddings=_embeddings(req, res),
+        warnings=_warnings(req, res),
         **_samples(req, res),
     )
+
+
+def _warnings(req: Request, res: EngineResult) -> list[str] | None:
+    """What the request set that the model did not apply: the reasoning fields of a chat request on a model
+    without reasoning markers. The engine splits every chat request of a model with markers, and its result
+    then carries reasoning_content (at least ""; Sequence.to_result): None says no parser ran. (A raw
+    prompt's reasoning fields come from the batch's defaults, which leave prompt lines alone by design.)"""
+    p = req.params
+    asked = [k for k in ("max_reasoning_tokens", "reasoning_effort") if getattr(p, k) is not None]
+    if not asked or req.messages is None or res.error is not None or res.reasoning_content is not None:
+        return None
+    return [f"{' and '.join(asked)} ignored: the model has no reasoning markers"]
 
 
 def _logprobs(rows: list[TokenLogprob] | None) -> ChoiceLogprobs | None:

@@ -44,12 +44,14 @@ class ResultCache:
         await done(self.redis.set(key, CachedAnswer.of(res).to_json(), ex=self.ttl_s))
 
     async def publish(
-        self, queue: str, model: str, max_model_len: int, enabled: bool, embedding_size: int | None = None
-    ) -> None:
-        """Tell producers what serves this queue: submit checks requests against it and, when `enabled`,
-        answers what the result cache holds at once."""
+        self, queue: str, model: str, max_model_len: int, enabled: bool, embedding_size: int | None = None,
+        reasoning: str | None = None,
+    ) -> None:  # fmt: skip
+        """Tell producers what serves this queue: submit checks requests against it (and warns of reasoning
+        fields a model without reasoning markers ignores: `reasoning` "none") and, when `enabled`, answers
+        what the result cache holds at once."""
         serving = QueueServing(
             model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled,
-            embedding_size=embedding_size,
+            embedding_size=embedding_size, reasoning=reasoning,
         )  # fmt: skip
         await done(self.redis.set(keys.queue_serving(queue), serving.model_dump_json(), ex=self.ttl_s))

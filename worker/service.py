@@ -60,12 +60,14 @@ async def bind_queue(redis: Redis, cfg: WorkerConfig) -> None:
 async def publish_serving(handler: JobHandler) -> None:
     cfg = handler.cfg
     core = handler.engine.core
+    markers = getattr(core, "reasoning", None)  # (the stand-in engine has none)
     await handler.result_cache.publish(
         keys.queue_name(cfg.queue),
         cfg.engine.model,
         core.max_model_len,
         cfg.result_cache,
         core.embedding_size,
+        "none" if markers is None else markers.kind,
     )
 
 

@@ -24,10 +24,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.cli.progress import Progress
 from producer.client.batchq_client import BatchqClient, WaitTimeout
+from producer.client.grammars import grammar_problem
 from producer.client.live_workers import NoWorkerWarning
 from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
-from producer.client.submit import InputError, new_batch_id
-from producer.wire.contract import BatchStatus, SamplingParams
+from producer.client.submit import InputError, SubmitReport, new_batch_id
+from producer.wire import keys
+from producer.wire.contract import BatchStatus, SamplingParams, defaults_base
 from producer.wire.owner import owner_from_env
 from producer.wire.serde import mask_url
 from producer.wire.store import BatchNotFound, counter_for
@@ -119,12 +121,18 @@ def _defaults(args: argparse.Namespace) -> SamplingParams:
         except orjson.JSONDecodeError as e:
             raise InputError(f"--chat-template-kwargs: not JSON ({e})") from None
     try:
-        return SamplingParams.model_validate(values)
+        defaults = SamplingParams.model_validate(values)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
         where = str(first["loc"][0]) if first["loc"] else "batch defaults"
         flag = "--timeout" if where == "timeout_s" else "--" + where.replace("_", "-")
         raise InputError(f"{flag}: {first['msg'].removeprefix('Value error, ')}") from None
+    # A batch's grammar is checked once, here, naming its flag: not once per line that would take it.
+    problem = grammar_problem(defaults_base(defaults))
+    if problem is not None:
+        flag = "--regex" if problem[0] == "regex" else f"--json-schema {args.json_schema}"
+        raise InputError(f"{flag}: {problem[1]}")
+    return defaults
 
 
 def _labeling_defaults(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,9 +148,11 @@ def _labeling_defaults(args: argparse.Namespace) -> dict[str, Any]:
     if args.json_schema is not None:
         path = Path(args.json_schema)
         try:
-            schema = orjson.loads(path.read_bytes())
+            schema = orjson.loads(path.read_bytes().removeprefix(b"\xef\xbb\xbf"))  # (an editor's BOM)
         except orjson.JSONDecodeError as e:
-            raise InputError(f"--json-schema {path}: not JSON ({e})") from None
+            raise InputError(
+                f"--json-schema {path}: not JSON: line {e.lineno}, column {e.colno}: {e.msg}"
+            ) from None
         if not isinstance(schema, dict):
             raise InputError(f"--json-schema {path}: a JSON Schema is an object")
         out["response_format"] = {
@@ -190,8 +200,14 @@ async def _wait(
     progress = Progress(sys.stderr)
     no_worker = NoWorkerWarning(client.redis, progress.note)
 
+    noted = False
+
     async def on_progress(s: BatchStatus) -> None:
+        nonlocal noted
         progress(s)
+        if s.partly_enqueued and not noted:  # the wait cannot end before the submit does
+            progress.note("note: " + _partly_enqueued(s))
+            noted = True
         await no_worker(s)
 
     try:
@@ -217,14 +233,50 @@ def exit_code(s: BatchStatus, fail_on: frozenset[str] = frozenset()) -> int:
     return OK
 
 
+def _reasons(s: BatchStatus) -> str:
+    """Every finish reason that occurred, with its count ("eos 40, repetition 2, error 1")."""
+    return ", ".join(f"{reason} {n}" for reason, n in s.finish_reasons().items())
+
+
 def _summary(s: BatchStatus) -> str:
-    cut = [f"{s.timed_out} timed out"] if s.timed_out else []
-    cut += [f"{s.length} cut at max_new_tokens"] if s.length else []
+    reasons = _reasons(s)
     return (
-        f"batch {s.batch_id} {s.state}: {s.completed} completed"
-        + (f" ({', '.join(cut)})" if cut else "")
-        + f", {s.failed} failed, {s.cancelled} cancelled of {s.total}"
+        f"batch {s.batch_id} {s.state}: {s.completed} completed, {s.failed} failed, {s.cancelled} cancelled "
+        f"of {s.total}" + (f"; finish reasons: {reasons}" if reasons else "")
     )
+
+
+def _resume_command(s: BatchStatus) -> str:
+    """The command that finishes a partly enqueued batch's submit: the same file and options again."""
+    queue = "" if s.queue in (None, keys.DEFAULT_QUEUE) else s.queue.removeprefix(keys.PREFIX + "queue:")
+    return f"producer submit FILE --batch-id {s.batch_id}" + (f" --queue {queue}" if queue else "")
+
+
+def _partly_enqueued(s: BatchStatus) -> str:
+    return (
+        f"batch {s.batch_id} is partly enqueued: {s.enqueued} of {s.total} requests are in Redis (its submit "
+        f"was interrupted, or is still running); to finish it, run the same submit again (the same file and "
+        f"options; nothing is enqueued twice): {_resume_command(s)}"
+    )
+
+
+def _applied_defaults(report: SubmitReport) -> str | None:
+    """One line saying which temperature and max_new_tokens the requests that set none got (the flags'
+    values, else the built-in ones: temperature 1, sampled, as OpenAI's API does, and max_new_tokens 256);
+    None when every request set both."""
+    applied = sorted(report.defaults_applied.items(), key=lambda kv: (kv[0][0] != "temperature", kv[0][1]))
+    if not applied:
+        return None
+    of = f" of {report.generating} lines"
+    counts = {n for _, n in applied}
+    one_count = len(counts) == 1 and len({name for (name, _), _ in applied}) == len(applied)
+    parts = []
+    for (name, value), n in applied:
+        text = f"{name} {value}"
+        if name == "temperature":
+            text += " (greedy)" if value == 0 else " (sampled; --temperature 0 for greedy)"
+        parts.append(text if one_count else f"{text} to {n}{of}")
+    return "defaults applied: " + ", ".join(parts) + (f" to {counts.pop()}{of}" if one_count else "")
 
 
 async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
@@ -256,6 +308,8 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
         print(f"skipped invalid line: {le}", file=sys.stderr)
     if report.invalid > len(report.errors):
         print(f"skipped ... and {report.invalid - len(report.errors)} more invalid lines", file=sys.stderr)
+    for warning in report.warnings:  # e.g. reasoning fields the queue's model ignores
+        print(warning, file=sys.stderr)
     waiting = args.wait or args.output
     report_out: IO[str] = sys.stderr if waiting and not args.output else sys.stdout
     print(
@@ -267,6 +321,8 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
         f"{report.invalid} invalid",
         file=sys.stderr,
     )
+    if (applied := _applied_defaults(report)) is not None:
+        print(applied, file=sys.stderr)
     if not waiting:
         return OK
     code, status = await _wait(client, report.batch_id, args.wait_timeout, args.fail_on)
@@ -278,18 +334,31 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
 
 async def status(client: BatchqClient, args: argparse.Namespace) -> int:
     s = await client.status(args.batch_id)
-    if args.json:
-        print(s.model_dump_json())
+    partly = s.partly_enqueued
+    if args.json:  # `enqueued`: see BatchStatus; `resume`: the command that finishes a partly enqueued one
+        extra = {"partly_enqueued": partly, "resume": _resume_command(s) if partly else None}
+        print(orjson.dumps({**s.model_dump(mode="json"), **extra}).decode())
         return OK
 
     def when(t: float | None) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
-    print(f"batch      {s.batch_id}  ({s.state})")
-    print(f"requests   total {s.total}  queued {s.queued}  running {s.running}")
+    print(f"batch      {s.batch_id}  ({s.state}{', partly enqueued' if partly else ''})")
+    if partly:
+        assert s.enqueued is not None
+        in_queue = max(0, s.enqueued - s.done - s.running)  # the rest of `queued` is in no queue yet
+        print(
+            f"requests   total {s.total}  enqueued {s.enqueued}  queued {in_queue}  running {s.running}  "
+            f"not enqueued {s.total - s.enqueued}"
+        )
+        print(f"note       {_partly_enqueued(s)}")
+    else:
+        print(f"requests   total {s.total}  queued {s.queued}  running {s.running}")
+    reasons = _reasons(s)
     print(
-        f"finished   completed {s.completed} (timed out {s.timed_out}, length {s.length})  failed {s.failed}  "
-        f"cancelled {s.cancelled}" + (f"  (retrying {s.retrying})" if s.retrying else "")
+        f"finished   completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}"
+        + (f"  (retrying {s.retrying})" if s.retrying else "")
+        + (f"  by finish reason: {reasons}" if reasons else "")
     )
     print(
         f"tokens     prompt {s.prompt_tokens} (prefix cache {s.cached_prompt_tokens})  "

@@ -6,12 +6,14 @@ Each non-blank line becomes either the fields of a `Request` (with params resolv
 
 from __future__ import annotations
 
+import difflib
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, get_args
 
 import orjson
-from pydantic import ValidationError
+from pydantic import AliasChoices, BaseModel, ValidationError
 
 from producer.wire.contract import (
     CHAT_URL,
@@ -56,6 +58,17 @@ class ParsedLine:
     body_model: str | None = None  # OpenAI body.model as written (before --model-alias)
     fields_at: str = ""  # where the line's request fields sit: "body." on an OpenAI line
     embedding: bool = False  # an embeddings request (OpenAI output: an embedding list)
+    unset: tuple[str, ...] = ()  # the REPORTED_DEFAULTS the line left to the batch's or built-in defaults
+
+
+# The parameters whose defaults `producer submit` reports having applied (a line that sets none of them
+# samples at temperature 1 and stops at 256 new tokens).
+REPORTED_DEFAULTS = ("temperature", "max_new_tokens")
+_UNSET = {  # (temperature unset, max_new_tokens unset) -> ParsedLine.unset, without a loop per line
+    (t, m): tuple(k for k, u in zip(REPORTED_DEFAULTS, (t, m), strict=True) if u)
+    for t in (False, True)
+    for m in (False, True)
+}
 
 
 def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
@@ -79,15 +92,66 @@ def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
         yield line_no, raw
 
 
-def _field_errors(e: ValidationError, line_no: int, prefix: str = "") -> list[LineError]:
+def _field_errors(
+    e: ValidationError, line_no: int, prefix: str = "", model: type[BaseModel] | None = None
+) -> list[LineError]:
+    """One LineError per pydantic error; an unknown field of `model` (the class validated) gets the name
+    it is a near miss of, if any ("temprature": did you mean temperature?)."""
     out = []
     for err in e.errors(include_url=False):
         loc = ".".join(str(p) for p in err["loc"])
         reason = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "extra_forbidden" and model is not None:
+            near = _near_miss(model, err["loc"])
+            reason += f" (did you mean {near}?)" if near else ""
         if err["type"] == "missing":
             reason = "required field is missing"
         out.append(LineError(line_no, prefix + loc, reason.removeprefix("Value error, ")))
     return out
+
+
+def _near_miss(model: type[BaseModel], loc: tuple[str | int, ...]) -> str | None:
+    """The known field name closest to the unknown one at `loc` (a path into `model`: "body",
+    "messages", 0, ...), where one is close (difflib's ratio >= 0.6), aliases included; else None."""
+    models: tuple[type[BaseModel], ...] = (model,)
+    for part in loc[:-1]:
+        if isinstance(part, int):  # a list's item: the models inside the list's annotation are already found
+            continue
+        annotation = next((a for m in models if (a := _accepted_names(m).get(part)) is not None), None)
+        if annotation is None:
+            return None
+        models = _models_in(annotation)
+    name = loc[-1] if loc else None
+    if not isinstance(name, str):
+        return None
+    known = sorted({n for m in models for n in _accepted_names(m)})
+    match = difflib.get_close_matches(name, known, n=1)
+    return match[0] if match else None
+
+
+@functools.cache
+def _accepted_names(model: type[BaseModel]) -> dict[str, Any]:
+    """Every name a user may write for a field of `model` (its aliases too) -> the field's annotation."""
+    out: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        names = [] if name.endswith("_") else [name]  # schema_ is written "schema" (its alias)
+        va = info.validation_alias
+        if isinstance(va, AliasChoices):
+            names += [c for c in va.choices if isinstance(c, str)]
+        elif isinstance(va, str):
+            names.append(va)
+        if info.alias:
+            names.append(info.alias)
+        for n in names:
+            out[n] = info.annotation
+    return out
+
+
+def _models_in(annotation: Any) -> tuple[type[BaseModel], ...]:
+    """The pydantic models an annotation holds (X, X | None, list[X], ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return (annotation,)
+    return tuple(m for a in get_args(annotation) for m in _models_in(a))
 
 
 def _user_id(obj: dict[str, Any], key: str) -> str | None:
@@ -166,6 +230,7 @@ def parse_line(
     if (obj.get("url") == EMBEDDINGS_URL) if openai else "input" in obj:
         base = base if base is not None else defaults_base(defaults)
         return _embedding_line(obj, openai, line_no, index, uid, batch_id, base, model, aliases)
+    shape_model = OpenAIBatchLine if openai else PromptLine
     try:
         line: PromptLine | OpenAIBody
         if openai:
@@ -178,7 +243,8 @@ def parse_line(
             src, chat = obj, line.messages is not None
             metadata, body_model = line.metadata, None
     except ValidationError as e:
-        return [LineError(le.line_no, le.field, le.reason, uid) for le in _field_errors(e, line_no)]
+        errors = _field_errors(e, line_no, model=shape_model)
+        return [LineError(le.line_no, le.field, le.reason, uid) for le in errors]
     prompt, messages = line.prompt, line.messages
     shape = _shape_error(line, openai, line_no, uid)
     if shape is not None:
@@ -208,7 +274,8 @@ def parse_line(
         "metadata": metadata,
         "model": asked,
     }
-    return ParsedLine(line_no, index, record, chat, body_model, "body." if openai else "")
+    unset = _UNSET[line.temperature is None, line.max_new_tokens is None]
+    return ParsedLine(line_no, index, record, chat, body_model, "body." if openai else "", unset=unset)
 
 
 def _model_asked(
@@ -251,6 +318,7 @@ def _embedding_line(
     aliases: Mapping[str, str] | None,
 ) -> ParsedLine | list[LineError]:
     """An embeddings line (OpenAI's to /v1/embeddings, or batchq's with `input`) as a Request's fields."""
+    shape_model = OpenAIEmbeddingLine if openai else EmbeddingLine
     try:
         line: EmbeddingLine | OpenAIEmbeddingLine
         fields: EmbeddingFields
@@ -262,7 +330,8 @@ def _embedding_line(
             line = EmbeddingLine.model_validate(obj)
             fields, body_model, metadata = line, None, line.metadata
     except ValidationError as e:
-        return [LineError(le.line_no, le.field, le.reason, uid) for le in _field_errors(e, line_no)]
+        errors = _field_errors(e, line_no, model=shape_model)
+        return [LineError(le.line_no, le.field, le.reason, uid) for le in errors]
     asked = _model_asked(body_model, model, aliases, line_no, uid)
     if isinstance(asked, LineError):
         return [asked]

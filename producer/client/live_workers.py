@@ -1,5 +1,6 @@
-"""Reading what workers publish: the live workers (from their heartbeats), what serves a queue, and the
-warning that no live worker serves the queue a batch waits on.
+"""Reading what workers publish: the live workers (from their heartbeats), what serves a queue, the
+warning that no live worker serves the queue a batch waits on, and submit's warning that the queue's model
+ignores the reasoning fields a batch sets.
 
 A worker is live while its heartbeat key exists: it is written every `heartbeat_s` with a TTL of three
 intervals, so a killed worker drops out within that time. The records themselves are the wire's
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -54,6 +56,29 @@ async def queue_serving(redis: Redis, queue: str | None) -> QueueServing | None:
         return QueueServing.model_validate_json(raw)
     except ValidationError:
         return None  # written by a worker this producer cannot read: no checks, no lookups
+
+
+REASONING_FIELDS = ("max_reasoning_tokens", "reasoning_effort")
+
+
+def ignores_reasoning(serving: QueueServing) -> bool:
+    """Whether the model serving the queue has no reasoning markers, as its workers said: it ignores
+    REASONING_FIELDS (a worker that did not say, `reasoning` None, is not taken to ignore them)."""
+    return serving.reasoning == "none"
+
+
+def sets_reasoning(params: Mapping[str, Any]) -> bool:
+    """Whether a request's resolved parameters set any of REASONING_FIELDS."""
+    return any(params.get(k) is not None for k in REASONING_FIELDS)
+
+
+def reasoning_ignored(count: int, serving: QueueServing, queue: str | None) -> str:
+    """Submit's warning, once per batch: `count` requests set reasoning fields the queue's model ignores."""
+    some = "1 request sets" if count == 1 else f"{count} requests set"
+    return (
+        f"warning: {some} {'/'.join(REASONING_FIELDS)}, but the model serving queue {queue_label(queue)!r} "
+        f"({serving.model}) has no reasoning markers: they are ignored"
+    )
 
 
 def _to_stderr(line: str) -> None:

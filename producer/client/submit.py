@@ -27,12 +27,18 @@ from redis.asyncio import Redis
 
 from producer.client.grammars import grammar_problem
 from producer.client.jsonl import LineError, ParsedLine, parse_line, read_lines
-from producer.client.live_workers import live_workers, queue_serving
+from producer.client.live_workers import (
+    ignores_reasoning,
+    live_workers,
+    queue_serving,
+    reasoning_ignored,
+    sets_reasoning,
+)
 from producer.wire import keys
 from producer.wire.contract import ErrorInfo, Result, SamplingParams, Timing, defaults_base
 from producer.wire.lua import LuaScript, done
 from producer.wire.result_cache import CachedAnswer, request_key
-from producer.wire.store import EXCERPTS_PER_FIELD, write_result
+from producer.wire.store import ENQUEUED, EXCERPTS_PER_FIELD, write_result
 from producer.wire.workers import QueueServing
 
 MAX_REPORTED = 20
@@ -66,6 +72,13 @@ class SubmitReport:
     errors: list[LineError] = field(default_factory=list)  # the first MAX_REPORTED bad lines
     digests: bytearray = field(default_factory=bytearray)  # DIGEST_BYTES per request, in index order
     line_numbers: array[int] = field(default_factory=lambda: array("I"))  # each request's input line
+    reasoning_ignored: int = 0  # chat requests with reasoning fields the queue's live model ignores
+    warnings: list[str] = field(default_factory=list)  # once per batch, for the user (the CLI: on stderr)
+    generating: int = 0  # valid requests that generate text (embedding requests do not)
+    # (field, the value in force) -> how many generating requests left the field (jsonl.REPORTED_DEFAULTS)
+    # to a default: the batch's, the contract's (BUILTIN_DEFAULTS, a choices line's CHOICES_TEMPERATURE)
+    # or the engine's (ENGINE_TEMPERATURE)
+    defaults_applied: dict[tuple[str, Any], int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,6 +88,11 @@ class SubmitReport:
             "cached": self.cached,
             "invalid": self.invalid,
         }
+
+
+# The temperature a request that sets none (nor its batch) samples at: the engine's default
+# (worker/engine/params.py, GenerationParams.temperature; OpenAI's too). The producer cannot import it.
+ENGINE_TEMPERATURE = 1.0
 
 
 def new_batch_id() -> str:
@@ -98,6 +116,7 @@ class SubmitChecks:
     fingerprint: str | None = None  # the result cache's, None: no lookups
     live_model: str | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
+    ignores_reasoning: bool = False  # live_model has no reasoning markers (live_workers.ignores_reasoning)
 
 
 def validate_to_spool(
@@ -155,6 +174,10 @@ def validate_to_spool(
                     and not parsed.embedding
                 ):
                     key = request_key(fingerprint, rec["prompt"], rec["messages"], rec["params"])
+                if not parsed.embedding:
+                    _count_defaults(report, parsed)
+                if checks.ignores_reasoning and parsed.chat and rec["model"] in (None, checks.live_model):
+                    report.reasoning_ignored += sets_reasoning(rec["params"])
                 kind = b"Re" if parsed.embedding else b"Rc" if parsed.chat else b"Rp"
                 order = b"%03x" % queue_order(rec["params"]["max_new_tokens"])
                 digest = NO_KEY if key is None else key.rpartition(":")[2].encode()
@@ -172,6 +195,16 @@ def validate_to_spool(
         lines.append(line_no)
         index += 1
     report.total = index
+
+
+def _count_defaults(report: SubmitReport, parsed: ParsedLine) -> None:
+    """Count a generating request, and the values its unset REPORTED_DEFAULTS took (max_new_tokens is
+    always resolved; a temperature the params lack is the engine's)."""
+    report.generating += 1
+    applied = report.defaults_applied
+    for k in parsed.unset:
+        key = (k, parsed.record["params"].get(k, ENGINE_TEMPERATURE))
+        applied[key] = applied.get(key, 0) + 1
 
 
 def _digest(record: bytes) -> bytes:
@@ -253,7 +286,7 @@ return {0}
 """)
 
 
-# KEYS: queue, results hash, chat bitmap. ARGV: job id prefix ("<batch id>:"), first index, enqueue time
+# KEYS: queue, results hash, chat bitmap, batch meta. ARGV: job id prefix ("<batch id>:"), first index, enqueue time
 # (ms), kinds (one byte per job: c chat, p prompt, e embeddings), orders (3 hex digits of queue_order per job), fresh
 # ("1" when this submit created the batch), then one payload per job for consecutive indices.
 #
@@ -263,7 +296,8 @@ return {0}
 # batch id racing this one), it writes nothing and the checked path runs. The checked path, always taken
 # when resubmitting, skips a job whose result exists, whose arq result exists, or whose job key exists.
 # Scores are enqueue ms + order/4096: exact in a double until 2039, printed with %.17g so that Redis
-# parses back the same double.
+# parses back the same double. The jobs written are added to the meta's store.ENQUEUED count while the
+# batch has one (an unfinished submit's: see enqueue_spool).
 _ENQUEUE = LuaScript(
     """
 local prefix, first, et = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -317,8 +351,25 @@ if not written then
   end
 end
 for i = 1, #members, 4000 do redis.call('ZADD', KEYS[1], unpack(members, i, math.min(i + 3999, #members))) end
+if #members > 0 and redis.call('HEXISTS', KEYS[4], '"""
+    + ENQUEUED
+    + """') == 1 then
+  redis.call('HINCRBY', KEYS[4], '"""
+    + ENQUEUED
+    + """', #members / 2)
+end
 return #members / 2
 """
+)
+
+# KEYS: batch meta. ARGV: n. Adds n (results submit wrote: invalid lines, result-cache answers) to an
+# unfinished submit's store.ENQUEUED count; nothing once the submit finished.
+_ADD_ENQUEUED = LuaScript(
+    "if redis.call('HEXISTS', KEYS[1], '"
+    + ENQUEUED
+    + "') == 1 then redis.call('HINCRBY', KEYS[1], '"
+    + ENQUEUED
+    + "', ARGV[1]) end"
 )
 
 
@@ -346,6 +397,7 @@ async def create_batch(
         "cancelled": 0,
         "prompt_tokens": 0,
         "completion_tokens": 0,
+        ENQUEUED: 0,  # until enqueue_spool has put every request into Redis (BatchStatus.enqueued)
     }
     if owner:
         fields["owner"] = owner
@@ -512,6 +564,13 @@ def _invalid(rid: str, index: int, reason: str) -> Result:
     )
 
 
+async def _add_enqueued(redis: Redis, meta: str, n: int) -> int:
+    """Count `n` results submit wrote in an unfinished submit's store.ENQUEUED; 0, the count left to add."""
+    if n:
+        await _ADD_ENQUEUED(redis, [meta], [n])
+    return 0
+
+
 async def enqueue_spool(
     redis: Redis, spool: IO[bytes], report: SubmitReport, *, queue: str, fresh: bool = False
 ) -> None:
@@ -522,6 +581,11 @@ async def enqueue_spool(
 
     One chunk is in flight while the next is built: Redis runs the script on one core while Python
     reads and frames the next chunk on the other.
+
+    Progress is recorded for `producer status`: the meta's store.ENQUEUED (set to 0 by create_batch) counts
+    the requests this submit (or an interrupted one before it) put into Redis: jobs as their chunk's
+    script writes them, results of invalid lines and cache hits at the end of each group. Once every
+    request is in, the field is deleted: a batch without it is wholly enqueued.
     """
     bid = report.batch_id
     now = time.time()
@@ -530,9 +594,11 @@ async def enqueue_spool(
     tail = b'],"k":{},"et":' + et + b"}"
     # Request JSON was spooled without enqueued_at; append it now so queued_s starts at enqueue time.
     enq_at = b',"enqueued_at":' + repr(now).encode() + b"}"
-    ks = [queue, keys.batch_results(bid), keys.batch_chat(bid)]
+    meta = keys.batch_meta(bid)
+    ks = [queue, keys.batch_results(bid), keys.batch_chat(bid), meta]
     prefix = keys.job_id_prefix(bid).encode()
     in_flight: asyncio.Task[Any] | None = None
+    answered = 0  # results written since progress was last recorded (invalid lines, cache hits)
 
     async def send(chunk: _Chunk) -> None:
         nonlocal in_flight
@@ -554,19 +620,23 @@ async def enqueue_spool(
                         chunk = None
                     if rec[:1] == b"E":
                         err = orjson.loads(rec[1:])
-                        await write_result(redis, bid, _invalid(err["id"], index, err["reason"]))
+                        answered += await write_result(redis, bid, _invalid(err["id"], index, err["reason"]))
                     continue
                 chunk = chunk or _Chunk(index)
                 if chunk.add(rec, head + rec[JSON_AT:-1] + enq_at + tail):
                     await send(chunk)
                     chunk = None
             if answers:
-                report.cached += await _answer(redis, bid, group, answers)
+                cached = await _answer(redis, bid, group, answers)
+                report.cached += cached
+                answered += cached
+            answered = await _add_enqueued(redis, meta, answered)
         if chunk is not None:
             await send(chunk)
         if in_flight is not None:
             report.enqueued += int(await in_flight)
             in_flight = None
+        await done(redis.hdel(meta, ENQUEUED))  # every request is in Redis: the submit is finished
     finally:
         if in_flight is not None:  # an error above: don't leave the call running unobserved
             in_flight.cancel()
@@ -621,6 +691,8 @@ async def submit_stream(
             validate()
         if report.total == 0:
             raise InputError("input is empty: no request lines")
+        if report.reasoning_ignored and checks.serving is not None:
+            report.warnings.append(reasoning_ignored(report.reasoning_ignored, checks.serving, qname))
         if report.invalid and not skip_invalid:
             raise InputError(
                 f"{report.invalid} invalid line(s); nothing was enqueued", report.errors, report.invalid
@@ -648,4 +720,5 @@ async def submit_checks(
         fingerprint=serving.fingerprint if result_cache and serving.result_cache else None,
         live_model=serving.model if live else None,
         aliases=aliases,
+        ignores_reasoning=live and ignores_reasoning(serving),
     )

@@ -17,12 +17,16 @@ from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_pref
 from redis.asyncio import Redis
 
 from producer.wire import keys
-from producer.wire.contract import BatchStatus, ErrorInfo, Result
+from producer.wire.contract import BatchState, BatchStatus, ErrorInfo, Result
 from producer.wire.lua import LuaScript, done
 
 CHUNK = 500
 DONE_FIELDS = ("completed", "failed", "cancelled")
 CANCEL_FLAG = "cancel_requested"
+# The meta field of an unfinished submit: how many requests it has put into Redis (as jobs or results).
+# Submit creates it at 0, adds what each chunk writes and deletes it once every request is in
+# (producer/client/submit.py, enqueue_spool); BatchStatus.enqueued.
+ENQUEUED = "enqueued"
 EXCERPTS_PER_FIELD = 500  # input excerpts per field of keys.batch_inputs (get_excerpts)
 
 
@@ -40,6 +44,17 @@ def counter_for(finish_reason: str) -> str:
     return "completed"
 
 
+# The meta fields that count completed results by finish reason (BatchStatus.eos ... repetition). A retry
+# takes a result out of its reason's counter (producer/client/retry.py; of these, only `timeout` can be
+# retried).
+REASON_COUNTERS = {
+    "eos": "eos",
+    "stop": "stop",
+    "timeout": "timed_out",
+    "length": "length",
+    "repetition": "repetition",
+}
+
 # The result write, as a Lua function that scripts share (this module's _WRITE_RESULT for one result, the
 # worker's bulk finish in producer/wire/jobs.py for many). Each entry: {k, a}, k the batch's keys
 # (batch_keys), a: index, result json, counter, prompt_tokens, completion_tokens, cached prompt tokens, 1 if
@@ -52,13 +67,18 @@ def counter_for(finish_reason: str) -> str:
 # so is a second result of the same attempt (which takes a duplicate run's running mark out). A retry took
 # the older attempt's result out of the counters when it claimed the new attempt (producer/client/retry.py),
 # so the counters count each request by its current attempt: queued + running + completed + failed +
-# cancelled == total at every moment. `timed_out` and `length` count the completed results that ended on
-# their timeout_s or max_new_tokens. `tokens_generated` is a rate counter (tokens the workers generated,
-# reported while requests run; a result adds what was not reported yet): it never goes down.
+# cancelled == total at every moment. `eos`, `stop`, `timed_out`, `length` and `repetition` count the
+# completed results by finish reason (REASON_COUNTERS). `tokens_generated` is a rate counter (tokens the
+# workers generated, reported while requests run; a result adds what was not reported yet): it never goes
+# down.
 # Counter increments and running-set removals are summed per batch and applied once per call; a batch whose
 # last result this is gets its finished_at and its keys' expiry (its own result_ttl_s, set at submit, wins
 # over the caller's fallback).
-WRITE_MANY = """
+WRITE_MANY = (
+    "local reason_counter = {"
+    + ", ".join(f"{reason} = '{field}'" for reason, field in REASON_COUNTERS.items())
+    + "}\n"
+    + """
 local function write_many(entries, now, fallback_ttl)
   local groups, order, out = {}, {}, {}
   for i, e in ipairs(entries) do
@@ -90,8 +110,8 @@ local function write_many(entries, now, fallback_ttl)
       if a[9] ~= '' then redis.call('HSET', k[6], idx, a[9]) elseif attempt > 0 then redis.call('HDEL', k[6], idx) end
       local c = g.c
       c[a[3]] = (c[a[3]] or 0) + 1
-      if a[10] == 'timeout' then c.timed_out = (c.timed_out or 0) + 1
-      elseif a[10] == 'length' then c.length = (c.length or 0) + 1 end
+      local r = reason_counter[a[10]]
+      if r then c[r] = (c[r] or 0) + 1 end
       c.prompt_tokens = (c.prompt_tokens or 0) + tonumber(a[4])
       c.completion_tokens = (c.completion_tokens or 0) + tonumber(a[5])
       c.cached_prompt_tokens = (c.cached_prompt_tokens or 0) + tonumber(a[6])
@@ -120,6 +140,7 @@ local function write_many(entries, now, fallback_ttl)
   return out
 end
 """
+)
 WRITE_FIELDS = 12  # the values write_many takes per result (`a` above)
 
 # KEYS: store.batch_keys. ARGV: now, fallback ttl, then write_many's values for one result.
@@ -302,27 +323,46 @@ async def is_cancelled(redis: Redis, batch_id: str) -> bool:
     return _str(await done(redis.hget(keys.batch_meta(batch_id), CANCEL_FLAG) or b"0")) == "1"
 
 
+def batch_state(total: int, done: int, running: int, retrying: int, cancelled: int) -> BatchState:
+    """A batch's state, from its counts alone (each request counted by its current attempt):
+
+    - queued: no request has started or finished (none running, none done, none being retried);
+    - running: some request has no result yet (queued or running), and one has started or finished;
+    - cancelled: every request has a result, and at least one of them is `cancelled`;
+    - completed: every request has a result and none is `cancelled` (failed ones included: they are
+      counted in `failed`, as OpenAI's completed batches count theirs).
+
+    So the state moves with the counts: a cancelled batch whose cancelled requests `producer retry`
+    re-enqueued is running again, and completed once they all have answers; a batch that still holds
+    cancelled results stays cancelled whatever else is retried. The cancel flag does not decide it (a
+    cancel that came after every request had started, and stopped none, leaves a completed batch)."""
+    if done < total:
+        return "running" if done or running or retrying else "queued"
+    return "cancelled" if cancelled else "completed"
+
+
 def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
     m = {_str(k): v for k, v in meta.items()}
     total = _int(m.get("total"))
     retrying = _int(m.get("retrying"))
     done = sum(_int(m.get(f)) for f in DONE_FIELDS)
-    if done >= total:
-        state = "cancelled" if _str(m.get(CANCEL_FLAG, b"0")) == "1" else "completed"
-    else:
-        state = "running" if done or running or retrying else "queued"
+    cancelled = _int(m.get("cancelled"))
     finished = m.get("finished_at")
+    enqueued = m.get(ENQUEUED)  # absent: the submit finished (or the batch predates the field)
     return BatchStatus(
         batch_id=batch_id,
-        state=state,
+        state=batch_state(total, done, running, retrying, cancelled),
         total=total,
         queued=max(0, total - done - running),
         running=running,
         completed=_int(m.get("completed")),
         failed=_int(m.get("failed")),
-        cancelled=_int(m.get("cancelled")),
+        cancelled=cancelled,
+        eos=_int(m.get("eos")),
+        stop=_int(m.get("stop")),
         timed_out=_int(m.get("timed_out")),
         length=_int(m.get("length")),
+        repetition=_int(m.get("repetition")),
         prompt_tokens=_int(m.get("prompt_tokens")),
         completion_tokens=_int(m.get("completion_tokens")),
         tokens_generated=_int(m.get("tokens_generated")),
@@ -334,14 +374,19 @@ def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
         finished_at=float(finished) if finished else None,
         queue=_str(m["queue"]) if m.get("queue") else None,
         model=_str(m["model"]) if m.get("model") else None,
+        enqueued=None if enqueued is None else min(_int(enqueued), total),
     )
 
 
+# KEYS: meta, running set. The two read at one moment, by a script: Redis refuses every command of a
+# MULTI once it is at maxmemory, where a status is most wanted (a submit that Redis cut short), but runs a
+# script that only reads (a script without flags is refused only a write, in Redis 6 and 7 alike).
+_READ_STATUS = LuaScript("return {redis.call('HGETALL', KEYS[1]), redis.call('SCARD', KEYS[2])}")
+
+
 async def get_status(redis: Redis, batch_id: str) -> BatchStatus:
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hgetall(keys.batch_meta(batch_id))
-        pipe.scard(keys.batch_running(batch_id))
-        meta, running = await pipe.execute()
+    flat, running = await _READ_STATUS(redis, [keys.batch_meta(batch_id), keys.batch_running(batch_id)], [])
+    meta = dict(zip(flat[::2], flat[1::2], strict=True))
     if not meta or (b"total" not in meta and "total" not in meta):
         raise BatchNotFound(batch_id)
     return _status(batch_id, meta, int(running))

@@ -70,9 +70,9 @@ class Heartbeat(BaseModel):
 class QueueServing(BaseModel):
     """What serves a queue, as its workers publish it (keys.queue_serving; one model per queue, see
     worker/service.py bind_queue): the model name requests must name or leave unset, the engine
-    fingerprint the result cache keys with (when the workers use the result cache), and the longest
-    sequence (prompt + output) the engine serves. It outlives the workers (its TTL is the result
-    cache's), so it also describes a queue whose workers are all gone."""
+    fingerprint the result cache keys with (when the workers use the result cache), the longest
+    sequence (prompt + output) the engine serves, and how the model marks its thinking. It outlives the
+    workers (its TTL is the result cache's), so it also describes a queue whose workers are all gone."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -81,3 +81,6 @@ class QueueServing(BaseModel):
     max_model_len: int
     result_cache: bool = True
     embedding_size: int | None = None  # the width of its embeddings (None: unknown, or it cannot embed)
+    # its reasoning parser (worker/engine/reasoning.py): "think", "harmony", or "none" where the model has no
+    # reasoning markers and ignores max_reasoning_tokens / reasoning_effort (None: a worker that did not say)
+    reasoning: str | None = None

@@ -210,23 +210,29 @@ def test_stdin_submit_with_wait_writes_results_file(redis_url: str, tmp_path: Pa
 def test_timeouts_and_lengths_are_counted_and_fail_on_makes_wait_exit_5(
     redis_url: str, tmp_path: Path
 ) -> None:
-    """A nightly job checking exit codes must be able to notice partial answers."""
-    path = jsonl(tmp_path / "in.jsonl", *({"id": f"r{i}", "prompt": "x"} for i in range(3)))
+    """A nightly job checking exit codes must be able to notice partial answers; the summary names every
+    finish reason that occurred (issue 58: it dropped `repetition`)."""
+    path = jsonl(tmp_path / "in.jsonl", *({"id": f"r{i}", "prompt": "x"} for i in range(5)))
     cli(redis_url, "submit", str(path), "--batch-id", "b5")
-    asyncio.run(finish(redis_url, "b5", [ok(0, "r0"), ok(1, "r1", "timeout"), ok(2, "r2", "length")]))
+    endings = [ok(0, "r0"), ok(1, "r1", "timeout"), ok(2, "r2", "length"), ok(3, "r3", "repetition"),
+               ok(4, "r4", "repetition")]  # fmt: skip
+    asyncio.run(finish(redis_url, "b5", endings))
     plain = cli(redis_url, "wait", "b5")
     assert plain.returncode == 0
     assert (
-        "batch b5 completed: 3 completed (1 timed out, 1 cut at max_new_tokens), 0 failed, 0 cancelled of 3"
-        in plain.stderr
+        "batch b5 completed: 5 completed, 0 failed, 0 cancelled of 5; "
+        "finish reasons: eos 1, length 1, timeout 1, repetition 2" in plain.stderr
     )
+    text = cli(redis_url, "status", "b5").stdout
+    assert "by finish reason: eos 1, length 1, timeout 1, repetition 2" in text
     assert cli(redis_url, "wait", "b5", "--fail-on", "timeout").returncode == 5
     assert cli(redis_url, "wait", "b5", "--fail-on", "length").returncode == 5
     assert cli(redis_url, "wait", "b5", "--fail-on", "timeout,length").returncode == 5
     bad = cli(redis_url, "wait", "b5", "--fail-on", "eos")
     assert bad.returncode == 2 and "expected timeout, length" in bad.stderr
     status = orjson.loads(cli(redis_url, "status", "b5", "--json").stdout)
-    assert (status["completed"], status["timed_out"], status["length"]) == (3, 1, 1)
+    assert (status["completed"], status["timed_out"], status["length"], status["repetition"]) == (5, 1, 1, 2)
+    assert (status["eos"], status["stop"]) == (1, 0)
     assert "5  wait: every request has an answer" in cli(redis_url, "wait", "--help").stdout
 
 

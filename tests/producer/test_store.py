@@ -64,8 +64,12 @@ async def test_counters_by_finish_reason_and_finish_sets_ttl(redis: Redis) -> No
         if i < len(reasons) - 1:  # nothing expires before the batch is done
             assert await redis.ttl(keys.batch_results("b1")) == await redis.ttl(keys.batch_meta("b1")) == -1
     s = await store.get_status(redis, "b1")
-    assert (s.completed, s.failed, s.cancelled, s.queued, s.state) == (5, 1, 1, 0, "completed")
-    assert (s.timed_out, s.length) == (1, 1)  # of the completed ones
+    # It holds a cancelled result: the state follows the counts (store.batch_state), not a cancel flag.
+    assert (s.completed, s.failed, s.cancelled, s.queued, s.state) == (5, 1, 1, 0, "cancelled")
+    assert (s.eos, s.stop, s.timed_out, s.length, s.repetition) == (1, 1, 1, 1, 1)  # of the completed ones
+    assert s.finish_reasons() == dict.fromkeys(
+        ["eos", "stop", "length", "timeout", "repetition", "cancelled", "error"], 1
+    )
     assert s.finished_at is not None and s.finished_at >= s.created_at
     assert (s.prompt_tokens, s.completion_tokens) == (21, 14)
     for key in (keys.batch_meta("b1"), keys.batch_results("b1")):

@@ -16,7 +16,7 @@ from worker.engine.config import Pooling
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.embedding import input_id
 from worker.engine.params import Constraint
-from worker.engine.reasoning import ReasoningMarkers
+from worker.engine.reasoning import ReasoningMarkers, ReasoningState
 from worker.engine.request import EngineRequest, RequestError
 from worker.engine.sequence import Sequence
 
@@ -62,20 +62,24 @@ class PromptBuilder:
                 f"max_new_tokens is {params.max_new_tokens}, but the model holds {limit} tokens in all "
                 f"(prompt and output together; this prompt has {len(ids)})",
             )
-        # A choices request scores each label, then EOS, after the prompt (and its thinking): room for the
-        # longest label.
-        label_room = max(len(label) for label in labels) + 1 if labels else 0
-        room = label_room + (params.max_new_tokens if thinks else 0) if labels else params.max_new_tokens
+        # A choices request scores each label, then EOS, after the prompt (and its thinking): its output is
+        # reserved whole (output_parts); free text is cut at the context's end instead.
+        parts = output_parts(params.max_new_tokens, reasoning if thinks else None, labels) if labels else []
+        room = sum(n for _, n in parts) if labels else params.max_new_tokens
         if len(ids) >= limit or (labels and len(ids) + room > limit):
             if params.truncate_prompt == "error":
-                raise RequestError(
-                    "prompt_too_long",
-                    f"prompt has {len(ids)} tokens; the model context is {limit} "
-                    "(set truncate_prompt to 'left' or 'right' to cut it)",
-                )
+                raise RequestError("prompt_too_long", too_long(len(ids), parts, limit))
             keep = max(1, limit - room)  # leave room for the requested output
             ids = ids[-keep:] if params.truncate_prompt == "left" else ids[:keep]
-        max_new = 0 if labels and not thinks else min(params.max_new_tokens, limit - len(ids) - label_room)
+        label_room = max(len(label) for label in labels) + 1 if labels else 0
+        if labels and not thinks:
+            max_new = 0  # its label and EOS are scored in its scratch blocks, not generated
+        elif labels and parts[0][0] == "thinking budget":
+            # the thinking the budget bounds, its close, the label and EOS: what it generates at most (so the
+            # length rule never cuts the close), and what it reserves
+            max_new = min(room, limit - len(ids))
+        else:  # free text, or thinking up to max_new_tokens: cut where the context (less a label) ends
+            max_new = min(params.max_new_tokens, limit - len(ids) - label_room)
         bm = self.block_manager
         # (a thinking choices request is scored after a context of a length not known yet: the longest tail)
         scratch = self._scratch_blocks(len(ids) if not thinks else bm.block_size, labels) if labels else 0
@@ -195,6 +199,35 @@ class PromptBuilder:
 
     def tokenize(self, req: EngineRequest) -> list[int]:
         return tokenize(self.tokenizer, req, self.vocab_size, self.model_name)
+
+
+def output_parts(
+    max_new_tokens: int, reasoning: ReasoningState | None, labels: list[list[int]]
+) -> list[tuple[str, int]]:
+    """A `choices` request's output, reserved in full before it runs, part by part: where it thinks, its
+    thinking (the budget and the close it forces, where that ends the thinking before max_new_tokens does;
+    else max_new_tokens), then its longest label and EOS."""
+    parts = []
+    if reasoning is not None:
+        bound = reasoning.close_bound()
+        if bound is not None and sum(bound) < max_new_tokens:
+            parts = [("thinking budget", bound[0]), ("close", bound[1])]
+        else:
+            parts = [("thinking up to max_new_tokens", max_new_tokens)]
+    return [*parts, ("longest label", max(len(label) for label in labels)), ("EOS", 1)]
+
+
+def too_long(prompt: int, parts: list[tuple[str, int]], limit: int) -> str:
+    """The prompt_too_long message: the prompt, and a `choices` request's reserved output part by part."""
+    cut = "(set truncate_prompt to 'left' or 'right' to cut it)"
+    if not parts:
+        return f"prompt has {prompt} tokens; the model context is {limit} {cut}"
+    room = sum(n for _, n in parts)
+    each = " + ".join(f"{what} {n}" for what, n in parts)
+    return (
+        f"prompt {prompt} tokens + reserved output {room} tokens ({each}) = {prompt + room} > the model "
+        f"context {limit} {cut.replace('cut it', 'cut the prompt')}"
+    )
 
 
 def tokenize(tokenizer: Any, req: EngineRequest, vocab_size: int, model_name: str) -> list[int]:

@@ -120,6 +120,20 @@ class ReasoningState:
     def in_answer(self) -> bool:
         return self.phase == "answer"
 
+    def close_bound(self) -> tuple[int, int] | None:
+        """Where a budget bounds the thinking: (thinking tokens, close tokens), at most what the sequence
+        generates before its answer: the budget (or what it already took), then the close that the budget
+        (or the model's own end marker, harmony) forces. None: no budget, or the answer already started."""
+        if self.budget is None or self.phase == "answer":
+            return None
+        if self.phase == "closing":  # the close is being forced (a budget of 0 forces it at once)
+            return self.tokens, len(self.forced)
+        m = self.markers
+        close = len(m.close)
+        if self.phase == "pre" and m.kind == "harmony":  # a budget may end a header it is still writing
+            close = max(close, len(m.open_close))
+        return max(self.budget, self.tokens), close
+
     def copy(self) -> ReasoningState:
         """The same place, with lists of its own (an n > 1 request's samples think apart)."""
         return ReasoningState(

