@@ -392,6 +392,30 @@ def print_findings(info: dict[str, Any]) -> None:
         )
 
 
+def resolve_dtypes(requested: str) -> tuple[str, str]:
+    """(the default engine row's dtype, the batch_invariant = false row's): auto takes what the engine's
+    auto takes with invariance (float32 on a CPU) and without it (bfloat16 where oneDNN's bf16 GEMMs are
+    fast)."""
+    if requested != "auto":
+        return requested, requested
+    import torch
+
+    from worker.engine.device import cpu_auto_dtype, pick_dtype
+
+    invariant = str(pick_dtype("auto", torch.device("cpu"), "auto", invariant=True)).removeprefix("torch.")
+    variant = str(cpu_auto_dtype("auto")).removeprefix("torch.")
+    print(f"  dtype auto -> {invariant} (batch_invariant = false: {variant})", file=sys.stderr, flush=True)
+    return invariant, variant
+
+
+def print_cost(info: dict[str, Any]) -> None:
+    if (cost := info.get("batch_invariance_cost")) is not None:
+        print(
+            f"batch invariance (the default) costs {100 * cost:.1f}% of output tok/s against batch_invariant = "
+            "false (negative: the invariant engine was faster)"
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", type=int, default=256, help="requests in the workload")
@@ -411,8 +435,10 @@ def main() -> int:
         "--skip",
         action="append",
         default=[],
-        choices=["hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp", "isa", "moe", "family"],
-    )
+        choices=[
+            "hf", "queue", "enqueue", "kv-narrow", "weights-narrow", "llamacpp", "isa", "moe", "family", "variant"
+        ],
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     ns = p.parse_args()
 
@@ -424,11 +450,7 @@ def main() -> int:
     # BATCHQ_CPU_ISA=avx2: this process's GEMMs (the auto-dtype probe, the GEMM ceiling) as an AVX2-only
     # machine's, before its first matmul; the contenders' processes inherit the settings
     cap_libraries()
-    if ns.dtype == "auto":
-        from worker.engine.device import cpu_auto_dtype
-
-        ns.dtype = str(cpu_auto_dtype("auto")).removeprefix("torch.")
-        print(f"  dtype auto -> {ns.dtype}", file=sys.stderr, flush=True)
+    ns.dtype, variant_dtype = resolve_dtypes(ns.dtype)
 
     from worker.models.resolve import resolve_checkpoint
 
@@ -440,6 +462,13 @@ def main() -> int:
         extra = ["--max-num-seqs", str(ns.max_num_seqs)]
         engine = run_contender("engine", wpath, ns.dtype, [*extra, "--full-batch", str(ns.full_batch)])
         rows = [engine]
+        if "variant" not in ns.skip:  # what batch invariance costs: the same engine on the fastest kernels
+            rows.append(
+                run_contender(
+                    "engine", wpath, variant_dtype, [*extra, "--full-batch", "0", "--no-batch-invariant"]
+                )
+            )
+            info["batch_invariance_cost"] = 1 - engine["tokens_per_s"] / rows[-1]["tokens_per_s"]
         hf = (
             None
             if "hf" in ns.skip
@@ -522,6 +551,7 @@ def main() -> int:
     print()
     print(table(info, rows, hf["tokens_per_s"] if hf else None))
     print_findings(info)
+    print_cost(info)
     out = Path(ns.out) if ns.out else ROOT / "benchmarks" / "results" / f"bench-{ns.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))

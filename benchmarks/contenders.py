@@ -88,9 +88,11 @@ def run_engine(
     kv_cache_dtype: str = "auto",
     weight_dtype: str = "auto",
     dequantised: bool = False,
+    batch_invariant: bool = True,
 ) -> dict[str, Any]:
     """dequantised: the model from Hugging Face's float32 dequantisation of its GGUF (what weight_dtype
-    narrows; the default keeps the file's Q4_1 / Q8_0 weights as they ship)."""
+    narrows; the default keeps the file's Q4_1 / Q8_0 weights as they ship). batch_invariant False: the
+    fastest kernels, whose rounding may follow the batch (what invariance costs)."""
     from benchmarks.bench import memory_bandwidth
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
@@ -109,6 +111,7 @@ def run_engine(
             max_num_seqs=max_num_seqs,
             kv_cache_dtype=kv_cache_dtype,
             weight_dtype=weight_dtype,
+            batch_invariant=batch_invariant,
         )
     )
     load_s = time.perf_counter() - t0
@@ -156,6 +159,8 @@ def run_engine(
         name += f", {weight_dtype} weights"
     elif dequantised:
         name += ", float32 weights (dequantised GGUF)"
+    if not batch_invariant:
+        name += f", {dtype}, batch_invariant = false"
     summary = _summary(
         name,
         wall,
@@ -190,6 +195,7 @@ def run_engine(
             kv_cache_gb=need / 1024**3,
             kv_cache_dtype=kv_cache_dtype,
             weight_dtype=weight_dtype,
+            batch_invariant=batch_invariant,
         )
     )
     decode_tps = engine_decode_rate(big, full_batch, 48)
@@ -468,6 +474,12 @@ def main() -> int:
     p.add_argument(
         "--dequantised", action="store_true", help="the GGUF's float32 dequantisation (weight_dtype's source)"
     )
+    p.add_argument(
+        "--no-batch-invariant",
+        dest="batch_invariant",
+        action="store_false",
+        help="the engine with batch_invariant = false (the fastest kernels, whose rounding may follow the batch)",
+    )
     ns = p.parse_args()
     from worker.kernels.native_build import cap_libraries
 
@@ -482,6 +494,7 @@ def main() -> int:
             ns.kv_cache_dtype,
             ns.weight_dtype,
             ns.dequantised,
+            ns.batch_invariant,
         )
     elif ns.mode == "llamacpp":
         res = run_llamacpp(lines)

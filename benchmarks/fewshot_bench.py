@@ -48,13 +48,18 @@ def prompt_tokens(lines: list[dict[str, Any]]) -> int:
     return sum(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
 
 
-def run_engine(lines: list[dict[str, Any]], dtype: str, prefix_cache: bool) -> dict[str, Any]:
+def run_engine(
+    lines: list[dict[str, Any]], dtype: str, prefix_cache: bool, invariant: bool = True
+) -> dict[str, Any]:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
 
-    engine = Engine.load(EngineConfig(model=MODEL, device="cpu", dtype=dtype, prefix_cache=prefix_cache))
+    cfg = EngineConfig(
+        model=MODEL, device="cpu", dtype=dtype, prefix_cache=prefix_cache, batch_invariant=invariant
+    )
+    engine = Engine.load(cfg)
     warm = [
         {"messages": [{"role": "user", "content": f"warm up {i}"}], "max_new_tokens": 2} for i in range(4)
     ]
@@ -78,7 +83,8 @@ def run_engine(lines: list[dict[str, Any]], dtype: str, prefix_cache: bool) -> d
     prompt = after.prompt_tokens - before.prompt_tokens
     cached = after.cached_prompt_tokens - before.cached_prompt_tokens
     return {
-        "name": f"engine, prefix cache {'on' if prefix_cache else 'off'}",
+        "name": f"engine, prefix cache {'on' if prefix_cache else 'off'}"
+        + ("" if invariant else f", {dtype}, batch_invariant = false (cascade attention)"),
         "requests": len(lines),
         "wall_s": wall,
         "requests_per_s": len(lines) / wall,
@@ -215,7 +221,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--out", default=None)
-    p.add_argument("--contender", choices=["engine-off", "engine-on", "queue", "hf"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--contender",
+        choices=["engine-off", "engine-on", "engine-variant", "queue", "hf"],
+        help=argparse.SUPPRESS,
+    )
     p.add_argument("--workload", help=argparse.SUPPRESS)
     ns = p.parse_args()
 
@@ -230,16 +240,13 @@ def main() -> int:
         elif ns.contender == "hf":
             res = run_hf(lines, ns.dtype)
         else:
-            res = run_engine(lines, ns.dtype, prefix_cache=ns.contender == "engine-on")
+            res = run_engine(lines, ns.dtype, ns.contender != "engine-off", ns.contender != "engine-variant")
         Path(ns.out).write_bytes(orjson.dumps(res))
         return 0
 
-    from bench import machine
+    from bench import machine, resolve_dtypes
 
-    if ns.dtype == "auto":
-        from worker.engine.device import cpu_auto_dtype
-
-        ns.dtype = str(cpu_auto_dtype("auto")).removeprefix("torch.")
+    ns.dtype, variant_dtype = resolve_dtypes(ns.dtype)
     lines = wl.fewshot(ns.n, ns.seed)
     info: dict[str, Any] = {"machine": machine(), "dtype": ns.dtype, "requests": ns.n, "seed": ns.seed}
     info["shared_prefix_tokens"] = prompt_tokens([{"messages": lines[0]["messages"][:1]}])
@@ -248,9 +255,12 @@ def main() -> int:
         path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
         off = contender("engine-off", path, ns.off_n, ns.dtype)
         on = contender("engine-on", path, ns.n, ns.dtype)
+        # what batch invariance costs: the fastest kernels (cascade attention over the shared prefix)
+        variant = contender("engine-variant", path, ns.n, variant_dtype)
         queue = contender("queue", path, ns.n, ns.dtype)
         hf = contender("hf", path, ns.hf_n, ns.dtype)
-    rows = [on, off, queue, hf]
+    rows = [on, variant, off, queue, hf]
+    info["batch_invariance_cost"] = 1 - on["requests_per_s"] / variant["requests_per_s"]
     info["prefix_cache_speedup"] = on["prompt_tokens_per_s"] / off["prompt_tokens_per_s"]
     info["queue_vs_hf"] = queue["requests_per_s"] / hf["requests_per_s"]
     info["rerun_speedup"] = queue["wall_s"] / queue["rerun_wall_s"]
@@ -270,6 +280,8 @@ def main() -> int:
         f"(texts equal to cache off: {info['cache_on_equal_to_off']}; to HF: {info['greedy_equal_to_hf']})"
     )
     print(f"queue path: {info['queue_vs_hf']:.1f}x HF generate's requests/s")
+    print(f"batch invariance (the default) costs {100 * info['batch_invariance_cost']:.1f}% of requests/s against "
+          "batch_invariant = false")  # fmt: skip
     print(f"rerun of the same batch: {queue['rerun_wall_s']:.2f}s, {info['rerun_speedup']:.0f}x faster than the "
           f"first run ({queue['rerun_from_result_cache']}/{ns.n} from the result cache, "
           f"{queue['rerun_texts_equal']}/{ns.n} texts equal)")  # fmt: skip
