@@ -152,3 +152,44 @@ def test_the_fingerprint_follows_the_dtype_and_batch_invariance(tmp_path: Path) 
     }
     assert prints[("float32", True)].batch_invariant and not prints[("float32", False)].batch_invariant
     assert len({e.fingerprint for e in prints.values()}) == 3
+
+
+def family_cases() -> list[tuple[str, str, dict[str, object]]]:
+    from tests.engine.test_moe_models import ARCHS as MOE
+    from tests.engine.test_tiny_models import ARCHS as DENSE
+
+    return [(name, arch, over) for name, (arch, over) in sorted({**DENSE, **MOE}.items())]
+
+
+@pytest.mark.parametrize(("name", "arch", "overrides"), family_cases(), ids=[c[0] for c in family_cases()])
+def test_every_family_gives_a_row_the_same_bits_in_every_batch(
+    tmp_path: Path, name: str, arch: str, overrides: dict[str, object]
+) -> None:
+    # Every native family on the kernels the engine picks for it (windows, softcaps, partial rotary, experts
+    # routed by what else is in the step): a greedy line with logprobs and a choices line, alone and beside
+    # others that share their prefix, with their prompts cut into other chunks, after a prefix-cache hit.
+    path = build_tiny_checkpoint(tmp_path / name, arch, seed=5, **overrides)
+    engine = Engine.load(
+        EngineConfig(model=str(path), kv_cache_gb=0.02, block_size=8, max_num_batched_tokens=48, max_num_seqs=16)
+    )
+    assert engine.batch_invariant
+    shared = list(range(3, 90))  # longer than cascade's MIN_SHARED_TOKENS
+    lp = GenerationParams(max_new_tokens=10, temperature=0.0, logprobs=True, top_logprobs=2, ignore_eos=True)
+    ch = GenerationParams(max_new_tokens=1, temperature=0.0, choices=("ab", "b", "cde"))
+
+    def subjects(tag: str) -> list[EngineRequest]:
+        return [
+            EngineRequest(f"g{tag}", lp, prompt_token_ids=[*shared, 7, 8]),
+            EngineRequest(f"c{tag}", ch, prompt_token_ids=[*shared, 9]),
+        ]
+
+    others = [
+        EngineRequest(f"o{i}", lp, prompt_token_ids=[*shared, 100 + i, 50, 60 + i]) for i in range(5)
+    ] + [EngineRequest("long", lp, prompt_token_ids=list(range(120, 250)))]
+    engine.block_manager.reset_prefix_cache()
+    alone = [bits(engine.generate([r])[0]) for r in subjects("a")]
+    engine.block_manager.reset_prefix_cache()
+    mixed = engine.generate([others[-1], *subjects("m"), *others[:-1]])
+    assert [bits(r) for r in mixed[1:3]] == alone, f"{name}: beside others"
+    cached = engine.generate([*others[:3], *subjects("c")])
+    assert [bits(r) for r in cached[3:]] == alone, f"{name}: after a prefix-cache hit"

@@ -208,11 +208,15 @@ def test_calibration_steps_aside(tmp_path: Path) -> None:
     assert all(torch.isfinite(torch.tensor(absmax)).flatten())
 
 
-def test_a_shared_prefix_keeps_cascade_attention(tmp_path: Path) -> None:
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_shared_prefix_keeps_cascade_attention_unless_batch_invariant(
+    tmp_path: Path, invariant: bool
+) -> None:
     """Sequences holding the same cached prefix blocks decode with cascade attention (faster there), so
-    the step runs layer by layer."""
+    the step runs layer by layer; under batch invariance (the default) cascade, whose sums follow the
+    sequences that share the prefix, never runs, and the step stays in the stack."""
     path = build_tiny_checkpoint(tmp_path / "llama", "llama")
-    engine = load(path)
+    engine = load(path, batch_invariant=invariant)
     shared = list(range(3, 83))  # 80 tokens: 10 full blocks, above cascade's 64-token minimum
     engine.generate(
         [EngineRequest("warm", GenerationParams(max_new_tokens=1), prompt_token_ids=[*shared, 9])]
@@ -222,11 +226,12 @@ def test_a_shared_prefix_keeps_cascade_attention(tmp_path: Path) -> None:
     assert batch.block_tables[0][:10] == batch.block_tables[1][:10]
     runner.model._stack = None
     logits = runner.compute_logits(batch)
-    assert runner.model._stack is None  # never consulted: the backend said the step is not plain
+    # not consulted where the backend said the step is not plain (cascade's)
+    assert (runner.model._stack is not None) == invariant
     assert runner.backend.decode_stack
     k_cache = runner.kv_caches[0][0]
     tables = runner.decode_inputs(batch.seqs, batch.block_tables).meta
-    assert not runner.backend.stack_applies(k_cache, tables.block_tables, tables.context_lens)
+    assert runner.backend.stack_applies(k_cache, tables.block_tables, tables.context_lens) == invariant
     assert torch.isfinite(logits).all()
 
 

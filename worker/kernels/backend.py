@@ -169,8 +169,9 @@ class Backend:
     decode_stack: bool = False  # decode steps may run in decode_stack.c (`stack_applies` says which)
     stack_refused: str | None = None  # why the model's decode steps stay layer by layer (for_model)
     moe: MoEMethod = TORCH_MOE  # a mixture-of-experts layer's experts (moe_methods.py)
-    # the gated MLP's silu(gate) * up from float32 gate_up rows [T, 2I] in C (the decode stack's); None: torch
-    silu_mul: Callable[[Tensor, int], Tensor] | None = None
+    # the gated MLP's act(gate) * up from float32 gate_up rows [T, 2I] and the activation's name, in C (the
+    # decode stack's); None: torch
+    act_mul: Callable[[Tensor, int, str], Tensor] | None = None
 
     @property
     def name(self) -> str:
@@ -327,5 +328,5 @@ def select_backend(
         native_linear.rotary_,
         stack,
         moe=PackedMoE(),
-        silu_mul=native_linear.silu_mul,
+        act_mul=native_linear.act_mul,
     )

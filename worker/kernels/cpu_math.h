@@ -95,4 +95,19 @@ static inline void silu_mul(const float *gate, const float *up, float *act, long
     }
 }
 
+/* act[i] = gelu(gate[i]) * up[i], torch's GELU: its tanh approximation (ACT_GELU_TANH, Gemma's
+   gelu_pytorch_tanh) 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in torch's order of operations, or
+   the exact 0.5 x (1 + erf(x / sqrt 2)); libm's tanhf / erff differ from torch's vectorised ones by about
+   one float32 rounding. The decode stack and the prompt path (linear.c's batchq_gelu_mul) both
+   take it, so a token's MLP computes the same in either, whatever else shares its step. */
+static inline void gelu_mul(const float *gate, const float *up, float *act, long n, int tanh_form) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f, rsqrt2 = 0.7071067811865476f;
+    for (long i = 0; i < n; i++) {
+        const float x = gate[i];
+        const float g = tanh_form ? 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))))
+                                  : x * 0.5f * (1.0f + erff(x * rsqrt2));
+        act[i] = g * up[i];
+    }
+}
+
 #endif

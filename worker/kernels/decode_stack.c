@@ -111,20 +111,6 @@ static inline void write_cache(void *cache, const Spec *s, int kh, int64_t slot,
     store_kv_row(cache, ((size_t)kh * s->num_blocks * s->block_size + (size_t)slot) * d, x, d, s->kv_elem, div);
 }
 
-/* act[i] = gelu(gate[i]) * up[i], torch's GELU: its tanh approximation (ACT_GELU_TANH, Gemma's
-   gelu_pytorch_tanh) 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) in torch's order of operations, or
-   the exact 0.5 x (1 + erf(x / sqrt 2)); libm's tanhf / erff differ from torch's vectorised ones by about
-   one float32 rounding. */
-static void gelu_mul(const float *gate, const float *up, float *act, long n, int tanh_form) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f, rsqrt2 = 0.7071067811865476f;
-    for (long i = 0; i < n; i++) {
-        const float x = gate[i];
-        const float g = tanh_form ? 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))))
-                                  : x * 0.5f * (1.0f + erff(x * rsqrt2));
-        act[i] = g * up[i];
-    }
-}
-
 /* h += rmsnorm(y) for one row of h and y (y normed in place): a sublayer's output norm (Gemma). */
 static void add_normed(float *h, float *y, const float *w, int hid, float eps) {
     batchq_rmsnorm_row(y, w, y, hid, eps);

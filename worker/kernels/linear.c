@@ -1065,6 +1065,15 @@ void batchq_silu_mul(const float *gu, float *act, int T, int I) {
     for (int t = 0; t < T; t++) silu_mul(gu + (size_t)t * 2 * I, gu + (size_t)t * 2 * I + I, act + (size_t)t * I, I);
 }
 
+/* The same for Gemma's GELU (tanh_form: its tanh approximation, else the exact erf form): cpu_math.h's
+   gelu_mul, as the decode stack computes it (torch's vectorised GELU takes another path for a tensor's
+   tail than for its body, so a row's bits would follow the step's size). */
+void batchq_gelu_mul(const float *gu, float *act, int T, int I, int tanh_form) {
+#pragma omp parallel for if ((long)T * I > (1L << 16)) schedule(static)
+    for (int t = 0; t < T; t++)
+        gelu_mul(gu + (size_t)t * 2 * I, gu + (size_t)t * 2 * I + I, act + (size_t)t * I, I, tanh_form);
+}
+
 /* Rotary embedding in place, Hugging Face's rotate-half form: for i < D/2, with a = x[i], b = x[i + D/2],
    x[i] = a cos[i] - b sin[i] and x[i + D/2] = b cos[i + D/2] + a sin[i + D/2]. x: T rows of H heads of D
    floats (row stride, head stride in floats; the heads of a fused QKV output stay where they are);

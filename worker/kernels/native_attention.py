@@ -17,7 +17,7 @@ from worker.kernels.native_build import KERNELS, Signature, cached, load
 
 SOURCES = (KERNELS / "paged_decode.c", KERNELS / "prefill_attention.c")
 SIGNATURES = {
-    "batchq_paged_decode": Signature(c_int, [c_void_p] * 7 + [c_int] * 10 + [c_float, c_int]),
+    "batchq_paged_decode": Signature(c_int, [c_void_p] * 7 + [c_int] * 10 + [c_float, c_void_p, c_int]),
     "batchq_prefill_attention": Signature(
         c_int, [c_void_p] * 4 + [c_long] * 6 + [c_int] * 6 + [c_float, c_int]
     ),
@@ -66,12 +66,14 @@ def paged_decode(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | None:
     """torch_attention.TorchAttention.paged_decode_attention's contract, caches [KVH, NB, BS, D] (check
     `supports` first). -> [batch, heads, head_dim] in q's dtype (float32 when `lse` is given), or None
     if the kernel could not allocate its scratch memory. `lse`: a contiguous float32 [batch, heads] that
     receives each row's log-sum-exp of its scaled scores (to merge with attention over other keys).
-    window, softcap: reference.py's (the kernel reads no block before a window)."""
+    window, softcap, sinks: reference.py's (the kernel reads no block before a window; a sink joins each
+    row's softmax denominator inside the kernel)."""
     assert window is None or window >= 1, window
     assert softcap is None or softcap > 0, softcap
     lib = library()
@@ -87,11 +89,13 @@ def paged_decode(
     max_len = max(int(lens.max()), 1) if b else 1
     if window is not None:
         max_len = min(max_len, window)  # the scores a row holds: its window's
+    sink_rows = None if sinks is None else sinks.float().contiguous()
+    assert sink_rows is None or sink_rows.shape == (h,), sink_rows
     rc = lib.batchq_paged_decode(
         qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         None if lse is None else lse.data_ptr(), tables.data_ptr(), lens.data_ptr(), b, h, kvh, d, bs, nb,
         tables.shape[1], max_len, ELEMENT_TYPES[k_cache.dtype], window or 0, softcap or 0.0,
-        torch.get_num_threads(),
+        None if sink_rows is None else sink_rows.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         return None

@@ -40,6 +40,7 @@ SIGNATURES = {
     "batchq_linear_w": Signature(c_int, [c_void_p] * 3 + [c_int] * 4),  # the LinearWeight by address
     "batchq_rmsnorm": Signature(None, [c_void_p] * 3 + [c_int] * 2 + [c_float]),
     "batchq_silu_mul": Signature(None, [c_void_p, c_void_p, c_int, c_int]),
+    "batchq_gelu_mul": Signature(None, [c_void_p, c_void_p, c_int, c_int, c_int]),
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
     "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
@@ -486,6 +487,21 @@ def silu_mul(gate_up: Tensor, inter: int) -> Tensor:
     t = gate_up.shape[0]
     out = torch.empty(t, inter, dtype=torch.float32)
     lib.batchq_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, inter)
+    return out
+
+
+def act_mul(gate_up: Tensor, inter: int, activation: str) -> Tensor:
+    """act(gate) * up for float32 rows gate_up [T, 2 * inter]: [T, inter], for spec.ACTIVATIONS' silu,
+    gelu_pytorch_tanh and gelu, as the decode stack computes each (each row alike at any T)."""
+    if activation == "silu":
+        return silu_mul(gate_up, inter)
+    lib = library()
+    assert lib is not None and gate_up.dtype == torch.float32 and gate_up.shape[-1] == 2 * inter
+    assert activation in ("gelu_pytorch_tanh", "gelu"), activation
+    gate_up = gate_up.contiguous()
+    t = gate_up.shape[0]
+    out = torch.empty(t, inter, dtype=torch.float32)
+    lib.batchq_gelu_mul(gate_up.data_ptr(), out.data_ptr(), t, inter, int(activation == "gelu_pytorch_tanh"))
     return out
 
 

@@ -90,6 +90,7 @@ typedef struct {
     int batch, heads, kv_heads, head_dim, block_size, num_blocks, width, max_len;
     int window;    /* > 0: keys of the last `window` positions only */
     float softcap; /* > 0: scores soft-capped */
+    const float *sinks; /* NULL, or [heads]: a logit per head in the softmax's denominator (gpt-oss) */
 } Job;
 
 /* One (sequence, kv head). Always inlined into task(), which calls it with literal (G, D, elem) for
@@ -149,6 +150,13 @@ static inline __attribute__((always_inline)) void task_body(const Job *job, int 
 #pragma omp simd
         for (int t = 0; t < n; t++) s[t] *= inv;
         if (job->lse != NULL) job->lse[(size_t)b * job->heads + (size_t)kh * g_count + g] = mx + logf(sum);
+        /* The sink joins the denominator: p * S / (S + e^sink), S = e^lse, i.e. the weights times
+           1 / (1 + e^(sink - lse)), in the row's own code so its bits never follow the batch. */
+        if (job->sinks != NULL) {
+            const float keep = 1.0f / (1.0f + expf(job->sinks[kh * g_count + g] - (mx + logf(sum))));
+#pragma omp simd
+            for (int t = 0; t < n; t++) s[t] *= keep;
+        }
     }
     float *o = job->out + ((size_t)b * job->heads + (size_t)kh * g_count) * d;
     int chunk = ACC_REGS / g_count < 1 ? 1 : ACC_REGS / g_count < nv ? ACC_REGS / g_count : nv;
@@ -218,12 +226,14 @@ void batchq_paged_decode_task(const float *q, const void *k, const void *v, floa
                               int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
                               int elem, int window, float softcap, int i, float *scores) {
     const Job job = {q, k, v, out, NULL, block_tables, context_lens, batch, heads, kv_heads, head_dim,
-                     block_size, num_blocks, width, max_len, window, softcap};
+                     block_size, num_blocks, width, max_len, window, softcap, NULL};
     task(&job, i / kv_heads, i % kv_heads, scores, elem);
 }
 
 /* lse: NULL, or [batch, heads] floats that receive each row's log-sum-exp of its (scaled) scores, which
-   lets the caller merge this attention with another over other keys (cascade attention).
+   lets the caller merge this attention with another over other keys (cascade attention). sinks: NULL, or
+   [heads] floats, a logit per head in the softmax's denominator (the output is then the sunk one; lse
+   still the scores' own).
    Returns 0, or -1 when a thread could not allocate its scores and its tasks never ran (the caller
    then falls back to torch). Threads come from OpenMP: native_build.py links the libgomp that torch already
    loaded, so this reuses torch's thread pool (a second pool would fight its spinning threads for the
@@ -231,9 +241,9 @@ void batchq_paged_decode_task(const float *q, const void *k, const void *v, floa
 int batchq_paged_decode(const float *q, const void *k, const void *v, float *out, float *lse,
                         const int32_t *block_tables, const int32_t *context_lens, int batch, int heads,
                         int kv_heads, int head_dim, int block_size, int num_blocks, int width, int max_len,
-                        int elem, int window, float softcap, int threads) {
+                        int elem, int window, float softcap, const float *sinks, int threads) {
     const Job job = {q, k, v, out, lse, block_tables, context_lens, batch, heads, kv_heads, head_dim,
-                     block_size, num_blocks, width, max_len, window, softcap};
+                     block_size, num_blocks, width, max_len, window, softcap, sinks};
     const int tasks = batch * kv_heads, g_count = heads / kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)

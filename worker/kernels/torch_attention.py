@@ -230,13 +230,19 @@ class TorchAttention:
         own longest context, so a few long contexts do not make every short one pay for their padding.
         """
         if self.native and sinks is not None and native_attention.supports(q, k_cache):
-            # the sink joins the softmax's denominator: out * S / (S + e^sink), S = e^lse of the row's scores
-            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32)
             o = native_attention.paged_decode(
-                q, k_cache, v_cache, block_tables, context_lens, scale, lse, window=window, softcap=softcap
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                scale,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
             )
             if o is not None:
-                return (o * torch.sigmoid(lse - sinks.float())[..., None]).to(q.dtype)
+                return o
         if self.native and sinks is None and native_attention.supports(q, k_cache):
             out = None
             # cascade's shared prefix is seen whole by every member: not where a window cuts a context
@@ -279,6 +285,40 @@ class TorchAttention:
             out_sorted[c.start : c.start + c.n] = o.transpose(0, 1).reshape(c.n, h, d)
         return out_sorted.index_select(0, plan.inverse)
 
+    def _prefill_as_decode(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_tables: Tensor,
+        i: int,
+        s: int,
+        e: int,
+        n: int,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+        sinks: Tensor | None,
+        out: Tensor,
+    ) -> bool:
+        """Under batch invariance, a window's, a softcap's or a sink's prompt rows (which causal_tiles would
+        compute as GEMMs whose sums follow the tile's rows and keys) as decode rows of paged_decode.c over
+        the cache, which this step's K/V are already in: each row sums in one fixed order, the same whether
+        it is prefilled alone, chunked, after a cached prefix, or decoded. False where the kernel does not
+        take the shapes."""
+        if not (self.native and native_attention.supports(q, k_cache)):
+            return False
+        rows = e - s
+        tables = block_tables[i : i + 1].expand(rows, -1)
+        lens = torch.arange(n - rows + 1, n + 1, dtype=torch.int32, device=q.device)
+        o = native_attention.paged_decode(
+            q[s:e], k_cache, v_cache, tables, lens, scale, window=window, softcap=softcap, sinks=sinks
+        )
+        if o is None:
+            return False
+        out[s:e] = o
+        return True
+
     def paged_prefill_attention(
         self,
         q: Tensor,
@@ -310,6 +350,9 @@ class TorchAttention:
         lens = context_lens.tolist()
         for i, n in enumerate(lens):
             s, e = starts[i], starts[i + 1]
+            if self.invariant and not plain and self._prefill_as_decode(q, k_cache, v_cache, block_tables, i,
+                                                                        s, e, n, scale, window, softcap, sinks, out):  # fmt: skip
+                continue
             first = 0
             if e - s == n and k is not None and v is not None:
                 # rounded as the cache holds them, so a prompt attends to the same K/V in one step or in

@@ -227,8 +227,8 @@ class LlamaFamilyModel(nn.Module):
                 m.c_rotary = backend.rotary_
             elif isinstance(m, MoE):
                 m.use_method(backend.moe_method(self.dtype, m.gate_up))
-            elif isinstance(m, MLP) and m.activation == "silu":
-                m.c_silu_mul = backend.silu_mul
+            elif isinstance(m, MLP):
+                m.c_act_mul = backend.act_mul
         self._stack = None
 
     def quantize_weights(self, dtype: torch.dtype) -> None:

@@ -28,13 +28,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=bias)
         self.act = ACT[activation]
         self.activation = activation
-        # silu(gate) * up in one C pass (the backend's, at load: float32 on the CPU), for SiLU MLPs
-        self.c_silu_mul: Callable[[Tensor, int], Tensor] | None = None
+        # act(gate) * up in one C pass (the backend's, at load: float32 on the CPU), the decode stack's
+        # activation, so a token's MLP computes the same in a decode step as in a mixed one
+        self.c_act_mul: Callable[[Tensor, int, str], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)
-        if self.c_silu_mul is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
-            return self.down_proj(self.c_silu_mul(gate_up, self.inter))
+        if self.c_act_mul is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+            return self.down_proj(self.c_act_mul(gate_up, self.inter, self.activation))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(self.act(gate) * up)
