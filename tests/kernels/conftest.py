@@ -20,7 +20,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-_KERNEL_MODULES = ("triton_cache", "triton_decode", "triton_prefill", "triton_attention")
+_KERNEL_MODULES = ("triton_cache", "triton_decode", "triton_prefill", "triton_invariant", "triton_attention")
 
 
 @pytest.fixture(scope="session")

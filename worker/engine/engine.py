@@ -18,7 +18,7 @@ import torch
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.cpu_tuning import CpuShare, bound_onednn_caches, cpu_budget, keep_freed_memory
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer, detokenizer_plan
 from worker.engine.device import (
     BF16_MIN_SPEEDUP,
     cpu_bf16_gemm_speedup,
@@ -60,15 +60,19 @@ from worker.models.loader import LoadedModel, load_model
 log = logging.getLogger(__name__)
 
 
-def batch_invariant_here(backend: Backend, implementation: str) -> bool:
+def batch_invariant_here(backend: Backend, loaded: LoadedModel) -> bool:
     """Whether the kernels chosen hold batch invariance (cfg.batch_invariant asks for it); the load log
     says why where they cannot."""
     why = None
-    if implementation != "native":
+    if loaded.implementation != "native":
         why = "the model runs Hugging Face's own layers (the transformers fallback), whose GEMMs pick kernels by row count"
-    elif backend.name == "triton":
+    elif backend.name == "triton" and not getattr(backend.linear, "invariant", False):
         why = "its linear layers run cuBLAS (F.linear), which picks kernels by row count"
-    elif backend.linear.name != "c":
+    elif backend.name == "triton" and loaded.model.quantised_linears():
+        why = "Triton's quantised GEMM picks its row tile by the step's row count"
+    elif backend.name == "triton" and getattr(loaded.model.spec, "moe", None) is not None:
+        why = "Triton's grouped expert GEMMs pick their row tile by the tokens each expert gets"
+    elif backend.name != "triton" and backend.linear.name != "c":
         why = "its linear layers run torch's GEMMs (no C kernels here), which pick kernels by row count"
     if why is not None:
         log.warning("batch_invariant: not held by this engine: %s; a request's numbers may depend on what "
@@ -166,6 +170,8 @@ class Engine:
         if self.pooling.refused:
             log.warning("embedding requests will be refused: %s", self.pooling.refused)
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
+        # the detokenizer's table of the vocabulary, built here rather than at the first request
+        log.info("detokenizer: %s", detokenizer_plan(self.tokenizer).describe())
         self.fingerprint = engine_fingerprint(
             weights_digest(loaded.model),
             tokenizer=tokenizer_digest(self.tokenizer),
@@ -234,7 +240,7 @@ class Engine:
         store_weights(cfg, loaded, backend, dtype, weight_dtype, narrow_auto=storage is not None)
         loaded.model.use_backend(backend)
         kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, storage or dtype)
-        invariant = cfg.batch_invariant and batch_invariant_here(backend, loaded.implementation)
+        invariant = cfg.batch_invariant and batch_invariant_here(backend, loaded)
         if backend.name == "triton" and kv_dtype != dtype:
             raise ValueError(
                 f"kv_cache_dtype {cfg.kv_cache_dtype} with {dtype} compute: the Triton kernels read a cache "

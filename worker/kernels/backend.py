@@ -30,6 +30,7 @@ cache (torch does, the Triton kernel reads the cache).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 from collections.abc import Callable
@@ -126,15 +127,15 @@ def _prefill_from_cache(mod: object) -> Callable[..., Tensor]:
     return prefill
 
 
-def triton_attention() -> AttentionBackend:
-    """Raises ImportError / AttributeError when the Triton kernels are missing or incomplete."""
+def triton_attention(invariant: bool = False) -> AttentionBackend:
+    """Raises ImportError / AttributeError when the Triton kernels are missing or incomplete. invariant:
+    decode splits a context into splits of a fixed size, by its own length only (never by the batch's)."""
     mod = importlib.import_module("worker.kernels.triton_attention")
+    decode = mod.paged_decode_attention
+    if invariant:
+        decode = functools.partial(decode, split_tokens=mod.INVARIANT_SPLIT_TOKENS)
     return AttentionBackend(
-        "triton",
-        reference_kv_cache_shape,
-        mod.write_kv,
-        mod.paged_decode_attention,
-        _prefill_from_cache(mod),
+        "triton", reference_kv_cache_shape, mod.write_kv, decode, _prefill_from_cache(mod)
     )
 
 
@@ -147,12 +148,12 @@ def select_attention(
     if requested == "triton":
         if device.type != "cuda":
             raise ValueError("attention_backend 'triton' needs a CUDA device")
-        return triton_attention()
+        return triton_attention(invariant)
     if requested != "auto":
         raise ValueError(f"unknown attention backend {requested!r} (auto, torch or triton)")
     if device.type == "cuda":
         try:
-            return triton_attention()
+            return triton_attention(invariant)
         except (ImportError, AttributeError) as exc:
             log.warning("Triton attention unavailable (%s); using the torch path", exc)
     return torch_attention(c_decode, invariant)
@@ -172,6 +173,9 @@ class Backend:
     # the gated MLP's act(gate) * up from float32 gate_up rows [T, 2I] and the activation's name, in C (the
     # decode stack's); None: torch
     act_mul: Callable[[Tensor, int, str], Tensor] | None = None
+    # RMSNorm of rows in any dtype, one row per program: (x [..., D], weight, eps, offset=) (Triton's,
+    # batch-invariant); None: torch (or rmsnorm above)
+    norm_rows: Callable[..., Tensor] | None = None
 
     @property
     def name(self) -> str:
@@ -309,7 +313,12 @@ def select_backend(
         device, settings.attention_backend, c and native_attention.library() is not None, invariant
     )
     if attention.name == "triton":  # quantised weights through Triton's GEMM, the rest through F.linear
-        return Backend(attention, TritonLinear(), moe=TritonMoE())
+        if not invariant:
+            return Backend(attention, TritonLinear(), moe=TritonMoE())
+        # batch-invariant: unquantised weights through triton_invariant's fixed-tile GEMM, RMSNorm one row
+        # per program (torch's reductions split a row across blocks when a step has few rows)
+        tri = importlib.import_module("worker.kernels.triton_invariant")
+        return Backend(attention, TritonLinear(invariant=True), moe=TritonMoE(), norm_rows=tri.rmsnorm)
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
     rows = 0

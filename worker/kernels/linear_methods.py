@@ -241,6 +241,11 @@ class TritonLinear:
     layout = "triton"
     bf16_gemm_rows = 0
 
+    def __init__(self, invariant: bool = False) -> None:
+        # invariant: unquantised weights through triton_invariant's fixed-tile GEMM instead of cuBLAS, which
+        # picks its kernel by the step's row count (a row's bits would follow its neighbours)
+        self.invariant = invariant
+
     def takes(self, weight: Tensor) -> bool:
         return True
 
@@ -285,7 +290,12 @@ class TritonLinear:
         groups: Groups | None = None,
     ) -> Tensor:
         if groups is None and stored.dtype != torch.float8_e4m3fn:
-            return TORCH_LINEAR.apply(x, stored, scale, bias, n)
+            if not self.invariant or scale is not None:
+                return TORCH_LINEAR.apply(x, stored, scale, bias, n)
+            from worker.kernels import triton_invariant
+
+            w = stored if stored.dtype == x.dtype else stored.to(x.dtype)
+            return triton_invariant.matmul(x, w, None if bias is None else bias.to(x.dtype))
         from worker.kernels import triton_quant
 
         lead = x.shape[:-1]

@@ -20,10 +20,16 @@ import triton
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from worker.kernels import triton_cache, triton_decode, triton_prefill
+from worker.kernels import triton_cache, triton_decode, triton_invariant, triton_prefill
 from worker.kernels import triton_checks as checks
 
 _LOG2E = 1.4426950408889634
+
+# paged_decode_attention's split_tokens for batch-invariant decode (issue 51): splits of a fixed size cut
+# each context by its own length only. 512 = 8 tiles of the default block_n (64): long enough that the
+# merge stays a small part of a split's work (_auto_splits keeps >= 4 tiles), short enough that one long
+# context still spreads over the SMs when few sequences run (8k keys: 16 splits per kv head, 32k: 64).
+INVARIANT_SPLIT_TOKENS = 512
 
 
 def interpreted() -> bool:
@@ -70,6 +76,7 @@ def paged_decode_attention(
     *,
     block_n: int = 64,
     num_splits: int | None = None,
+    split_tokens: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     out: Tensor | None = None,
@@ -84,6 +91,11 @@ def paged_decode_attention(
     q: [batch, heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch], each >= 1
     -> [batch, heads, head_dim] contiguous, dtype of q, written into `out` when given (a preallocated
     buffer, e.g. for CUDA graphs). num_splits=None picks split-K from the SM count.
+
+    split_tokens (a multiple of block_n; INVARIANT_SPLIT_TOKENS): splits of that many keys from each
+    context's first (its window's first, with a window), however many the batch needs, merged by
+    triton_invariant.decode_merge_kernel, which sums a sequence's own splits in order: a sequence's result
+    is then bitwise the same whatever else is in the batch. Excludes num_splits.
     """
     checks.check_window(window, softcap)
     _, block_size, kv_heads, head_dim = checks.check_cache(k_cache, v_cache)
@@ -101,13 +113,16 @@ def paged_decode_attention(
     max_ctx = block_tables.shape[1] * block_size  # host-side bound: no sync on context_lens
     if window is not None:
         max_ctx = min(max_ctx, window)  # the splits cover the window only
-    if num_splits is None:
-        num_splits = _auto_splits(batch * kv_heads, max_ctx, block_n, q.device)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    # Whole tiles per split; recompute the count so that no split starts past max_ctx.
-    tokens_per_split = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_ctx, tokens_per_split))
+    if split_tokens is not None:
+        tokens_per_split, num_splits = _fixed_splits(split_tokens, num_splits, max_ctx, block_n)
+    else:
+        if num_splits is None:
+            num_splits = _auto_splits(batch * kv_heads, max_ctx, block_n, q.device)
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        # Whole tiles per split; recompute the count so that no split starts past max_ctx.
+        tokens_per_split = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
+        num_splits = max(1, triton.cdiv(max_ctx, tokens_per_split))
     if num_splits > 1:
         part_o = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, heads, num_splits, 2), dtype=torch.float32, device=q.device)
@@ -125,7 +140,12 @@ def paged_decode_attention(
         WINDOWED=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if split_tokens is not None:  # each sequence's own splits, in order (triton_invariant)
+        triton_invariant.decode_merge_kernel[(batch, heads)](
+            part_o, part_ml, context_lens, out, sink_rows, split_tokens, num_splits, window or 0,
+            HEADS=heads, HEAD_DIM=head_dim, WINDOWED=window is not None, SINKS=sinks is not None,
+        )  # fmt: skip
+    elif num_splits > 1:
         triton_decode.decode_merge_kernel[(batch, heads)](
             part_o, part_ml, out, sink_rows,
             HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
@@ -209,6 +229,20 @@ def _sinks(sinks: Tensor | None, heads: int, q: Tensor) -> Tensor:
 def _upcast(dtype: torch.dtype) -> bool:
     # The interpreter's tl.dot misreads bfloat16 operands (numpy has no bfloat16): feed it fp32 there.
     return dtype == torch.bfloat16 and interpreted()
+
+
+def _fixed_splits(split_tokens: int, num_splits: int | None, max_ctx: int, block_n: int) -> tuple[int, int]:
+    """split_tokens' (tokens per split, splits): as many splits as the longest context the block table
+    holds needs, at least 2 so that decode_kernel always writes partials for the merge. A single split
+    would store its result directly, rounded otherwise than by the merge, so a short sequence alone (one
+    split) and beside a long one (several) would differ."""
+    if num_splits is not None:
+        raise ValueError("give num_splits or split_tokens, not both")
+    if split_tokens < block_n or split_tokens % block_n:
+        raise ValueError(
+            f"split_tokens must be a positive multiple of block_n ({block_n}), got {split_tokens}"
+        )
+    return split_tokens, max(2, triton.cdiv(max_ctx, split_tokens))
 
 
 @functools.lru_cache(maxsize=8)

@@ -200,6 +200,8 @@ class RMSNorm(nn.Module):
         self.c_rows: Callable[[Tensor, Tensor, float], Tensor] | None = (
             None  # the backend's (float32), at load
         )
+        # the backend's RMSNorm of rows in any dtype (Triton's batch-invariant kernel on CUDA), at load
+        self.norm_rows: Callable[..., Tensor] | None = None
 
     def scale(self) -> Tensor:
         """What the normalised rows are multiplied by: the weight, or 1 + w in float32 (plus_one)."""
@@ -209,6 +211,8 @@ class RMSNorm(nn.Module):
         # x: [..., dim] -> [..., dim]
         if self.c_rows is not None and x.dtype == torch.float32:  # any rows (Qwen3's per-head norms: 3-D)
             return self.c_rows(x.reshape(-1, x.shape[-1]), self.scale(), self.eps).view(x.shape)
+        if self.norm_rows is not None:  # the raw weight: the kernel adds Gemma's 1 in float32
+            return self.norm_rows(x, self.weight, self.eps, offset=1.0 if self.plus_one else 0.0)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -223,6 +223,7 @@ class LlamaFamilyModel(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.c_rows = backend.rmsnorm
+                m.norm_rows = backend.norm_rows
             elif isinstance(m, Attention):
                 m.c_rotary = backend.rotary_
             elif isinstance(m, MoE):
