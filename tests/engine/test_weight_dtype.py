@@ -70,9 +70,20 @@ def test_narrow_weights_stay_close_to_float32(
 
 @pytest.mark.parametrize(("weight_dtype", "dtype"), [("int8", "bfloat16"), ("bfloat16", "float16")])
 def test_narrow_weights_refused_off_float32_cpu(tied_llama: Path, weight_dtype: str, dtype: str) -> None:
-    cfg = EngineConfig(dtype=dtype, model=str(tied_llama), kv_cache_gb=0.01, weight_dtype=weight_dtype)  # type: ignore[arg-type]
+    # batch_invariant off: bfloat16 / float16 compute in torch's ops, which read no narrower weights
+    cfg = EngineConfig(
+        dtype=dtype,
+        model=str(tied_llama),
+        kv_cache_gb=0.01,
+        weight_dtype=weight_dtype,
+        batch_invariant=False,  # type: ignore[arg-type]
+    )
     with pytest.raises(ValueError, match=f"weight_dtype {weight_dtype} needs a CPU with float32 compute"):
         Engine.load(cfg)
+    # batch-invariant (the default), a CPU's narrow dtype computes in float32: the weights take it
+    engine = Engine.load(cfg.model_copy(update={"batch_invariant": True}))
+    assert engine.model_runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    assert {lin.weight.dtype for lin in engine.model_runner.model.linears()} == {getattr(torch, weight_dtype)}
 
 
 def test_weight_dtype_of_the_compute_dtype_changes_nothing(tied_llama: Path) -> None:

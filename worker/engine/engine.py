@@ -219,15 +219,16 @@ class Engine:
             torch.set_num_threads(budget)  # a thread per core of the node would outrun the cgroup's quota
         if device.type == "cpu" and cfg.cpu_kernels == "auto":
             tune_cpu_linear()  # before the dtype and GEMM probes, which time linear.c
+        requested = pick_dtype(cfg.dtype, device, cfg.cpu_kernels, cfg.batch_invariant)
         dtype, storage = invariant_cpu_storage(
-            pick_dtype(cfg.dtype, device, cfg.cpu_kernels, cfg.batch_invariant),
-            device,
-            cfg.batch_invariant,
-            c_linear_available(cfg, device),
+            requested, device, cfg.batch_invariant, c_linear_available(cfg, device)
         )
         t0 = time.monotonic()
+        # Hugging Face's layers (the fallback) are not batch-invariant in any dtype: they compute in the one asked
+        loaded = load_model(cfg.model, dtype, device, cfg.model_impl, fallback_dtype=requested)
+        if loaded.implementation != "native":
+            dtype, storage = requested, None
         weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device, storage)
-        loaded = load_model(cfg.model, dtype, device, cfg.model_impl)
         if device.type == "cpu":
             keep_freed_memory()  # after loading, so what the load freed (staging buffers) went back to the OS
         backend = select_backend(

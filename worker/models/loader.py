@@ -116,10 +116,17 @@ def _long_rope(hf_config: Any, device: torch.device) -> tuple[torch.Tensor, int]
     return long_inv_freq, threshold
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl: str = "auto") -> LoadedModel:
+def load_model(
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    model_impl: str = "auto",
+    fallback_dtype: torch.dtype | None = None,
+) -> LoadedModel:
     """Load `model` (see check_model_reference for what it may name) on the path `implementation` picks
-    (model_impl: auto | native | transformers). A reference or checkpoint that cannot be loaded, or a model
-    neither path runs exactly, raises ModelLoadError."""
+    (model_impl: auto | native | transformers). fallback_dtype: what the transformers fallback computes in
+    where it differs from the native decoder's (None: dtype). A reference or checkpoint that cannot be
+    loaded, or a model neither path runs exactly, raises ModelLoadError."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     ckpt = resolve_checkpoint(model)
@@ -155,7 +162,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
         with reading(model, "its weights"):
             ours, headless = _native(model, weights_folder(ckpt), hf_config, decoder, max_len, dtype, device)
     else:  # Hugging Face's model, from the dequantised checkpoint of a GGUF
-        ours = _fallback(model, str(gguf_checkpoint(gguf)) if gguf else ckpt, max_len, dtype, device)
+        source = str(gguf_checkpoint(gguf)) if gguf else ckpt
+        ours = _fallback(model, source, max_len, fallback_dtype or dtype, device)
     if path == "native":
         text = f" (its text_config, {decoder.model_type})" if decoder is not hf_config else ""
         log.info("native decoder: %s%s", model_type, text)
