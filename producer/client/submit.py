@@ -533,14 +533,21 @@ async def _answer(
 
 def excerpt(req: dict[str, Any]) -> str:
     """What a person reviewing a row reads first: the prompt, or the last user message (else the last
-    message), whitespace runs made one space, cut to EXCERPT_CHARS."""
+    message), whitespace runs made one space; a longer one keeps its head and its tail around an ellipsis,
+    EXCERPT_CHARS in all, since rows that share a long instruction differ in their tail (the item)."""
     text = req.get("prompt")
     if text is None:
         messages = req.get("messages") or [{}]
         users = [m for m in messages if m.get("role") == "user"]
         text = (users or messages)[-1].get("content") or ""
-    text = " ".join(str(text)[: 4 * EXCERPT_CHARS].split())  # the head is enough: a prompt may be long
-    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 1] + "\u2026"
+    raw = str(text)
+    if len(raw) > 8 * EXCERPT_CHARS:  # a prompt may be long: its ends are enough
+        raw = raw[: 4 * EXCERPT_CHARS] + " " + raw[-4 * EXCERPT_CHARS :]
+    text = " ".join(raw.split())
+    if len(text) <= EXCERPT_CHARS:
+        return text
+    head = EXCERPT_CHARS // 2 - 1
+    return text[:head] + "\u2026" + text[len(text) - (EXCERPT_CHARS - head - 1) :]
 
 
 assert CHUNK_JOBS % EXCERPTS_PER_FIELD == 0  # a group of CHUNK_JOBS records fills whole fields

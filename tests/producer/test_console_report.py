@@ -78,7 +78,13 @@ def test_excerpt_is_the_prompt_or_the_last_user_message_cut_short() -> None:
     assert excerpt({"prompt": None, "messages": msgs}) == "second"
     assert excerpt({"prompt": None, "messages": [{"role": "system", "content": "only"}]}) == "only"
     long = excerpt({"prompt": "x" * 1000})
-    assert len(long) == EXCERPT_CHARS and long.endswith("\u2026")
+    assert len(long) == EXCERPT_CHARS and "\u2026" in long
+    # rows sharing a long instruction keep what differs: the item at the end
+    a, b = (
+        excerpt({"prompt": "Label the review. " * 40 + item}) for item in ("Great fit.", "Broke at once.")
+    )
+    assert len(a) == len(b) == EXCERPT_CHARS
+    assert a.endswith("Label the review. Great fit.") and b.endswith("Broke at once.")
 
 
 INSTRUCTION = "Classify the sentiment of this review as positive, negative or neutral. Review: "

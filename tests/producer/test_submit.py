@@ -421,7 +421,7 @@ async def test_submit_keeps_each_inputs_excerpt_and_the_owner_for_the_console(re
     assert set(got) == {0, 1, 499, 500, 2000, 4000, n - 1}
     assert got[0] == "prompt 0" and got[1] == "row 1 asks" and got[499] == "row 499 asks"
     assert got[500] == "prompt 500" and got[n - 1] == f"prompt {n - 1}"
-    assert len(got[4000]) == submit_module.EXCERPT_CHARS and got[4000].endswith("\u2026")
+    assert len(got[4000]) == submit_module.EXCERPT_CHARS and "\u2026" in got[4000]
     assert (await client.batch_meta("ex"))["owner"] == "team-a"
     assert [s.batch_id for s in await client.owned_batches("team-a", None)] == ["ex"]
     assert (
