@@ -170,7 +170,9 @@ def test_every_family_gives_a_row_the_same_bits_in_every_batch(
     # others that share their prefix, with their prompts cut into other chunks, after a prefix-cache hit.
     path = build_tiny_checkpoint(tmp_path / name, arch, seed=5, **overrides)
     engine = Engine.load(
-        EngineConfig(model=str(path), kv_cache_gb=0.02, block_size=8, max_num_batched_tokens=48, max_num_seqs=16)
+        EngineConfig(
+            model=str(path), kv_cache_gb=0.02, block_size=8, max_num_batched_tokens=48, max_num_seqs=16
+        )
     )
     assert engine.batch_invariant
     shared = list(range(3, 90))  # longer than cascade's MIN_SHARED_TOKENS
