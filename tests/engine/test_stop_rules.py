@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from fakes import make_seq
 
 from tests.tiny_models import byte_tokenizer
@@ -94,3 +96,75 @@ def test_special_tokens_are_stripped_from_text() -> None:
     detok = IncrementalDetokenizer(tok)
     ids = [1, *tok("hi").input_ids, 2, 0]
     assert "".join(detok.step(ids[: i + 1]) for i in range(len(ids))) == "hi"
+
+
+def test_loop_check_is_the_rule_as_written() -> None:
+    """_is_looping's shortcut (no period can hold unless the last token is among the `window` before it)
+    changes no answer: the rule as written, over random lists of loops of every period, broken or not."""
+    rng = random.Random(5)
+    seen = set()
+    for window, repeats in ((10, 3), (4, 2), (1, 5), (0, 3), (3, 1)):
+        rules = StopRules([EOS], window, repeats)
+        span = window * repeats
+        for _ in range(3000):
+            unit = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+            ids = [rng.randrange(4) for _ in range(rng.randint(0, 20))] + unit * rng.randint(1, 8)
+            if ids and rng.random() < 0.3:
+                ids[rng.randrange(len(ids))] = 9
+            tail = ids[-span:]
+            want = window > 0 and repeats >= 2 and len(ids) >= span
+            want = want and any(tail[p:] == tail[:-p] for p in range(1, window + 1))
+            assert rules._is_looping(ids) == want, (window, repeats, ids)
+            seen.add(want)
+    assert seen == {True, False}
+
+
+class Chunks:
+    """A detokenizer stand-in: the i-th token's text is chunks[i]."""
+
+    def __init__(self, chunks: list[str]) -> None:
+        self.chunks = chunks
+
+    def step(self, ids: list[int]) -> str:
+        return self.chunks[len(ids) - 1]
+
+
+def stop_as_written(chunks: list[str], stop: list[str], keep: bool) -> tuple[int, str] | None:
+    """The stop-string rule as first written: each string searched from len(s) - 1 characters before the
+    new text, the earliest match (the first listed on a tie) cut. -> (tokens taken, text), None: no stop."""
+    text = ""
+    for n, chunk in enumerate(chunks, 1):
+        prev, text = len(text), text + chunk
+        best: tuple[int, str] | None = None
+        for s in stop:
+            idx = text.find(s, max(0, prev - len(s) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if chunk and best is not None:
+            return n, text[: best[0] + len(best[1])] if keep else text[: best[0]]
+    return None
+
+
+def test_stop_strings_cut_where_the_rule_as_written_cuts() -> None:
+    """One search over the tail (the longest stop string's reach) finds what a search per string finds:
+    random chunked texts of a small alphabet, stop strings that overlap, share prefixes, contain each other,
+    include regular-expression characters."""
+    rng = random.Random(9)
+    alphabet = "ab.*中 "
+    stops = 0
+    for _ in range(4000):
+        chunks = [
+            "".join(rng.choice(alphabet) for _ in range(rng.choice((0, 1, 1, 2, 3, 5)))) for _ in range(30)
+        ]
+        stop = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))
+        ]
+        keep = rng.random() < 0.5
+        seq = make_seq("r", 3, 100, stop=stop, include_stop_str_in_output=keep)
+        seq.detokenizer = Chunks(chunks)  # type: ignore[assignment]
+        reason = feed(seq, list(range(3, 3 + len(chunks))), rules=StopRules([], 0, 0))
+        want = stop_as_written(chunks, stop, keep)
+        got = None if reason is None else (len(seq.output_ids), seq.text)
+        assert got == want, (chunks, stop, keep)
+        stops += want is not None
+    assert 1000 < stops < 3900

@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from functools import lru_cache
 
 from worker.engine.request import FinishReason
 from worker.engine.sequence import Sequence
@@ -43,13 +45,15 @@ class StopRules:
             seq.reasoning_text += seq.reasoning_detokenizer.step(seq.reasoning_ids)
         prev_len = len(seq.text)
         seq.text += new_text
-        if self.timed_out(seq, now):
+        if now - seq.started_at > params.timeout_s:  # timed_out
             return "timeout"
+        # stop strings are searched only where a match could end in the new text (_cut_at_stop_string)
+        cut = bool(new_text) and bool(params.stop)
         if len(seq.output_ids) >= seq.max_new_tokens:
-            if new_text:
+            if cut:
                 self._cut_at_stop_string(seq, prev_len)  # length wins, but the text is still clean
             return "length"
-        if is_stop_id or (new_text and self._cut_at_stop_string(seq, prev_len)):
+        if is_stop_id or (cut and self._cut_at_stop_string(seq, prev_len)):
             return "stop"
         if is_eos and not params.ignore_eos:
             return "eos"
@@ -58,17 +62,15 @@ class StopRules:
         return None
 
     def _cut_at_stop_string(self, seq: Sequence, prev_len: int) -> bool:
-        """Search only text that could contain a match ending in the new characters; cut there."""
-        best: tuple[int, str] | None = None
-        for s in seq.params.stop:
-            start = max(0, prev_len - len(s) + 1)
-            idx = seq.text.find(s, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
+        """Cut the text at the earliest stop string (the first listed of those starting there), searching
+        only text where a match could end in the new characters: the longest stop string's length - 1
+        characters before them, and them. A match wholly in older text would have ended the sequence at
+        the step it was completed in."""
+        pattern, longest = _stop_pattern(tuple(seq.params.stop))  # (a list where a caller gave one)
+        m = pattern.search(seq.text, max(0, prev_len - longest + 1))
+        if m is None:
             return False
-        idx, s = best
-        seq.text = seq.text[: idx + len(s)] if seq.params.include_stop_str_in_output else seq.text[:idx]
+        seq.text = seq.text[: m.end()] if seq.params.include_stop_str_in_output else seq.text[: m.start()]
         return True
 
     def _is_looping(self, ids: list[int]) -> bool:
@@ -81,5 +83,16 @@ class StopRules:
         span = w * n
         if w == 0 or n < 2 or len(ids) < span:
             return False
+        # a period p needs ids[-1] == ids[-1 - p]: most steps have no such p, and are done in one `in`
+        last, recent = ids[-1], ids[-w - 1 : -1]  # recent[-p] is ids[-1 - p]
+        if last not in recent:
+            return False
         tail = ids[-span:]
-        return any(tail[p:] == tail[:-p] for p in range(1, w + 1))
+        return any(tail[p:] == tail[:-p] for p in range(1, w + 1) if recent[-p] == last)
+
+
+@lru_cache(maxsize=1024)
+def _stop_pattern(stop: tuple[str, ...]) -> tuple[re.Pattern[str], int]:
+    """One regular expression for a request's stop strings (its leftmost match: the earliest, the first
+    listed on a tie), and the longest's length."""
+    return re.compile("|".join(map(re.escape, stop))), max(map(len, stop))
