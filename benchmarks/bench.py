@@ -202,7 +202,7 @@ def optional_contender(mode: str, workload: Path, dtype: str) -> dict[str, Any]:
 
 
 def run_contender(mode: str, workload: Path, dtype: str, extra: list[str]) -> dict[str, Any]:
-    out = workload.with_name(f"{mode}.json")
+    out = workload.with_name(f"{mode}-{len(list(workload.parent.glob(f'{mode}*.json')))}.json")  # each kept
     print(f"  running {mode} ...", file=sys.stderr, flush=True)
     subprocess.run(
         [
