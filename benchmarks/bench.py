@@ -94,17 +94,21 @@ def side_measurements(skip: list[str]) -> dict[str, Any]:
     return out
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or "unknown"
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what platform says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = cpu_name()
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     from worker.kernels.native_build import LIBRARY_CAPS, cpu_isa
 

@@ -99,15 +99,9 @@ def where() -> str:
         commit = head + (" + uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"commit {commit}; {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}"
+    from bench import cpu_name
+
+    return f"commit {commit}; {cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}"
 
 
 PARTS = ("forward", "lm_head", "sampler")  # timed apart from the host's part of a step
