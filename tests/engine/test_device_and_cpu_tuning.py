@@ -46,6 +46,22 @@ def test_auto_takes_bfloat16_on_cpu_only_where_its_matmuls_are_clearly_faster(
     assert pick_dtype("bfloat16", CPU, "auto") == torch.bfloat16
 
 
+@pytest.mark.parametrize("bf16dot", [True, False])
+def test_auto_under_batch_invariance_takes_bfloat16_only_where_linear_c_multiplies_it(
+    monkeypatch: pytest.MonkeyPatch, bf16dot: bool
+) -> None:
+    # No probe of torch's GEMMs: oneDNN's bfloat16 picks kernels by row count, so only linear_bf16dot.c's
+    # products (AVX-512 BF16) keep a bfloat16 engine invariant; elsewhere float32.
+    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: pytest.fail("torch's GEMMs were probed"))
+    monkeypatch.setattr(native_linear, "has_bf16dot", lambda: bf16dot)
+    want = torch.bfloat16 if bf16dot else torch.float32
+    assert pick_dtype("auto", CPU, "auto", invariant=True) == want
+    assert pick_dtype("auto", CPU, "torch", invariant=True) == torch.float32
+    assert pick_dtype("float16", CPU, "auto", invariant=True) == torch.float16
+    stored = device.invariant_cpu_storage(torch.bfloat16, CPU, invariant=True, c_kernels=True)
+    assert stored == (torch.float32, torch.bfloat16)
+
+
 def test_auto_without_the_c_kernels_weighs_torchs_float32_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     # cpu_kernels = "torch": float32 runs on torch's matmul, so linear.c's rate (here the faster) is not asked.
     rates = {torch.float32: 200e9, torch.bfloat16: 300e9}

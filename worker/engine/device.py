@@ -206,16 +206,23 @@ def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:
 def pick_dtype(
     name: Dtype, device: torch.device, cpu_kernels: CpuKernels, invariant: bool = False
 ) -> torch.dtype:
-    """auto: bfloat16 on CUDA; on CPU float32 under batch invariance, else the faster of float32 and
-    bfloat16 (see cpu_auto_dtype)."""
+    """auto: bfloat16 on CUDA; on CPU under batch invariance bfloat16 where linear_bf16dot.c multiplies in
+    bfloat16 (AVX-512 BF16), else float32; without it the faster of float32 and bfloat16 (cpu_auto_dtype)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
     if invariant:
-        # bfloat16's speed on a CPU is oneDNN's GEMM, which picks its kernel by the step's row count; the
-        # C kernels' float32 sums a row the same way at every row count. No probe: nothing would use it.
-        log.info("dtype auto -> float32 (batch_invariant: no CPU bf16 GEMM sums a row the same at every "
+        # torch's bfloat16 speed on a CPU is oneDNN's GEMM, which picks its kernel by the step's row count.
+        # linear_bf16dot.c's products sum a row the same way at every row count, at twice float32's
+        # multiply rate; without AVX-512 BF16 the C kernels' float32 is the invariant choice.
+        from worker.kernels import native_linear
+
+        if cpu_kernels == "auto" and native_linear.has_bf16dot():
+            log.info("dtype auto -> bfloat16 (batch_invariant: bfloat16 products in linear.c at every row "
+                     "count, AVX-512 BF16)")  # fmt: skip
+            return torch.bfloat16
+        log.info("dtype auto -> float32 (batch_invariant: no bf16 GEMM here sums a row the same at every "
                  "row count; batch_invariant = false lets oneDNN's in where it is faster)")  # fmt: skip
         return torch.float32
     return cpu_auto_dtype(cpu_kernels)
@@ -237,8 +244,15 @@ def invariant_cpu_storage(
                     "kernels by the step's rows: outputs may depend on the batch", name)  # fmt: skip
         return dtype, None
     weights = "bfloat16 weights" if dtype == torch.bfloat16 else "float32 weights (linear.c reads no float16)"
-    log.info("dtype %s on the CPU, batch-invariant: %s and a %s KV cache, float32 arithmetic in the C "
-             "kernels (batch_invariant = false computes in %s through torch)", name, weights, name, name)  # fmt: skip
+    from worker.kernels import native_linear
+
+    products = (
+        "bfloat16 products in the linear layers (AVX-512 BF16), float32 elsewhere"
+        if dtype == torch.bfloat16 and native_linear.has_bf16dot()
+        else "float32 arithmetic"
+    )
+    log.info("dtype %s on the CPU, batch-invariant: %s and a %s KV cache, %s in the C kernels "
+             "(batch_invariant = false computes in %s through torch)", name, weights, name, products, name)  # fmt: skip
     return torch.float32, dtype
 
 

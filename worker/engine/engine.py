@@ -186,6 +186,9 @@ class Engine:
             # stores narrow and computes in float32), and whether the kernels follow the batch
             compute_dtype=str(compute_dtype),
             batch_invariant=batch_invariant,
+            # bfloat16 products (linear_bf16dot.c) round x where float32 arithmetic on bf16 weights does not;
+            # only such engines add the key
+            **({"bf16_products": True} if model_runner.backend.linear.bf16_dot else {}),
             eos=sorted(self.eos_token_ids),
             repetition=[cfg.repetition_window, cfg.repetition_repeats],
             max_model_len=max_model_len,
@@ -237,6 +240,7 @@ class Engine:
             dtype,
             weight_dtype,
             lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
+            bf16_dot=storage == torch.bfloat16,
         ).for_model(loaded.model)
         store_weights(cfg, loaded, backend, dtype, weight_dtype, narrow_auto=storage is not None)
         loaded.model.use_backend(backend)

@@ -198,7 +198,8 @@ class Backend:
         parts = [f"{self.name} attention" + (" with C decode" if self.c_decode else "")]
         if self.linear.name == "c":
             rows = self.bf16_gemm_rows
-            parts.append("linear.c" + (f" (bf16 GEMM from {rows} rows)" if rows else ""))
+            parts.append("linear.c" + (f" (bf16 GEMM from {rows} rows)" if rows else "")
+                         + (" (bf16 products)" if self.linear.bf16_dot else ""))  # fmt: skip
         if self.decode_stack:
             parts.append("decode stack")
         elif self.stack_refused is not None:
@@ -256,7 +257,7 @@ class Backend:
             return None
         if final_norm.dtype != torch.float32:
             return None
-        return DecodeStack(layers, final_norm, heads, kv_heads, head_dim, eps)
+        return DecodeStack(layers, final_norm, heads, kv_heads, head_dim, eps, self.linear.bf16_dot)
 
 
 def torch_backend() -> Backend:
@@ -298,6 +299,7 @@ def select_backend(
     dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
     fast_bf16_gemm: Callable[[], bool] | None = None,
+    bf16_dot: bool = False,
 ) -> Backend:
     """The backend for a model computing in `dtype` on `device`, its linear weights stored as weight_dtype
     (None: dtype). The C kernels it uses are built (or found cached) now, not in the first step; one that
@@ -306,7 +308,9 @@ def select_backend(
     linear.c at every row count, however fast torch's float32 GEMM is here: MKL sums a row differently at
     different row counts, so a request's answer would depend on the rows that share its step. Under
     settings.batch_invariant nothing is chosen by a step's rows: no bf16 GEMM threshold, and decode
-    attention per sequence (TorchAttention's invariant mode)."""
+    attention per sequence (TorchAttention's invariant mode). bf16_dot: bfloat16 weights multiplied in
+    bfloat16 by linear_bf16dot.c at every row count (a batch-invariant bfloat16 engine; where this CPU has
+    AVX-512 BF16)."""
     c = device.type == "cpu" and settings.cpu_kernels == "auto"
     invariant = settings.batch_invariant
     attention = select_attention(
@@ -332,7 +336,7 @@ def select_backend(
     # moe.c is built where a model has experts (moe_method), not for every model
     return Backend(
         attention,
-        PackedLinear(rows),
+        PackedLinear(rows, bf16_dot and native_linear.has_bf16dot()),
         native_linear.rmsnorm,
         native_linear.rotary_,
         stack,

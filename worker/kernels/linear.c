@@ -980,6 +980,7 @@ int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M
                          int accumulate) {
     const int panels = (N + PANEL - 1) / PANEL;
     const int p0 = (int)((long)panels * t / nt), p1 = (int)((long)panels * (t + 1) / nt);
+    if (lw->bf16_products) return batchq_linear_bf16dot_part(x, lw, y, M, K, N, p0, p1, accumulate);
     const int direct = lw->elem == F32 || lw->elem == BF16 || lw->elem == I8;
     if (M <= KB_ROWS && (!direct || KB_DIRECT)) {
         linear_part_kb(x, lw, y, M, K, N, p0, p1, accumulate);
@@ -1001,6 +1002,7 @@ int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M
 
 /* Whether lw is a weight of K rows this library reads. */
 static int valid(const LinearWeight *lw, const int K) {
+    if (lw->bf16_products && !batchq_linear_has_bf16dot()) return 0;
     if (lw->elem < F32 || lw->elem > Q8 || K < 1) return 0;
     if (lw->elem == I8 || lw->elem == FP8) return lw->scale != NULL && lw->groups == NULL;
     if (lw->elem == Q4 || lw->elem == Q8)

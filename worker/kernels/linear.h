@@ -16,6 +16,16 @@ typedef struct {
     int elem;
     int group;           /* K rows per group (Q4, Q8) */
     int group_elem;
+    /* 0: float32 products (the weight widened); 1: bfloat16 products, x and the weight rounded to bf16 and
+       multiplied by VDPBF16PS (linear_bf16dot.c; AVX-512 BF16 builds only) */
+    int bf16_products;
 } LinearWeight;
+
+
+/* linear_bf16dot.c: panels p0 .. p1 - 1 of y = x W^T (* scale) (+ bias) in bfloat16 products; nonzero where
+   the build has no VDPBF16PS or scratch could not be allocated. */
+int batchq_linear_bf16dot_part(const float *x, const LinearWeight *lw, float *y, int M, int K, int N, int p0,
+                               int p1, int accumulate);
+int batchq_linear_has_bf16dot(void);
 
 #endif

@@ -39,6 +39,7 @@ class LinearMethod(Protocol):
     name: str
     layout: str  # what `store` returns: methods of one layout share stored weights
     bf16_gemm_rows: int  # bfloat16 weights: steps of this many rows or more take oneDNN's GEMM (0: never)
+    bf16_dot: bool  # bfloat16 weights multiplied in bfloat16 at every row count (linear_bf16dot.c)
 
     def takes(self, weight: Tensor) -> bool:
         """Whether this method runs a weight of this dtype on this device."""
@@ -97,6 +98,7 @@ class TorchLinear:
     name = "torch"
     layout = "[out, in]"
     bf16_gemm_rows = 0
+    bf16_dot = False
 
     def takes(self, weight: Tensor) -> bool:
         return True
@@ -165,8 +167,11 @@ class PackedLinear:
     name = "c"
     layout = "packed"
 
-    def __init__(self, bf16_gemm_rows: int) -> None:
+    def __init__(self, bf16_gemm_rows: int, bf16_dot: bool = False) -> None:
         self.bf16_gemm_rows = bf16_gemm_rows  # 0: never
+        # bfloat16, int8, FP8 and group-quantised weights multiplied in bfloat16 at every row count
+        # (linear_bf16dot.c): the batch-invariant bfloat16 engine's, on a CPU with AVX-512 BF16
+        self.bf16_dot = bf16_dot
 
     def takes(self, weight: Tensor) -> bool:
         return weight.device.type == "cpu" and (
@@ -219,11 +224,11 @@ class PackedLinear:
                     x, q, None, bias, n, Groups(TORCH_LINEAR.store_groups(s, o), *groups[1:])
                 )
             gq = native_linear.GroupQuantized(stored, groups.table, groups.group, groups.bits)
-            return native_linear.linear_w(x, gq, n, bias=bias)
+            return native_linear.linear_w(x, gq, n, bias=bias, bf16_dot=self.bf16_dot)
         if x.dtype != torch.float32:  # linear.c takes float32 activations only
             return TORCH_LINEAR.apply(x, self.unpack(stored, n), scale, bias, n)
-        if stored.dtype == torch.float8_e4m3fn:
-            return native_linear.linear_w(x, stored, n, scale=scale, bias=bias)
+        if stored.dtype == torch.float8_e4m3fn or (self.bf16_dot and stored.dtype != torch.float32):
+            return native_linear.linear_w(x, stored, n, scale=scale, bias=bias, bf16_dot=self.bf16_dot)
         if self.bf16_gemm_rows and stored.dtype == torch.bfloat16 and x.shape[0] >= self.bf16_gemm_rows:
             # Prompt-sized steps on a CPU with fast bf16 GEMMs (oneDNN): bf16 activations, float32 out. The
             # [out, in] copy of the weight is a small part of such a GEMM.
@@ -240,10 +245,12 @@ class TritonLinear:
     name = "triton"
     layout = "triton"
     bf16_gemm_rows = 0
+    bf16_dot = False
 
     def __init__(self, invariant: bool = False) -> None:
         # invariant: unquantised weights through triton_invariant's fixed-tile GEMM instead of cuBLAS, which
-        # picks its kernel by the step's row count (a row's bits would follow its neighbours)
+        # picks its kernel by the step's row count (a row's bits would follow its neighbours); quantised ones
+        # through triton_quant with one row tile at every row count
         self.invariant = invariant
 
     def takes(self, weight: Tensor) -> bool:
@@ -301,7 +308,9 @@ class TritonLinear:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if groups is not None:
-            y = triton_quant.quant_linear(x2, stored, n, groups.table, groups.group, groups.bits, bias=bias)
+            y = triton_quant.quant_linear(
+                x2, stored, n, groups.table, groups.group, groups.bits, bias=bias, invariant=self.invariant
+            )
         else:
-            y = triton_quant.quant_linear(x2, stored, n, scale=scale, bias=bias)
+            y = triton_quant.quant_linear(x2, stored, n, scale=scale, bias=bias, invariant=self.invariant)
         return y.view(*lead, n)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from worker.kernels.native_build import KERNELS, Signature, cached, load
 
-SOURCES = (KERNELS / "linear.c",)
+SOURCES = (KERNELS / "linear.c", KERNELS / "linear_bf16dot.c")
 
 
 class LinearWeightStruct(ctypes.Structure):
@@ -29,7 +29,7 @@ class LinearWeightStruct(ctypes.Structure):
 
     _fields_ = [
         *((name, c_void_p) for name in ("w", "scale", "groups", "bias")),
-        *((name, c_int) for name in ("elem", "group", "group_elem")),
+        *((name, c_int) for name in ("elem", "group", "group_elem", "bf16_products")),
     ]
 
 
@@ -43,6 +43,7 @@ SIGNATURES = {
     "batchq_gelu_mul": Signature(None, [c_void_p, c_void_p, c_int, c_int, c_int]),
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
+    "batchq_linear_has_bf16dot": Signature(c_int, []),
     "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
     "batchq_linear_set_prefetch_t0": Signature(c_int, [c_int]),
     "batchq_linear_set_far_prefetch": Signature(c_int, [c_int]),
@@ -175,6 +176,13 @@ def _give_settings(lib: SimpleNamespace) -> None:
     lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
     lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
     lib.batchq_linear_set_pace_rows(_pace_rows)
+
+
+def has_bf16dot() -> bool:
+    """Whether linear.c multiplies bfloat16 weights in bfloat16 here (AVX-512 BF16's VDPBF16PS): the
+    batch-invariant bfloat16 engine's linear layers (linear_bf16dot.c)."""
+    lib = library()
+    return lib is not None and bool(lib.batchq_linear_has_bf16dot())
 
 
 def has_wide_tiles() -> bool:
@@ -439,9 +447,11 @@ def linear_w(
     n: int,
     scale: Tensor | None = None,
     bias: Tensor | None = None,
+    bf16_dot: bool = False,
 ) -> Tensor:
     """y = x W^T (+ bias) for any weight linear.c reads: what `linear` takes, an FP8 E4M3 weight packed
-    with a float32 scale per output, or a group-quantised one. x: [M, K] float32 -> [M, n] float32."""
+    with a float32 scale per output, or a group-quantised one. x: [M, K] float32 -> [M, n] float32.
+    bf16_dot: multiplied in bfloat16, x and the weight rounded (linear_bf16dot.c; `has_bf16dot` only)."""
     lib = library()
     assert lib is not None
     m, k = x.shape
@@ -458,7 +468,7 @@ def linear_w(
     out = torch.empty(m, n, dtype=torch.float32)
     spec = LinearWeightStruct(
         w.data_ptr(), None if scale is None else scale.data_ptr(), None if groups is None else groups.data_ptr(),
-        None if bias is None else bias.data_ptr(), elem, group, group_elem,
+        None if bias is None else bias.data_ptr(), elem, group, group_elem, int(bf16_dot),
     )  # fmt: skip
     rc = lib.batchq_linear_w(
         x.data_ptr(), ctypes.byref(spec), out.data_ptr(), m, k, n, torch.get_num_threads()

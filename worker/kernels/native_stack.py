@@ -98,8 +98,9 @@ class StackLinear:
     bias: Tensor | None  # [out] float32
     groups: Groups | None = None  # a group-quantised weight's (s, o) table (pack_groups) and shape
 
-    def struct(self) -> LinearWeightStruct:
-        """linear.h's LinearWeight of this weight (its tensors must outlive the struct)."""
+    def struct(self, bf16_dot: bool = False) -> LinearWeightStruct:
+        """linear.h's LinearWeight of this weight (its tensors must outlive the struct). bf16_dot: a
+        weight multiplied in bfloat16 (linear_bf16dot.c)."""
 
         def opt(t: Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
@@ -107,9 +108,13 @@ class StackLinear:
         if self.groups is not None:
             elem, table = (Q4 if self.groups.bits == 4 else Q8), self.groups.table
             return LinearWeightStruct(self.weight.data_ptr(), None, table.data_ptr(), opt(self.bias), elem,
-                                      self.groups.group, GROUP_TYPES[table.dtype])  # fmt: skip
+                                      self.groups.group, GROUP_TYPES[table.dtype], int(bf16_dot))  # fmt: skip
         elem = FP8 if self.weight.dtype == torch.float8_e4m3fn else WEIGHT_TYPES[self.weight.dtype]
-        return LinearWeightStruct(self.weight.data_ptr(), opt(self.scale), None, opt(self.bias), elem, 0, 0)
+        # float32 weights keep float32 products (a bfloat16 engine's weights are bfloat16 or quantised)
+        dot = bf16_dot and self.weight.dtype != torch.float32
+        return LinearWeightStruct(
+            self.weight.data_ptr(), opt(self.scale), None, opt(self.bias), elem, 0, 0, int(dot)
+        )
 
     def packed_as(self, n: int, k: int) -> bool:
         """Whether this is an [n, k] weight in linear.c's layout, with what its element type needs."""
@@ -160,6 +165,7 @@ class DecodeStack:
         kv_heads: int,
         head_dim: int,
         eps: float,
+        bf16_dot: bool = False,
     ) -> None:
         lib = library()
         assert lib is not None
@@ -178,7 +184,7 @@ class DecodeStack:
             return None if t is None else t.data_ptr()
 
         def lin(x: StackLinear) -> LinearWeightStruct:
-            return x.struct()
+            return x.struct(bf16_dot)
 
         self.layers = (_Layer * len(layers))(
             *(
