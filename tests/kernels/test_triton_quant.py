@@ -94,3 +94,25 @@ def test_a_linear_layer_runs_quantised_weights_through_the_triton_method(
     torch.testing.assert_close(lin.rows(ids, torch.float32), lin.dequantized(torch.float32)[ids])
     lin.use_method(TORCH_LINEAR)
     assert torch.equal(lin.unpacked().cpu(), q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_invariant_gemm_gives_a_row_the_same_bits_at_every_row_count(
+    tq: ModuleType, device: torch.device, bits: int
+) -> None:
+    # One row tile at every M (the compiled kernel never follows the step's rows): each row alone, and in
+    # steps of 16, 32 and 70 rows (where the default picks tiles of 16, 32 and 64), has the same bits.
+    gen = torch.Generator().manual_seed(bits)
+    n, k, group = 70, 128, 32
+    q, s, o = groups(n, k, group, bits, gen)
+    stored = (tq.pack_q4_rows(q) if bits == 4 else q).to(device)
+    table = torch.stack((s, o), dim=-1).to(torch.float16).to(device)
+    x = torch.randn(70, k, generator=gen).to(torch.bfloat16).to(device)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return tq.quant_linear(rows, stored, n, table, group, bits, invariant=True)
+
+    full = run(x)
+    for m in (1, 16, 32):
+        assert torch.equal(run(x[:m].contiguous()), full[:m]), f"{m} rows"
+    assert torch.equal(run(x[-1:].contiguous()), full[-1:])

@@ -24,6 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from worker.kernels import triton_checks as checks
 
 Q4, Q8, FP8 = 0, 1, 2  # the kernel's KIND
+INVARIANT_BLOCK_M = 64  # the row tile under batch invariance, at every row count
 
 
 @triton.jit
@@ -118,9 +119,12 @@ def quant_linear(
     bits: int = 0,
     scale: Tensor | None = None,
     bias: Tensor | None = None,
+    invariant: bool = False,
 ) -> Tensor:
     """y = x W^T (+ bias): x [M, K] (float16, bfloat16 or float32) -> [M, n] in x's dtype. Group-quantised
-    W: q and table (with group, bits); FP8 W: q float8_e4m3fn [n, K] with scale [n] float32."""
+    W: q and table (with group, bits); FP8 W: q float8_e4m3fn [n, K] with scale [n] float32. invariant: one
+    row tile at every M (batch invariance: the compiled kernel, and so a row's sums, must not follow the
+    step's rows; BLOCK_K already follows only the group and K)."""
     m, k = x.shape
     x = x.contiguous()
     extra = [t for t in (table, scale, bias) if t is not None]
@@ -136,7 +140,7 @@ def quant_linear(
             q = q.view(torch.uint8)  # own conversion keeps subnormals, which float32 math may flush)
     block_k = _block_k(group, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_m = INVARIANT_BLOCK_M if invariant else 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     dummy = q  # pointers a kernel variant does not read
