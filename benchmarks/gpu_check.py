@@ -1,6 +1,7 @@
-"""One prepared GPU check: hardware, kernel tests, greedy parity with HF, throughput vs HF (8B), Q4 (1B).
+"""One prepared GPU check: hardware, kernel tests, greedy parity with HF, bitwise batch invariance, throughput
+vs HF and what invariance costs (8B), Q4 (1B).
 
-    python benchmarks/gpu_check.py                # on the GPU (what gpu_check.sh runs), < 6.5 min
+    python benchmarks/gpu_check.py                # on the GPU (what gpu_check.sh runs), < 7.5 min
     python benchmarks/gpu_check.py --stages parity,bench:llama-8b   # a rerun of some stages only
     python benchmarks/gpu_check.py --tiny         # the whole flow on CPU with tiny models, < 2 min
 
@@ -27,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 # Stage budgets in seconds (hard timeouts). A lent GPU gives a task 15 minutes, start-up included: the
 # whole check (~6 min) must leave room for a rerun of what failed (--stages).
-GPU_STAGES = [("kernels", 120), ("parity", 45), ("bench:llama-8b", 150), ("quant:llama-1b", 45)]
-TINY_STAGES = [("parity", 40), ("quant:tiny", 30), ("bench:tiny", 40)]
+GPU_STAGES = [("kernels", 120), ("parity", 45), ("invariance", 45), ("bench:llama-8b", 190),
+              ("quant:llama-1b", 45)]  # fmt: skip
+TINY_STAGES = [("parity", 40), ("invariance", 40), ("quant:tiny", 30), ("bench:tiny", 50)]
 
 
 def hardware() -> dict[str, Any]:
@@ -131,6 +133,60 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def stage_invariance(args: argparse.Namespace) -> dict[str, Any]:
+    """Batch invariance in bfloat16 (the GPU default): greedy lines with logprobs on a tiny random Llama, and
+    the same with every projection kept 4-bit (Triton's quantised GEMM), alone and beside 40 other lines of
+    other lengths, must give bitwise-equal tokens and logprobs; the batch_invariant = false engine's
+    agreement is reported beside (cuBLAS picks kernels by row count)."""
+    import torch
+
+    from benchmarks import gpu_models as gm
+    from tests.tiny_models import build_tiny_checkpoint
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.params import GenerationParams
+    from worker.engine.request import EngineRequest
+
+    new = 12
+    subjects = [[5 + (11 * i + 3 * k) % 240 for k in range(7 + 13 * i)] for i in range(3)]
+    others = [[9 + (5 * i + 7 * k) % 240 for k in range(3 + (17 * i) % 90)] for i in range(40)]
+    params = GenerationParams(
+        max_new_tokens=new, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
+    )
+
+    def bits(r: Any) -> tuple[Any, ...]:
+        return tuple(r.token_ids), repr(
+            [(lp.logprob, [c.logprob for c in lp.top]) for lp in r.logprobs or []]
+        )
+
+    def run(engine: Any, batch: list[list[int]]) -> list[tuple[Any, ...]]:
+        reqs = [EngineRequest(f"r{i}", params, prompt_token_ids=p) for i, p in enumerate(batch)]
+        return [bits(r) for r in engine.generate(reqs)]
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_checkpoint(Path(tmp), "llama", num_hidden_layers=3, max_position_embeddings=512)
+        for quant in (False, True):
+            for invariant in (True, False):
+                cfg = EngineConfig(model=str(path), device=args.device, dtype="bfloat16", kv_cache_gb=0.05,
+                                   batch_invariant=invariant, prefix_cache=False)  # fmt: skip
+                engine = Engine.load(cfg)
+                if quant:
+                    gm.quantize_rtn(engine, 4, 32)
+                alone = [run(engine, [s])[0] for s in subjects]
+                mixed = run(engine, [*others[:20], *subjects, *others[20:]])[20:23]
+                small = run(engine, [others[0], *subjects])[1:]
+                same = sum(a == b == c for a, b, c in zip(alone, mixed, small, strict=True))
+                key = f"{'q4' if quant else 'bf16'}{'' if invariant else ', batch_invariant=false'}"
+                out[key] = {"bitwise_equal": f"{same}/{len(subjects)}", "held": engine.batch_invariant}
+                del engine
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    out["ok"] = all(v["bitwise_equal"] == f"{len(subjects)}/{len(subjects)}"
+                    for k, v in out.items() if "false" not in k)  # fmt: skip
+    return out
+
+
 def stage_bench(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     import torch
 
@@ -149,15 +205,17 @@ def stage_bench(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     res: dict[str, Any] = {"model": shape, "dtype": str(dtype).removeprefix("torch."), "requests": n,
                            "build_s": round(time.perf_counter() - t_start, 1), "contenders": {}}  # fmt: skip
     left = lambda: args.budget - (time.perf_counter() - t_start) - 5  # noqa: E731
-    # Shares of what is left: the engine is fastest (it stops when done), HF generate gets a third of the
-    # rest for one full batch, HF continuous batching (its own warm-up included) the remainder.
-    shares = [("batchq", 0.3), ("hf_generate", 0.35), ("hf_continuous", 1.0)]
+    # Shares of what is left: the engine is fastest (it stops when done), the batch_invariant = false engine
+    # (what invariance costs), HF generate a third of the rest for one full batch, HF continuous batching
+    # (its own warm-up included) the remainder.
+    shares = [("batchq", 0.25), ("batchq_variant", 0.3), ("hf_generate", 0.35), ("hf_continuous", 1.0)]
     for name, share in shares:
         budget = max(5.0, left() * share)
         try:
-            if name == "batchq":
+            if name.startswith("batchq"):
                 cfg = EngineConfig(model=shape, device=args.device, dtype=res["dtype"], kv_cache_gb=24 if not tiny else 0.05,
-                                   max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=1024)  # fmt: skip
+                                   max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=1024,
+                                   batch_invariant=name == "batchq")  # fmt: skip
                 t0 = time.perf_counter()
                 engine = gm.engine_from_hf(hf, cfg)
                 setup = time.perf_counter() - t0
@@ -229,6 +287,8 @@ def stage_quant(args: argparse.Namespace, shape: str) -> dict[str, Any]:
 def run_stage(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if name == "kernels":
         return stage_kernels(args)
+    if name == "invariance":
+        return stage_invariance(args)
     if name == "parity":
         return stage_parity(args)
     if name.startswith("quant:"):
@@ -269,7 +329,7 @@ def report(hw: dict[str, Any], results: dict[str, Any]) -> None:
         }
         print(f"== {name}: {'PASS' if r.get('ok') else 'FAIL'} ({r.get('wall_s')}s) greedy identical "
               f"{r.get('identical')}, tok/s {tok} {r.get('error', '')}")  # fmt: skip
-    for name in ("kernels", "parity"):
+    for name in ("kernels", "parity", "invariance"):
         if name in results:
             r = results[name]
             detail = (

@@ -156,7 +156,7 @@ def _best_ms(fn: Callable[[], object], passes: int) -> float:
 def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]]) -> None:
     from worker.kernels import native_linear
 
-    for w, wt, packed, bf16, int8, int8_scale in layers:
+    for w, wt, packed, bf16, int8, int8_scale, wb in layers:
         if kind == "torch F.linear":
             torch.nn.functional.linear(x, w)
         elif kind == "torch x@W[in,out]":
@@ -165,6 +165,10 @@ def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ..
             native_linear.linear(x, packed, None, None, w.shape[0])
         elif kind == "C bfloat16":
             native_linear.linear(x, bf16, None, None, w.shape[0])
+        elif kind == "C bf16 products":
+            native_linear.linear_w(x, bf16, w.shape[0], bf16_dot=True)
+        elif kind == "oneDNN bf16":  # what batch_invariant = false runs for bf16 prompt steps
+            torch.nn.functional.linear(x.bfloat16(), wb).float()
         else:
             native_linear.linear(x, int8, int8_scale, None, w.shape[0])
 
@@ -230,6 +234,11 @@ def cpu_linear(args: argparse.Namespace) -> int:
     ]
     rows = [int(r) for r in args.rows.split(",")]
     kinds = ["torch F.linear", "torch x@W[in,out]", "C float32", "C bfloat16", "C int8"]
+    # bfloat16 products (x rounded too): the batch-invariant bfloat16 engine's linears where AVX-512 BF16
+    # exists, against oneDNN's bf16 GEMM on the same operands
+    dot = native_linear.has_bf16dot()
+    if dot:
+        kinds += ["C bf16 products", "oneDNN bf16"]
     step: dict[int, dict[str, float]] = {r: dict.fromkeys([*kinds, "bound"], 0.0) for r in rows}
     gen = torch.Generator().manual_seed(0)
     timed: list[tuple[str, int, int, int, int, dict[str, float]]] = []  # name, K, N, copies a step, M, ms
@@ -247,7 +256,15 @@ def cpu_linear(args: argparse.Namespace) -> int:
                 narrow.append(lin)
             bf16, int8 = narrow
             layers.append(
-                (w, w.t().contiguous(), native_linear.pack(w), bf16.weight, int8.weight, int8.scale)
+                (
+                    w,
+                    w.t().contiguous(),
+                    native_linear.pack(w),
+                    bf16.weight,
+                    int8.weight,
+                    int8.scale,
+                    w.bfloat16(),
+                )
             )
         for r in rows:
             x = torch.randn(r, k, generator=gen)
@@ -274,7 +291,9 @@ def cpu_linear(args: argparse.Namespace) -> int:
     )
     print(
         f"{'shape':>8} {'K x N':>12} {'M':>4} | {'F.linear':>8} {'x@W':>7} | {'C f32':>7} {'GB/s':>5} "
-        f"{'GFLOP/s':>7} {'% bound':>7} | {'C bf16':>7} {'C int8':>7} | {'bound':>6}  (ms per call)"
+        f"{'GFLOP/s':>7} {'% bound':>7} | {'C bf16':>7} {'C int8':>7} | {'bound':>6}"
+        + (f" | {'bf16 dot':>8} {'oneDNN':>7}" if dot else "")
+        + "  (ms per call)"
     )
     for name, k, n, per_step, r, ms in timed:
         flops = 2 * r * k * n
@@ -287,11 +306,13 @@ def cpu_linear(args: argparse.Namespace) -> int:
             f"{name:>8} {f'{k}x{n}':>12} {r:>4} | {ms['torch F.linear']:>8.3f} {ms['torch x@W[in,out]']:>7.3f} "
             f"| {c:>7.3f} {k * n * 4 / c / 1e6:>5.1f} {flops / c / 1e6:>7.1f} {100 * bound / c:>6.0f}% "
             f"| {ms['C bfloat16']:>7.3f} {ms['C int8']:>7.3f} | {bound:>6.3f}"
+            + (f" | {ms['C bf16 products']:>8.3f} {ms['oneDNN bf16']:>7.3f}" if dot else "")
         )
     print(f"\none decode step's linears ({args.model_layers} layers + LM head), ms:")
     print(
         f"{'M':>4} | {'F.linear':>8} {'x@W':>7} | {'C f32':>7} {'speed-up':>8} {'% bound':>7} | "
         f"{'C bf16':>7} {'C int8':>7} | {'bound f32':>9}"
+        + (f" | {'bf16 dot':>8} {'oneDNN':>7}" if dot else "")
     )
     for r in rows:
         t = step[r]
@@ -300,6 +321,7 @@ def cpu_linear(args: argparse.Namespace) -> int:
             f"{r:>4} | {t['torch F.linear']:>8.1f} {t['torch x@W[in,out]']:>7.1f} | {t['C float32']:>7.1f} "
             f"{best_torch / t['C float32']:>7.1f}x {100 * t['bound'] / t['C float32']:>6.0f}% | "
             f"{t['C bfloat16']:>7.1f} {t['C int8']:>7.1f} | {t['bound']:>9.1f}"
+            + (f" | {t['C bf16 products']:>8.1f} {t['oneDNN bf16']:>7.1f}" if dot else "")
         )
     if args.json:  # what `make bench` reports per instruction set
         summary = {
