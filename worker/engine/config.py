@@ -44,9 +44,10 @@ class EngineConfig(BaseModel):
     device: Device = "auto"
     dtype: Dtype = Field(
         default="auto",
-        description="auto: bfloat16 on CUDA; on a CPU float32 (with batch_invariant off: bfloat16 where its "
-        "matmuls run >= 1.3x faster). On a CPU under batch_invariant, bfloat16 / float16 store the weights "
-        "(bfloat16 only) and the KV cache narrow and compute in float32 in the C kernels",
+        description="auto: bfloat16 on CUDA; on a CPU bfloat16 where it has AVX-512 BF16, else float32 (with "
+        "batch_invariant off: bfloat16 where its matmuls run >= 1.3x faster). On a CPU under batch_invariant, "
+        "bfloat16 / float16 store the weights (bfloat16 only) and the KV cache narrow and compute in float32 in "
+        "the C kernels, but for bfloat16 products in the linears where AVX-512 BF16 exists",
     )
     batch_invariant: bool = Field(
         default=True,
