@@ -226,7 +226,10 @@ class BlockManager:
     def grow(self, seq_id: str, num_tokens: int) -> bool:
         """Cover `num_tokens` slots, raising the sequence's reservation where it must and the pool allows
         it (optimistic admission); False when it does not, and nothing changed."""
-        extra = self.blocks_for(num_tokens) - self._released[seq_id] - self._reserved[seq_id]
+        need = -(-num_tokens // self.block_size) - self._released[seq_id]
+        if need <= len(self._tables[seq_id]):  # covered already (most decode steps): within the reservation
+            return True
+        extra = need - self._reserved[seq_id]
         if extra > 0:
             if self.num_committed + extra > self.num_blocks:
                 return False

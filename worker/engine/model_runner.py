@@ -9,6 +9,7 @@ ids' .tolist()).
 from __future__ import annotations
 
 import logging
+import operator
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -26,6 +27,12 @@ from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.llama import LlamaFamilyModel
 from worker.models.transformers_model import AnyModel
+
+# GenerationParams' per-row sampling settings, in _sample's column order
+_SAMPLING_FIELDS = operator.attrgetter(
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "presence_penalty",
+    "frequency_penalty", "logit_bias",
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graphs import CudaGraphRunner
@@ -291,23 +298,29 @@ class ModelRunner:
             mask_logits(logits, masked, [seqs[i].matcher for i in masked])
             for (i, t), value in zip(opening, kept, strict=True):
                 logits[i, t] = value
+        # the settings' columns from one C-level getter per row (a comprehension per field cost each row
+        # a dozen attribute chains a step)
+        columns = zip(*map(_SAMPLING_FIELDS, [s.params for s in seqs]), strict=True)
+        temps, top_ks, top_ps, min_ps, reps, seeds, presence, frequency, biases = (
+            map(list, columns) if seqs else ([] for _ in range(9))
+        )
         sampling = SamplingBatch(
-            temperatures=[s.params.temperature for s in seqs],
-            top_ks=[s.params.top_k for s in seqs],
-            top_ps=[s.params.top_p for s in seqs],
-            min_ps=[s.params.min_p for s in seqs],
-            repetition_penalties=[s.params.repetition_penalty for s in seqs],
+            temperatures=temps,
+            top_ks=top_ks,
+            top_ps=top_ps,
+            min_ps=min_ps,
+            repetition_penalties=reps,
             seen_token_ids=[
-                s.prompt_ids + s.output_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs
+                s.prompt_ids + s.output_ids if r != 1.0 else [] for s, r in zip(seqs, reps, strict=True)
             ],
-            seeds=[s.params.seed for s in seqs],
+            seeds=seeds,
             steps=[len(s.output_ids) for s in seqs],
-            presence_penalties=[s.params.presence_penalty for s in seqs],
-            frequency_penalties=[s.params.frequency_penalty for s in seqs],
+            presence_penalties=presence,
+            frequency_penalties=frequency,
             output_token_ids=[
-                s.output_ids if s.params.presence_penalty or s.params.frequency_penalty else [] for s in seqs
+                s.output_ids if p or f else [] for s, p, f in zip(seqs, presence, frequency, strict=True)
             ],
-            logit_biases=[s.params.logit_bias for s in seqs],
+            logit_biases=biases,
         )
         tokens: list[int] = self.sampler(logits, sampling).tolist()
         logprobs: list[RowLogprobs | None] = [None] * len(seqs)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -59,6 +60,8 @@ from worker.engine.block_manager import BlockHash, BlockManager
 from worker.engine.config import Admission, SchedulePolicy
 from worker.engine.kv_window import PrefixHit
 from worker.engine.sequence import Sequence
+
+_FORKS = operator.attrgetter("forks")  # a step's seat count reads every running sequence's: in C
 
 Phase = Literal["prefill", "mixed", "decode", "score"]
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, RATIO_MARGIN, RATIO_WEIGHT = 0.7, 0.1, 1.5, 0.1
@@ -199,8 +202,9 @@ class Scheduler:
         """After the runner ran `batch` (its K/V is in the pool): advance the prompt chunks and offer the
         newly filled blocks to the prefix cache. -> the sequences whose prefill this step completed."""
         bm = self.block_manager
-        for seq in batch.seqs[: batch.num_decode]:
-            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)
+        if bm.prefix_caching:  # without it there is nothing to register
+            for seq in batch.seqs[: batch.num_decode]:
+                bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)
         done: list[Sequence] = []
         for seq, chunk in zip(batch.seqs[batch.num_decode :], batch.chunks, strict=True):
             seq.num_computed += chunk
@@ -284,6 +288,10 @@ class Scheduler:
         """Admit waiting sequences while the pool and `budget` prompt tokens allow. -> (seq, chunk)."""
         bm = self.block_manager
         admitted: list[tuple[Sequence, int]] = []
+        # running sequences and the samples still to fork from them: max_num_seqs bounds the sum
+        seats = len(self.running) + sum(map(len, map(_FORKS, self.running)))
+        if not self.waiting or seats + 1 + len(self.waiting[0].forks) > self.max_num_seqs:
+            return admitted  # nothing can join: the per-sequence sums below are every decode step's cost
         tokens = 0
         computing: set[BlockHash] = set()  # prompt blocks that prefills in progress are computing
         for s in self.running:
@@ -291,8 +299,6 @@ class Scheduler:
                 computing.update(s.prompt_hashes[s.num_computed // bm.block_size :])
         optimistic = self.admission == "optimistic"
         growth = sum(self._expected_growth(s) for s in self.running) if optimistic else 0
-        # running sequences and the samples still to fork from them: max_num_seqs bounds the sum
-        seats = len(self.running) + sum(len(s.forks) for s in self.running)
         while self.waiting:
             seq = self.waiting[0]
             seats += 1 + len(seq.forks)
