@@ -398,13 +398,18 @@ def print_findings(info: dict[str, Any]) -> None:
 
 def resolve_dtypes(requested: str) -> tuple[str, str]:
     """(the default engine row's dtype, the batch_invariant = false row's): auto takes what the engine's
-    auto takes with invariance (float32 on a CPU) and without it (bfloat16 where oneDNN's bf16 GEMMs are
-    fast)."""
+    auto takes with invariance (bfloat16 where linear.c multiplies in bf16, else float32) and without it
+    (bfloat16 where oneDNN's bf16 GEMMs are fast)."""
     if requested != "auto":
         return requested, requested
     import torch
 
     from worker.engine.device import cpu_auto_dtype, pick_dtype
+    from worker.kernels.native_build import cap_libraries
+
+    # BATCHQ_CPU_ISA=avx2: the probe below must time the capped oneDNN, as the contenders' engines do (and
+    # it keeps its figure for every later start under that instruction set)
+    cap_libraries()
 
     invariant = str(pick_dtype("auto", torch.device("cpu"), "auto", invariant=True)).removeprefix("torch.")
     variant = str(cpu_auto_dtype("auto")).removeprefix("torch.")
