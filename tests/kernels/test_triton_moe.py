@@ -62,3 +62,23 @@ def test_each_block_holds_one_experts_rows_in_token_order(tm: ModuleType) -> Non
         assert rows and all(int(flat[s]) == ex for s in rows) and rows == sorted(rows)
         seen += rows
     assert sorted(seen) == list(range(flat.numel()))  # every slot once
+
+
+def test_a_tokens_experts_output_has_the_same_bits_in_any_step(tm: ModuleType, device: torch.device) -> None:
+    # Batch invariance: the tiles are fixed (BLOCK_M, BLOCK_N, BLOCK_K never follow the step's tokens), a
+    # row's place in its expert's blocks changes no sum of it, and its picks add in expert order; so a
+    # token's output is the same alone, beside a few tokens and beside many that crowd its experts.
+    gen = torch.Generator().manual_seed(5)
+    e, k, h, inter, t = 8, 2, 64, 32, 40
+    gate_up = (torch.randn(e, 2 * inter, h, generator=gen) * 0.1).to(torch.bfloat16).to(device)
+    down = (torch.randn(e, h, inter, generator=gen) * 0.1).to(torch.bfloat16).to(device)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(device)
+    weights = torch.softmax(torch.randn(t, k, generator=gen), dim=-1).to(device)
+
+    def run(rows: slice) -> torch.Tensor:
+        return tm.moe_experts(x[rows], ids[rows], weights[rows], gate_up, down, None, None, "silu")
+
+    full = run(slice(0, t))
+    for rows in (slice(0, 1), slice(3, 4), slice(0, 5), slice(10, 27)):
+        assert torch.equal(run(rows), full[rows]), rows

@@ -68,8 +68,6 @@ def batch_invariant_here(backend: Backend, loaded: LoadedModel) -> bool:
         why = "the model runs Hugging Face's own layers (the transformers fallback), whose GEMMs pick kernels by row count"
     elif backend.name == "triton" and not getattr(backend.linear, "invariant", False):
         why = "its linear layers run cuBLAS (F.linear), which picks kernels by row count"
-    elif backend.name == "triton" and getattr(loaded.model.spec, "moe", None) is not None:
-        why = "Triton's grouped expert GEMMs pick their row tile by the tokens each expert gets"
     elif backend.name != "triton" and backend.linear.name != "c":
         why = "its linear layers run torch's GEMMs (no C kernels here), which pick kernels by row count"
     if why is not None:
