@@ -115,3 +115,20 @@ def test_a_panel_split_across_threads_gives_the_same_bits() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
+
+
+def test_groups_of_an_odd_number_of_rows_are_refused() -> None:
+    # a pair of rows (2k, 2k + 1) must share a group's s and o
+    import ctypes
+
+    lib = native_linear.library()
+    assert lib is not None
+    x, y = torch.randn(2, 6), torch.empty(2, 32)
+    q = torch.zeros(1, 6, 16, dtype=torch.uint8)
+    for group, refused in ((3, True), (2, False)):
+        table = torch.zeros(1, 6 // group, 2, 32)
+        spec = native_linear.LinearWeightStruct(
+            q.data_ptr(), None, table.data_ptr(), None, native_linear.Q4, group, 0, 1
+        )
+        rc = lib.batchq_linear_w(x.data_ptr(), ctypes.addressof(spec), y.data_ptr(), 2, 6, 32, 1)
+        assert (rc != 0) == refused, group

@@ -1002,7 +1002,9 @@ int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M
 
 /* Whether lw is a weight of K rows this library reads. */
 static int valid(const LinearWeight *lw, const int K) {
-    if (lw->bf16_products && !batchq_linear_has_bf16dot()) return 0;
+    /* bf16 products pair rows 2k and 2k + 1, which must share a group */
+    if (lw->bf16_products && (!batchq_linear_has_bf16dot() || ((lw->elem == Q4 || lw->elem == Q8) && lw->group % 2)))
+        return 0;
     if (lw->elem < F32 || lw->elem > Q8 || K < 1) return 0;
     if (lw->elem == I8 || lw->elem == FP8) return lw->scale != NULL && lw->groups == NULL;
     if (lw->elem == Q4 || lw->elem == Q8)

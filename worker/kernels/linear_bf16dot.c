@@ -180,7 +180,8 @@ static inline __attribute__((always_inline)) void weight_row(const LinearWeight 
         out[1] = _mm512_fmsub_ps(sv[1], _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), ov[1]);
     } else { /* I8, Q8 */
         for (int h = 0; h < 2; h++) {
-            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + row * PANEL + h * 16))));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(w + row * PANEL + h * 16));
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
             out[h] = elem == Q8 ? _mm512_fmsub_ps(sv[h], q, ov[h]) : q;
         }
     }
@@ -202,7 +203,8 @@ static __thread size_t pairs_panel_rows;
 static inline __attribute__((always_inline)) void group_of(const LinearWeight *lw, const int K, const int p,
                                                            const int k, __m512 *sv, __m512 *ov) {
     const size_t ge = lw->group_elem == F32 ? 4 : 2;
-    const char *gp = (const char *)lw->groups + ((size_t)p * (K / lw->group) + (size_t)(k / lw->group)) * 2 * PANEL * ge;
+    const size_t g = (size_t)p * (K / lw->group) + (size_t)(k / lw->group);
+    const char *gp = (const char *)lw->groups + g * 2 * PANEL * ge;
     for (int h = 0; h < 2; h++)
         if (lw->group_elem == F32) {
             sv[h] = _mm512_loadu_ps((const float *)gp + h * 16);
