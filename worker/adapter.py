@@ -90,8 +90,17 @@ def template_kwargs(params: SamplingParams) -> dict[str, Any] | None:
     return given or None
 
 
-def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id: str, model: str) -> Result:
-    """`model`: the model the worker serves, which computed the result."""
+def to_result(
+    req: Request,
+    res: EngineResult,
+    queued_s: float | None,
+    worker_id: str,
+    model: str,
+    dtype: str | None = None,
+    batch_invariant: bool | None = None,
+) -> Result:
+    """`model`: the model the worker serves, which computed the result; dtype, batch_invariant: its engine's
+    arithmetic (Engine.dtype_name, Engine.batch_invariant)."""
     error = None if res.error is None else ErrorInfo(type=res.error.type, message=res.error.message)
     return Result(
         id=req.id,
@@ -109,6 +118,8 @@ def to_result(req: Request, res: EngineResult, queued_s: float | None, worker_id
         error=error,
         metadata=req.metadata,
         model=model,
+        dtype=dtype,
+        batch_invariant=batch_invariant,
         worker=worker_id,
         label_scores=None if res.label_scores is None else [LabelScore(**vars(s)) for s in res.label_scores],
         logprobs=_logprobs(res.logprobs),

@@ -191,7 +191,9 @@ class JobHandler:
         res = fut.result()
         reported = self.reported.pop(run.job_id, 0)
         req = run.req
-        result = to_result(req, res, _queued_s(req, run.picked_at), self.cfg.worker_id, self.cfg.engine.model)
+        core = self.engine.core
+        result = to_result(req, res, _queued_s(req, run.picked_at), self.cfg.worker_id, self.cfg.engine.model,
+                           core.dtype_name, core.batch_invariant)  # fmt: skip
         cache_key = run.cache_key if cacheable(result) else None
         answer = b"" if cache_key is None else CachedAnswer.of(result).to_json()
         self._end_req(run.job_id, req, run.raw, result, res.completion_tokens - reported, cache_key, answer)

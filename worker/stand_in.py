@@ -27,6 +27,8 @@ class InstantEngine:
     """The synchronous core AsyncEngine steps, answering everything queued at each step."""
 
     fingerprint = "stand-in"
+    dtype_name = None  # no arithmetic: results name none
+    batch_invariant = None
     max_model_len = CONTEXT
     embedding_size = None  # it answers generation requests only
 

@@ -484,6 +484,10 @@ class Result(_Strict):
     error: ErrorInfo | None = None
     metadata: dict[str, Any] | None = None
     model: str | None = None  # the model that answered (None: no model ran, e.g. an invalid request)
+    # the arithmetic that answered (README, What "exact" means): the engine's dtype ("float32", "bfloat16",
+    # "float16") and whether its numbers were independent of what shared its steps
+    dtype: str | None = None
+    batch_invariant: bool | None = None
     worker: str | None = None
     cached: bool = False  # answered from the result cache: the stored answer of an identical request
     label_scores: list[LabelScore] | None = None  # `choices` requests: one per label, in request order
@@ -515,7 +519,16 @@ class Result(_Strict):
             exclude.add("model")
         exclude.update(
             k
-            for k in ("choices", "vote", "agreement", "embeddings", "reasoning_content", "warnings")
+            for k in (
+                "choices",
+                "vote",
+                "agreement",
+                "embeddings",
+                "reasoning_content",
+                "warnings",
+                "dtype",
+                "batch_invariant",
+            )
             if getattr(self, k) is None
         )
         out = self.model_dump(mode="json", exclude=exclude)

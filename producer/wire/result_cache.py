@@ -84,6 +84,8 @@ class CachedAnswer(BaseModel):
     label_scores: list[LabelScore] | None = None
     logprobs: ChoiceLogprobs | None = None
     model: str | None = None  # the model that computed it (None: stored before answers named it)
+    dtype: str | None = None  # and its arithmetic (None: stored before answers named it)
+    batch_invariant: bool | None = None
     choices: list[Completion] | None = None  # n > 1: every sample
     vote: dict[str, int] | None = None
     agreement: float | None = None
@@ -99,7 +101,8 @@ class CachedAnswer(BaseModel):
         return cls(
             text=result.text, finish_reason=result.finish_reason, prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens, cached_tokens=u.prompt_tokens_details.cached_tokens,
-            label_scores=result.label_scores, logprobs=result.logprobs, model=result.model,
+            label_scores=result.label_scores, logprobs=result.logprobs, model=result.model, dtype=result.dtype,
+            batch_invariant=result.batch_invariant,
             choices=result.choices, vote=result.vote, agreement=result.agreement,
             reasoning_content=result.reasoning_content,
             reasoning_tokens=d.reasoning_tokens if (d := u.completion_tokens_details) is not None else None,
@@ -132,6 +135,8 @@ class CachedAnswer(BaseModel):
             label_scores=self.label_scores,
             logprobs=self.logprobs,
             model=self.model,
+            dtype=self.dtype,
+            batch_invariant=self.batch_invariant,
             choices=self.choices,
             vote=self.vote,
             agreement=self.agreement,

@@ -90,12 +90,13 @@ def answer(server: Any, workers: Any, tmp_path: Path, lines: list[dict[str, Any]
 
 @pytest.mark.parametrize("dtype", ["default", "other"])
 def test_a_line_answers_the_same_in_two_differently_composed_batches(server, workers, tmp_path, dtype):
-    args: list[str] = []
-    if dtype == "other":
-        default = pick_dtype("auto", torch.device("cpu"), "auto", invariant=True)
-        args = ["--dtype", "float32" if default == torch.bfloat16 else "bfloat16"]
+    default = str(pick_dtype("auto", torch.device("cpu"), "auto", invariant=True)).removeprefix("torch.")
+    want = default if dtype == "default" else "float32" if default == "bfloat16" else "bfloat16"
+    args = [] if dtype == "default" else ["--dtype", want]
     a = answer(server, workers, tmp_path, BATCH_A, "a", *WORKER_A, *args)
     b = answer(server, workers, tmp_path, BATCH_B, "b", *WORKER_B, *args)
+    for r in (*a.values(), *b.values()):  # each result names the arithmetic that answered it
+        assert (r["dtype"], r["batch_invariant"]) == (want, True), r["id"]
 
     label_a, label_b = a["label"]["label_scores"], b["label"]["label_scores"]
     assert [s["label"] for s in label_a] == ["positive", "negative"]

@@ -118,8 +118,12 @@ class Engine:
         max_model_len: int,
         batch_invariant: bool = False,
         compute_dtype: torch.dtype = torch.float32,
+        dtype_name: str | None = None,
     ) -> None:
         self.cfg = cfg
+        # the dtype as asked (or auto's choice), which results name: a CPU's invariant bfloat16 computes in
+        # float32 outside its bf16 storage and products, and is still the bfloat16 engine
+        self.dtype_name = dtype_name or str(compute_dtype).removeprefix("torch.")
         # whether a request's numbers are independent of what shares its step (batch_invariant_here)
         self.batch_invariant = batch_invariant
         self.model_name = loaded.name
@@ -281,7 +285,16 @@ class Engine:
             cfg.block_size,
             kv_dtype,
         )
-        return cls(cfg, loaded, runner, num_blocks, max_model_len, invariant, dtype)
+        return cls(
+            cfg,
+            loaded,
+            runner,
+            num_blocks,
+            max_model_len,
+            invariant,
+            dtype,
+            str(requested).removeprefix("torch."),
+        )
 
     # ---- public API -------------------------------------------------------------------------------
 
