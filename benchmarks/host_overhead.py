@@ -83,20 +83,15 @@ def build_checkpoint(path: Path) -> Path:
 
 def where() -> str:
     """The commit (and whether the tree differs from it) and the machine."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        commit = head + (" + uncommitted changes" if dirty else "")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        commit = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     from bench import cpu_name

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from worker.engine.detokenizer import bytes_to_unicode
+
 BYTE_OFFSET = 3  # ids 0..2 are <unk>, <s>, </s>; byte b is id b + 3
 VOCAB_SIZE = 256 + BYTE_OFFSET
 EOS_ID = 2
@@ -28,7 +30,7 @@ def byte_tokenizer(chat_template: bool = True) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>"]
-    byte_chars = _bytes_to_unicode()
+    byte_chars = bytes_to_unicode()
     vocab = {s: i for i, s in enumerate(specials)}
     vocab.update({byte_chars[b]: b + BYTE_OFFSET for b in range(256)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -62,18 +64,6 @@ def think_tokenizer() -> Any:
     assert fast.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK, END_THINK]
     fast.chat_template = THINK_TEMPLATE
     return fast
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenisation emits)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:

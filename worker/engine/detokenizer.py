@@ -329,10 +329,8 @@ def _build_plan(tokenizer: Any) -> DetokenizerPlan:
     return plan
 
 
-def _byte_level_table() -> dict[int, str]:
-    """str.translate's table from GPT-2's printable stand-in characters to the bytes they stand for (as
-    chr(byte)); every other character below 256 to one past them, so that a token with a character outside
-    the alphabet fails latin-1 encoding."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenisation emits)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {b: chr(b) for b in keep}
     extra = 0
@@ -340,8 +338,15 @@ def _byte_level_table() -> dict[int, str]:
         if b not in table:
             table[b] = chr(256 + extra)
             extra += 1
+    return table
+
+
+def _byte_level_table() -> dict[int, str]:
+    """str.translate's table from GPT-2's printable stand-in characters to the bytes they stand for (as
+    chr(byte)); every other character below 256 to one past them, so that a token with a character outside
+    the alphabet fails latin-1 encoding."""
     out: dict[int, str] = dict.fromkeys(range(256), "\U0010ffff")
-    out.update({ord(c): chr(b) for b, c in table.items()})
+    out.update({ord(c): chr(b) for b, c in bytes_to_unicode().items()})
     return out
 
 
