@@ -686,6 +686,11 @@ static void store_panel(const float *tot, const LinearWeight *lw, float *y, cons
     }
 }
 
+void batchq_linear_store_panel(const float *tot, const LinearWeight *lw, float *y, int M, int N, int n0,
+                               int accumulate) {
+    store_panel(tot, lw, y, M, N, n0, accumulate);
+}
+
 /* One x row against rows k0 .. k0 + kn - 1 of a Q4 or Q8 panel, the weights dequantised in registers (no
    trip through dq: at one row, the store and reload would cost as much as the product), the block's
    partial sums added to tot: what dequantize and a tile would compute, in the same order. */

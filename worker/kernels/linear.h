@@ -27,5 +27,9 @@ typedef struct {
 int batchq_linear_bf16dot_part(const float *x, const LinearWeight *lw, float *y, int M, int K, int N, int p0,
                                int p1, int accumulate);
 int batchq_linear_has_bf16dot(void);
+/* linear.c: a panel's sums (M rows of PANEL floats) times the scale per output, plus the bias, into y's
+   columns n0 .. (or added to them with accumulate): how every path of linear.c stores. */
+void batchq_linear_store_panel(const float *tot, const LinearWeight *lw, float *y, int M, int N, int n0,
+                               int accumulate);
 
 #endif

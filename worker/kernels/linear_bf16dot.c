@@ -45,6 +45,9 @@ int batchq_linear_has_bf16dot(void) {
 static __thread uint32_t *pairs_buf;
 static __thread size_t pairs_len;
 
+/* A float32's bits -> the nearest bfloat16's (ties to even) in the low 16 bits. */
+static inline uint32_t round_bf16(const uint32_t f) { return (f + 0x7FFFu + ((f >> 16) & 1u)) >> 16; }
+
 /* x [M, K] float32 -> [M, K2] bf16 pairs (element 2k in the low half), rounded to nearest even; an odd K's
    last pair has a zero high half. Integer rounding, vectorised by the compiler: the same bits as torch's
    float32 -> bfloat16 for every finite value. */
@@ -59,16 +62,8 @@ static const uint32_t *round_pairs(const float *x, const int M, const int K, con
     for (int m = 0; m < M; m++) {
         const uint32_t *src = (const uint32_t *)(x + (size_t)m * K);
         uint32_t *dst = pairs_buf + (size_t)m * K2;
-        for (int k = 0; k < K / 2; k++) {
-            const uint32_t a = src[2 * k], b = src[2 * k + 1];
-            const uint32_t ra = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
-            const uint32_t rb = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-            dst[k] = ra | (rb << 16);
-        }
-        if (K & 1) {
-            const uint32_t a = src[K - 1];
-            dst[K2 - 1] = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
-        }
+        for (int k = 0; k < K / 2; k++) dst[k] = round_bf16(src[2 * k]) | (round_bf16(src[2 * k + 1]) << 16);
+        if (K & 1) dst[K2 - 1] = round_bf16(src[K - 1]);
     }
     return pairs_buf;
 }
@@ -137,24 +132,6 @@ typedef void (*tile_fn)(const uint32_t *, size_t, int, const void *, float *);
 static const tile_fn TILES[2][DMR] = {
     {tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8, tile_9, tile_10, tile_11, tile_12},
     {pairs_1, pairs_2, pairs_3, pairs_4, pairs_5, pairs_6, pairs_7, pairs_8, pairs_9, pairs_10, pairs_11, pairs_12}};
-
-/* A tile's sums (mr rows of PANEL) times the scale, plus the bias, into y (or added to it: a residual, as
-   torch's h + y). */
-static void store(const float *tot, const LinearWeight *lw, float *y, const int mr, const int N, const int n0,
-                  const int accumulate) {
-    const int cols = N - n0 < PANEL ? N - n0 : PANEL;
-    const float *scale = lw->scale ? lw->scale + n0 : NULL, *bias = lw->bias ? lw->bias + n0 : NULL;
-    for (int r = 0; r < mr; r++) {
-        float *o = y + (size_t)r * N + n0;
-        const float *t = tot + (size_t)r * PANEL;
-        for (int c = 0; c < cols; c++) {
-            float s = t[c];
-            if (scale) s *= scale[c];
-            if (bias) s += bias[c];
-            o[c] = accumulate ? o[c] + s : s;
-        }
-    }
-}
 
 /* Row k of panel p of a weight that is not bfloat16, as float32 in two halves of 16 columns: F32 as stored;
    I8 and FP8 unscaled (exact in bfloat16; the scale comes at the store); Q4 and Q8 s * q - o with the
@@ -310,7 +287,7 @@ int batchq_linear_bf16dot_part(const float *x, const LinearWeight *lw, float *y,
     if (from == FROM_PAIRS && M <= QMR) { /* decode-sized: the pairs made in registers, no panel of them */
         for (int p = p0; p < p1; p++) {
             QUANT_TILES[lw->elem][M - 1](xp, (size_t)K2, K, lw, p, tot);
-            store(tot, lw, y, M, N, p * PANEL, accumulate);
+            batchq_linear_store_panel(tot, lw, y, M, N, p * PANEL, accumulate);
         }
         return 0;
     }
@@ -321,7 +298,7 @@ int batchq_linear_bf16dot_part(const float *x, const LinearWeight *lw, float *y,
         for (int m0 = 0; m0 < M; m0 += DMR) {
             const int mr = M - m0 < DMR ? M - m0 : DMR;
             TILES[from][mr - 1](xp + (size_t)m0 * K2, (size_t)K2, K, w, tot);
-            store(tot, lw, y + (size_t)m0 * N, mr, N, p * PANEL, accumulate);
+            batchq_linear_store_panel(tot, lw, y + (size_t)m0 * N, mr, N, p * PANEL, accumulate);
         }
     }
     return 0;
