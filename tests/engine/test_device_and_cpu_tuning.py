@@ -299,7 +299,11 @@ from worker.engine.device import gemm_flops
 from worker.kernels.native_build import cap_libraries
 caps = cap_libraries()
 print(sorted(caps.items()))
-print(gemm_flops(torch.bfloat16, n=256, reps=2) / gemm_flops(torch.float32, n=256, reps=2))
+# One thread: a GEMM of two threads with a core taken by another process waits out a time slice for its
+# second thread (milliseconds, against float32's fraction of one), which made float32 look as slow as the
+# capped bfloat16. A single thread preempted for a whole slice still finishes well inside bf16's time.
+torch.set_num_threads(1)
+print(gemm_flops(torch.bfloat16, n=256, reps=5) / gemm_flops(torch.float32, n=256, reps=5))
 """
 
 
