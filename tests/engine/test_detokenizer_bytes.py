@@ -486,3 +486,87 @@ def test_reasoning_text_and_answer_as_today() -> None:
             assert rules.append_token(seq, t, 0.0) is None
         out.append((seq.reasoning_text, seq.text))
     assert out[0] == out[1] == ("pensée 思考 🤔", "réponse: 答案 ✅")
+
+
+# ---- text that waits: catch_up and the stop rules' fast path ----------------------------------------------
+
+
+def caught_up(detok: Any, ids: list[int], rng: random.Random) -> str:
+    """`ids` taken as the engine takes a deferred sequence's: runs of ids unseen, then a catch_up, or a catch_up
+    to the id before and a step (append_token's settle_text, then its step)."""
+    out: list[str] = []
+    grown: list[int] = []
+    for t in ids:
+        grown.append(t)
+        if rng.random() < 0.3:
+            out.append(detok.catch_up(grown))
+        elif rng.random() < 0.3:
+            out.append(detok.catch_up(grown[:-1]))
+            out.append(detok.step(grown))
+    out.append(detok.catch_up(grown))
+    return "".join(out)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama", "gemma"])
+def test_catch_up_gives_the_text_of_every_step(name: str) -> None:
+    """A sequence whose text waits (Sequence.defer_text) gets, whenever it catches up, exactly what stepping
+    through every id would have emitted: held bytes, U+FFFD, special and unknown ids included."""
+    tok = smol() if name == "smollm2" else sentencepiece_tokenizer(name)
+    pools = smol_pools() if name == "smollm2" else sp_pools(tok)
+    rng = random.Random(7)
+    for ids in random_seqs(rng, pools, 1500, longest=40):
+        want = "".join(steps(IncrementalDetokenizer(tok), ids))
+        assert caught_up(IncrementalDetokenizer(tok), ids, rng) == want, ids
+
+
+def drive(tok: Any, ids: list[int], fast: bool, eos: list[int], **params: Any) -> tuple[Any, str, list[int]]:
+    """Feed `ids` to one sequence through the stop rules: append_token alone, or append_fast with
+    append_token for the tokens it leaves (the engine's decode rows); -> (reason, text, output ids)."""
+    seq = make_seq("r", 3, params.pop("max_new", len(ids) + 5), **params)
+    seq.detokenizer = IncrementalDetokenizer(tok)
+    rules = StopRules(eos, repetition_window=4, repetition_repeats=3)
+    rules.prepare(seq)
+    reason = None
+    for i, t in enumerate(ids):
+        if fast and i:  # (a sequence's first token comes from its prefill step: append_token)
+            left = rules.append_fast([seq], [t], 0.0)
+            reason = left[0][1] if left else None
+            if left and reason is None:
+                reason = rules.append_token(seq, t, 0.0)
+        else:
+            reason = rules.append_token(seq, t, 0.0)
+        if reason is not None:
+            break
+    seq.settle_text()
+    return reason, seq.text, seq.output_ids
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama"])
+def test_the_fast_path_ends_and_renders_as_the_full_rules(name: str) -> None:
+    """append_fast (and the deferred text it leaves) against append_token alone, on random ids with EOS, stop
+    ids, stop strings that span tokens, ignore_eos, max_new_tokens and loops: the same finish reason, text
+    and tokens, at the same token."""
+    tok = smol() if name == "smollm2" else sentencepiece_tokenizer("llama")
+    pools = smol_pools() if name == "smollm2" else sp_pools(tok)
+    rng = random.Random(23)
+    eos = [pools[0][rng.randrange(len(pools[0]))], 2]
+    seen: set[Any] = set()
+    for ids in random_seqs(rng, pools, 1200, longest=30):
+        if rng.random() < 0.3:  # a loop the repetition rule ends
+            ids = ids[:5] + ids[5:9] * 4
+        if rng.random() < 0.2:
+            ids = [*ids[:-1], rng.choice(eos)]
+        full = "".join(steps(IncrementalDetokenizer(tok), ids))
+        params: dict[str, Any] = {"ignore_eos": rng.random() < 0.3}
+        if rng.random() < 0.3:
+            params["stop_token_ids"] = (rng.choice(ids),)
+        if full and rng.random() < 0.5:
+            a = rng.randrange(len(full))
+            params["stop"] = (full[a : a + rng.randint(1, 4)], "never-there")
+            params["include_stop_str_in_output"] = rng.random() < 0.5
+        if rng.random() < 0.3:
+            params["max_new"] = rng.randint(1, len(ids))
+        want = drive(tok, ids, False, eos, **dict(params))
+        assert drive(tok, ids, True, eos, **dict(params)) == want, (ids, params)
+        seen.add(want[0])
+    assert seen >= {None, "stop", "eos", "length", "repetition"}

@@ -9,7 +9,9 @@ HF's greedy path over the same checkpoint, decoded and split at the markers.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from tests.tiny_models import (
     think_prompt_ids,
     think_tokenizer,
 )
+from worker.engine import engine as engine_module
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import Constraint, GenerationParams
@@ -180,7 +183,7 @@ def test_a_stop_token_inside_thinking_ends_with_the_thinking_so_far(reasoner) ->
     assert res.token_ids == ref[: stop_at + 1]
 
 
-def test_a_timeout_inside_thinking_ends_with_the_thinking_so_far(reasoner) -> None:  # type: ignore[no-untyped-def]
+def test_a_timeout_inside_thinking_ends_with_the_thinking_so_far(reasoner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     engine, hf, tok = reasoner
     ref = hf_greedy(hf, think_prompt_ids(tok, **OPEN), 40)
     assert ref.index(END_THINK) > 3
@@ -191,7 +194,9 @@ def test_a_timeout_inside_thinking_ends_with_the_thinking_so_far(reasoner) -> No
         done = engine.step()
         seq = engine._seqs.get("slow")
         if seq is not None and len(seq.output_ids) == 3:
-            seq.started_at -= 120.0  # its clock runs out while it thinks (as if its steps had been slow)
+            # its clock runs out while it thinks (as if its steps had been slow): the engine's clock jumps
+            later = time.monotonic() + 120.0
+            monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda at=later: at))
     (res,) = done
     assert res.finish_reason == "timeout" and res.text == ""
     assert res.token_ids == ref[:3] and res.reasoning_content == decode(tok, ref[:3])

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from worker.engine.config import EngineConfig
+from worker.engine.cpu_tuning import one_malloc_arena
 from worker.engine.engine import Engine
 from worker.engine.request import EngineError, EngineRequest, EngineResult
 
@@ -54,6 +55,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_set_result, loaded, self)
             self._run()
 
+        one_malloc_arena()  # before the thread's first allocation (cpu_tuning says why)
         threading.Thread(target=run, name="batchq-engine", daemon=True).start()
         return await loaded
 

@@ -48,6 +48,51 @@ from worker.engine.kv_window import PrefixHit, SlidingWindow
 BlockHash = bytes  # 16 bytes of blake2b: a chain hash of a full block's tokens and all before them
 
 
+class TableRows:
+    """Every held block table as a row of one int32 buffer (`data`, `capacity` rows of `width`), kept in
+    step with the tables as they change: the model runner reads a decode step's block tables out of it in
+    one gather (a view over the buffer, torch.frombuffer) instead of padding a list per sequence each step.
+    A row holds its table's logical blocks (RELEASED_BLOCK, 0, for those a window released) and zeros
+    after them, as a padded table does. `data` is replaced, never resized, when it must grow (a buffer
+    a tensor views cannot be resized): a reader compares it by identity."""
+
+    def __init__(self, width: int = 16, capacity: int = 16) -> None:
+        self.width = width
+        self.capacity = capacity
+        self.data = array("i", bytes(4 * width * capacity))
+        self.row_of: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def add(self, seq_id: str, first: int, blocks: list[int]) -> None:
+        """A new table: logical blocks `first` on are `blocks`."""
+        if not self._free:
+            self._relayout(self.width, 2 * self.capacity)
+        r = self._free.pop()
+        self.row_of[seq_id] = r
+        w = self.width
+        self.data[r * w : (r + 1) * w] = array("i", bytes(4 * w))
+        self.put(seq_id, first, blocks)
+
+    def put(self, seq_id: str, at: int, blocks: list[int]) -> None:
+        """Logical blocks `at` on of the sequence's table are `blocks`."""
+        end = at + len(blocks)
+        if end > self.width:
+            self._relayout(max(2 * self.width, end), self.capacity)
+        start = self.row_of[seq_id] * self.width + at
+        self.data[start : start + len(blocks)] = array("i", blocks)
+
+    def remove(self, seq_id: str) -> None:
+        self._free.append(self.row_of.pop(seq_id))
+
+    def _relayout(self, width: int, capacity: int) -> None:
+        old, ow = self.data, self.width
+        data = array("i", bytes(4 * width * capacity))
+        for r in range(self.capacity):
+            data[r * width : r * width + ow] = old[r * ow : (r + 1) * ow]
+        self._free = list(range(capacity - 1, self.capacity - 1, -1)) + self._free
+        self.data, self.width, self.capacity = data, width, capacity
+
+
 def chain_hash(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
@@ -85,6 +130,7 @@ class BlockManager:
         self.hit_blocks = 0  # prefix-cache hits and evictions since start (stats)
         self.evicted_blocks = 0
         self.window_released = 0  # blocks `slide` returned to the pool since start (stats)
+        self.rows = TableRows()  # the tables again, as rows of one buffer (the runner's decode steps read it)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -173,6 +219,7 @@ class BlockManager:
             self._take(b)
         self.hit_blocks += len(hits)
         self._tables[seq_id] = list(hits)
+        self.rows.add(seq_id, first, hits)
         self._released[seq_id] = first
         self._hashes[seq_id] = list(hashes[:end])
         self._reserved[seq_id] = need
@@ -192,6 +239,7 @@ class BlockManager:
         for b in shared:
             self._take(b)
         self._tables[child_id] = list(shared)
+        self.rows.add(child_id, released, shared)
         self._released[child_id] = released
         self._hashes[child_id] = list(self._hashes[parent_id])
         self._reserved[parent_id] -= extra
@@ -218,6 +266,7 @@ class BlockManager:
         for b in table[:k]:
             self._free_one(b)
         del table[:k]
+        self.rows.put(seq_id, self._released[seq_id], [0] * k)  # RELEASED_BLOCK (scheduler.py)
         self._released[seq_id] += k
         self._growth += k
         self.window_released += k
@@ -244,6 +293,9 @@ class BlockManager:
         table = self._tables[seq_id]
         need = self.blocks_for(num_tokens) - self._released[seq_id]
         assert need <= self._reserved[seq_id], f"{seq_id} grew past its reservation"
+        if len(table) >= need:
+            return
+        at = len(table)
         while len(table) < need:
             b = next(iter(self._free))  # cannot be empty: reservations fit in the pool
             h = self._hash_of.pop(b, None)
@@ -253,6 +305,11 @@ class BlockManager:
             self._take(b)
             table.append(b)
             self._growth -= 1
+        self.rows.put(seq_id, self._released[seq_id] + at, table[at:])
+
+    def capacity(self, seq_id: str) -> int:
+        """The token slots the sequence's table covers (released blocks included)."""
+        return (self._released[seq_id] + len(self._tables[seq_id])) * self.block_size
 
     def cache_computed(
         self, seq_id: str, prompt_ids: list[int], output_ids: list[int], num_computed: int
@@ -291,6 +348,7 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return
+        self.rows.remove(seq_id)
         self._hashes.pop(seq_id)
         self._released.pop(seq_id)
         reserved = self._reserved.pop(seq_id)
@@ -346,5 +404,13 @@ class BlockManager:
             for b, h in zip(table, hashes[released:], strict=False):
                 assert self._hash_of.get(b, h) == h
         assert growth == self._growth, "growth reservations out of step"
+        rows, w = self.rows, self.rows.width
+        assert set(rows.row_of) == set(self._tables), "table rows out of step"
+        for seq_id, table in self._tables.items():
+            r, released = rows.row_of[seq_id], self._released[seq_id]
+            padded = [0] * released + table + [0] * (w - released - len(table))
+            assert rows.data[r * w : (r + 1) * w].tolist() == padded, (
+                f"{seq_id}: its table row is out of step"
+            )
         assert sum(self._reserved.values()) == self._reserved_sum, "reservations out of step"
         assert self.num_committed <= self.num_blocks, "the pool is over-committed"

@@ -132,6 +132,15 @@ class EngineConfig(BaseModel):
         description="CPU threads (default: the cores of the affinity mask, cut to the cgroup quota)",
     )
     cuda_graphs: bool = Field(default=True, description="capture decode steps as CUDA graphs (CUDA + Triton)")
+    async_scheduling: bool = Field(
+        default=True,
+        description="overlap the host's work with the model's: while a decode step runs (on a device thread), "
+        "the next is scheduled and launched, its input tokens taken from the running step's without waiting "
+        "for them, and the step before's tokens go through the stop rules. Only where every running request "
+        "is plain (no grammar, choices, logprobs, penalties, reasoning, embeddings) and none can be admitted; "
+        "a stop rule then ends a request a step late, its extra token discarded. Outputs are the serial "
+        "engine's, token for token. Not with CUDA graphs (yet)",
+    )
     reasoning_parser: ReasoningParser = Field(
         default="auto",
         description="how a reasoning model marks its thinking in chat requests (returned as reasoning_content, "

@@ -29,7 +29,7 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
 # logits) are then page-faulted in again, zero-filled, every time they are allocated: a visible share of
 # a prefill step (benchmarks/profile_engine.py shows it). Keeping freed memory in the heap lets the next
 # step reuse it; RSS holds at the step's high-water mark instead.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 KEEP_FREED_BYTES = 1 << 30
 
 
@@ -44,7 +44,21 @@ def keep_freed_memory(limit: int = KEEP_FREED_BYTES) -> bool:
     # mmap threshold at 128 KB, where every large block is mapped and faulted in afresh.
     if mallopt(M_MMAP_THRESHOLD, limit) != 1:
         return False
+    one_malloc_arena()
     return bool(mallopt(M_TRIM_THRESHOLD, limit) == 1)
+
+
+def one_malloc_arena() -> bool:
+    """glibc's malloc: one arena for every thread that has not allocated yet (the device thread of async
+    scheduling, AsyncEngine's step thread). Another thread's arena grows in heaps of at most 64 MB, so a
+    larger block (a big step's logits) is mapped, faulted in and unmapped at every step whatever the
+    thresholds. False off glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(M_ARENA_MAX, 1) == 1)
 
 
 # A container's CPU limit (Kubernetes `resources.limits.cpu`, docker --cpus) is a CFS quota on its

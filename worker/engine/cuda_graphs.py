@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from worker.engine.scheduler import Tables
 from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import KVCache, LlamaFamilyModel
@@ -66,7 +67,7 @@ class PaddedDecode:
 def pad_decode(
     last_tokens: list[int],
     context_lens: list[int],
-    tables: list[list[int]],
+    tables: Tables,
     size: int,
     block_size: int,
     dummy_block: int,
@@ -150,10 +151,10 @@ class CudaGraphRunner:
             time.monotonic() - t0,
         )
 
-    def can_run(self, num_seqs: int, tables: list[list[int]]) -> bool:
+    def can_run(self, num_seqs: int, tables: Tables) -> bool:
         return num_seqs <= self.sizes[-1] and all(len(t) <= self.width for t in tables)
 
-    def run(self, last_tokens: list[int], context_lens: list[int], tables: list[list[int]]) -> Tensor:
+    def run(self, last_tokens: list[int], context_lens: list[int], tables: Tables) -> Tensor:
         """-> logits [len(tables), vocab] float32, a view into the graph's output: read it before the next run."""
         n = len(tables)
         size = bucket(n, self.sizes)

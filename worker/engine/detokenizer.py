@@ -151,6 +151,15 @@ class IncrementalDetokenizer:
     def kind(self) -> PlanKind:
         return self._plan.kind
 
+    @property
+    def plan(self) -> DetokenizerPlan:
+        return self._plan
+
+    @property
+    def holding(self) -> bool:
+        """A byte table's: text or bytes of the ids taken wait for a later id (not emitted yet)."""
+        return self._held
+
     def step(self, ids: list[int]) -> str:
         """`ids`: all generated ids so far. Returns the new complete text they add."""
         if self._bytes:
@@ -167,6 +176,38 @@ class IncrementalDetokenizer:
         if self._fallback is not None:
             return self._fallback.step(ids)
         return self._step_pieces(ids)
+
+    def catch_up(self, ids: list[int]) -> str:
+        """The text that step() would have returned, joined, had it been called once per id of `ids` past
+        those it has taken: Sequence.settle_text's, for a sequence whose text waits until it is needed. A
+        byte table decodes the new ids' bytes at once where their end is a complete character (the usual
+        case: step by step, the last step would emit everything held); otherwise, and for the other plans,
+        it steps id by id."""
+        n = len(ids)
+        if self._n >= n:
+            return ""
+        if self._bytes:
+            raw = self._plan.raw
+            utf8 = self._utf8
+            if utf8 is None:
+                utf8 = self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            state = utf8.getstate()
+            size = len(raw)
+            pending: str = self._pending + utf8.decode(
+                b"".join([raw[t] if t < size else b"" for t in ids[self._n :]])
+            )
+            if not utf8.getstate()[0] and (not pending or pending[-1] != _FFFD):
+                self._n = n
+                self._pending = ""
+                self._held = False
+                return pending
+            utf8.setstate(state)  # the end is held: the last emission lies before it, found step by step
+        out = []
+        prefix = ids[: self._n]
+        for t in ids[self._n :]:
+            prefix.append(t)
+            out.append(self.step(prefix))
+        return "".join(out)
 
     def _step_bytes(self, ids: list[int]) -> str:
         raw = self._plan.raw
@@ -217,6 +258,26 @@ class IncrementalDetokenizer:
         self._pending = ""
         self._anchor_at_r = self._last_anchor
         return new_text
+
+
+def ending_bytes_table(plan: DetokenizerPlan, last_bytes: frozenset[int]) -> bytes:
+    """A byte plan's ids as a table of flags: 1 where the id's bytes hold one of `last_bytes` (the final
+    UTF-8 byte of a stop string's last character), 0 elsewhere. A stop string's match ends in a character
+    whose final byte some id brought: ids without one cannot complete a match (Sequence.stop_bytes). Built
+    once per plan and byte, kept with the plan."""
+    if id(plan) not in _BYTE_TABLES and len(_BYTE_TABLES) >= 8:  # (tests make many tokenizers)
+        _BYTE_TABLES.clear()
+    tables = _BYTE_TABLES.setdefault(id(plan), (plan, {}))[1]
+    flags = 0
+    for b in last_bytes:
+        table = tables.get(b)
+        if table is None:
+            table = tables[b] = bytes(b in raw for raw in plan.raw)
+        flags |= int.from_bytes(table, "little")
+    return flags.to_bytes(len(plan.raw), "little")
+
+
+_BYTE_TABLES: dict[int, tuple[DetokenizerPlan, dict[int, bytes]]] = {}  # id(plan) -> (plan, byte -> table)
 
 
 # ---- plans ----------------------------------------------------------------------------------------------

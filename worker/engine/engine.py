@@ -8,9 +8,14 @@ Redis, arq or the JSONL contract.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import operator
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -34,7 +39,7 @@ from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weig
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
 from worker.engine.kv_window import SlidingWindow
-from worker.engine.model_runner import ModelRunner, ScoredLabels, StepOutput
+from worker.engine.model_runner import DecodeDone, ModelRunner, ScoredLabels, StepOutput
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
 from worker.engine.pooling import model_pooling
 from worker.engine.prompts import PromptBuilder
@@ -58,6 +63,8 @@ from worker.kernels.native_build import cap_libraries
 from worker.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
+_FAST = operator.attrgetter("fast")
+_PREFILLED = operator.attrgetter("prefilled")
 
 
 def batch_invariant_here(backend: Backend, loaded: LoadedModel) -> bool:
@@ -202,6 +209,12 @@ class Engine:
         self._inbox: list[tuple[EngineRequest, float]] = []
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
+        self._next_deadline = math.inf  # the earliest Sequence.deadline of those held, or before it
+        # overlap: the decode steps launched on the device thread and not yet taken (oldest first), each with
+        # the count of sequences finished when it was launched
+        self._inflight: deque[tuple[ScheduledBatch, Future[DecodeDone], int]] = deque()
+        self._device: ThreadPoolExecutor | None = None
+        self._finished = 0  # sequences finished since load
         self._groups: dict[str, SampleGroup] = {}  # n > 1: by request id, until every sample has ended
         self.embeddings = EmbeddingRequests(self.scheduler, self._seqs)  # their inputs are in _seqs too
         self.counters = EngineCounters()
@@ -312,14 +325,33 @@ class Engine:
         with self._lock:
             if self._inbox or self._cancelled:
                 return True
-        return self.scheduler.has_work()
+        return bool(self._inflight) or self.scheduler.has_work()
 
     def step(self) -> list[EngineResult]:
         """One scheduler step: a decode token for every prefilled sequence and prompt chunks in one forward
-        pass, or a score step for `choices` requests."""
-        results = self._intake()
+        pass, or a score step for `choices` requests.
+
+        With async_scheduling, a decode step of plain sequences is launched on the device thread and taken a
+        step later: while it runs, the next one is scheduled and launched behind it (its input tokens are
+        this one's, taken on the device), and then this one's tokens go through the stop rules. A sequence
+        that ends there has its token of the step behind discarded. Anything else (a prompt to admit, a
+        request that is not plain) waits for the steps in flight to be taken, and runs serially. So does a
+        cancel or a timeout: the request ends with every token of the steps done, as it would serially."""
+        results: list[EngineResult] = []
+        if self._inflight:
+            with self._lock:
+                cancels = bool(self._cancelled)
+            if cancels or time.monotonic() > self._next_deadline:
+                results += self._take_all_launched()
+        results += self._intake()
         now = time.monotonic()
         results += self._expire(now)
+        if self._inflight:
+            ahead = self.scheduler.schedule_decode() if self._can_overlap() else None
+            if ahead is not None:
+                self._launch(ahead)
+                return results + self._take_launched()
+            results += self._take_all_launched()  # serial from here
         batch = self.scheduler.schedule()
         if batch is None:
             return results
@@ -327,6 +359,9 @@ class Engine:
             log.info("other processes' use of the worker's %d cores leaves room for %d CPU threads",
                      len(self.cpu_share.cpus), threads)  # fmt: skip
             torch.set_num_threads(threads)  # on the stepping thread, whose OpenMP setting counts
+        if batch.phase == "decode" and not batch.forks and self._can_overlap():
+            self._launch(batch)
+            return results
         t0 = time.monotonic()
         out = self.model_runner.run(batch)
         now = time.monotonic()
@@ -342,14 +377,85 @@ class Engine:
         self.model_runner.copy_blocks(self.scheduler.fork(batch))  # before any forked sample's next step
         return results + self._take_outputs(batch, out, now)
 
+    # ---- overlap (async scheduling) ---------------------------------------------------------------
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be launched before the one in flight is taken: every running sequence
+        prefilled and plain (Sequence.fast: nothing of its next step but the input token depends on this
+        one's), none waiting that could be admitted, and no CUDA graphs (their inputs are lists)."""
+        sched = self.scheduler
+        return (
+            self.cfg.async_scheduling
+            and self.model_runner.graphs is None
+            and bool(sched.running)
+            and all(map(_FAST, sched.running))
+            and all(map(_PREFILLED, sched.running))
+            and sched.admission_closed()
+        )
+
+    def _launch(self, batch: ScheduledBatch) -> None:
+        """Launch a decode step of plain sequences on the device thread, behind the one in flight (if any)."""
+        if self._device is None:
+            self._device = ThreadPoolExecutor(1, thread_name_prefix="batchq-device")
+        previous = self._inflight[-1][1] if self._inflight else None
+        work = self.model_runner.launch_decode(batch, previous)
+        for i, seq in enumerate(batch.seqs):
+            seq.inflight += 1
+            seq.inflight_row = i
+        self._inflight.append((batch, self._device.submit(work), self._finished))
+        self.counters.overlapped_steps += previous is not None
+
+    def _take_launched(self) -> list[EngineResult]:
+        """Take the oldest launched step's tokens: its sequences' K/V is computed, its tokens go through the
+        stop rules. A sequence that ended since it was launched (a stop rule a step before, a timeout, a
+        cancel) has its token discarded; one preempted since takes it (it is its next token either way)."""
+        batch, future, finished = self._inflight.popleft()
+        try:
+            done = future.result()
+        finally:
+            for seq in batch.seqs:
+                seq.inflight -= 1
+        tokens: list[int] = done.tokens.tolist()
+        now = time.monotonic()
+        self._account(batch, done.seconds)
+        if finished != self._finished:  # some sequence ended since: keep the others
+            keep = [i for i, s in enumerate(batch.seqs) if s.status != "finished"]
+            seqs = [batch.seqs[i] for i in keep]
+            tokens = [tokens[i] for i in keep]
+        else:
+            seqs = batch.seqs
+        running = [s for s in seqs if s.status == "running"] if self.block_manager.prefix_caching else []
+        self.scheduler.computed(ScheduledBatch("decode", running, [], num_decode=len(running)))
+        n = len(seqs)
+        out = StepOutput(list(range(n)), tokens, [None] * n, None)
+        return self._take_outputs(ScheduledBatch("decode", seqs, [], num_decode=n), out, now)
+
+    def _take_all_launched(self) -> list[EngineResult]:
+        results = []
+        while self._inflight:
+            results += self._take_launched()
+        return results
+
+    def _drain(self) -> None:
+        """Wait for the launched steps and forget them, their tokens unseen (abort_all)."""
+        while self._inflight:
+            batch, future, _ = self._inflight.popleft()
+            with contextlib.suppress(Exception):  # (the caller is failing everything already)
+                future.result()
+            for seq in batch.seqs:
+                seq.inflight -= 1
+
     def _expire(self, now: float) -> list[EngineResult]:
         """End the sequences past their timeout (an embedding request's inputs end together: the first to
-        time out ends the rest)."""
+        time out ends the rest). Before the earliest deadline of the sequences held, no sequence is looked at."""
+        if now <= self._next_deadline:
+            return []
         results = []
         for seq in list(self.scheduler.waiting) + self.scheduler.running:
             expired = seq.status != "finished" and self.stop_rules.timed_out(seq, now)
             if expired and (res := self._finish(seq, "timeout", now)) is not None:
                 results.append(res)
+        self._next_deadline = min((s.deadline for s in self._seqs.values()), default=math.inf)
         return results
 
     def _take_outputs(self, batch: ScheduledBatch, out: StepOutput, now: float) -> list[EngineResult]:
@@ -358,11 +464,25 @@ class Engine:
         for i, vector in out.embeddings.items():
             if (res := self.embeddings.pooled(batch.seqs[i], vector, now)) is not None:
                 results.append(res)
-        taken = [
-            (batch.seqs[i], t, lp) for i, t, lp in zip(out.sampled, out.tokens, out.logprobs, strict=True)
+        # the decode rows lead the batch and its sampled rows: most of their tokens take the fast path
+        nd = batch.num_decode if batch.phase != "prefill" else 0
+        seqs, tokens = batch.seqs[:nd], out.tokens[:nd]
+        taken = 0
+        for i, reason in self.stop_rules.append_fast(seqs, tokens, now):
+            if reason is None:  # the full rules, and whatever else the token needs
+                res = self._take_token(seqs[i], tokens[i], out.logprobs[i], now)
+                taken -= 1
+            else:
+                res = self._finish(seqs[i], reason, now)
+            if res is not None:
+                results.append(res)
+        self.counters.tokens_generated += nd + taken
+        rest = [
+            (batch.seqs[i], t, lp)
+            for i, t, lp in zip(out.sampled[nd:], out.tokens[nd:], out.logprobs[nd:], strict=True)
         ]
         forked = zip((f for _, f in batch.forks), out.fork_tokens, out.fork_logprobs, strict=True)
-        for seq, token, logprobs in [*taken, *forked]:
+        for seq, token, logprobs in [*rest, *forked]:
             res = self._take_token(seq, token, logprobs, now)
             if res is not None:
                 results.append(res)
@@ -450,6 +570,7 @@ class Engine:
 
     def abort_all(self, error: EngineError) -> list[EngineResult]:
         """Fail every request the engine holds (used after an unexpected internal error)."""
+        self._drain()
         now = time.monotonic()
         with self._lock:
             pending, self._inbox = self._inbox, []
@@ -500,7 +621,10 @@ class Engine:
         except RequestError as exc:
             return EngineError(exc.error_type, str(exc))
         for s in (*inputs, *forks):
+            self.stop_rules.prepare(s)
+            s.sampling = self.model_runner.sampling_row(s.params)
             self._seqs[s.request_id] = s
+            self._next_deadline = min(self._next_deadline, s.deadline)
         if forks:
             self._groups[inputs[0].request_id] = SampleGroup(inputs[0])
         for s in inputs:  # (forks wait on their leader's prompt, off the scheduler's queues)
@@ -587,6 +711,7 @@ class Engine:
             return self.embeddings.end(seq.embedding_of, reason, now, error)
         seq.finish_reason = reason
         self.scheduler.finish(seq)
+        self._finished += 1
         del self._seqs[seq.request_id]
         res = self._result(seq, reason, now, scores, error)
         if seq.group is None:
@@ -608,6 +733,7 @@ class Engine:
         error: EngineError | None = None,
     ) -> EngineResult:
         seq.finish_reason = reason
+        seq.settle_text()
         logprobs = None
         if seq.params.logprobs and error is None:
             rows = seq.token_logprobs

@@ -10,29 +10,42 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
+from array import array
 from bisect import bisect_left
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from worker.engine.block_manager import TableRows
 from worker.engine.grammar import mask_logits
+from worker.engine.params import GenerationParams
 from worker.engine.pooling import PoolRows, pool
 from worker.engine.sampler import Sampler, SamplingBatch
-from worker.engine.scheduler import ScheduledBatch
+from worker.engine.scheduler import ScheduledBatch, Tables
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.llama import LlamaFamilyModel
 from worker.models.transformers_model import AnyModel
 
-# GenerationParams' per-row sampling settings, in _sample's column order
+# GenerationParams' per-row sampling settings but the seed, in _sample's column order (Sequence.sampling)
 _SAMPLING_FIELDS = operator.attrgetter(
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "presence_penalty",
-    "frequency_penalty", "logit_bias",
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "logit_bias",
 )  # fmt: skip
+_SAMPLING = operator.attrgetter("sampling")
+_FAST = operator.attrgetter("fast")
+_INFLIGHT_ROW = operator.attrgetter("inflight_row")
+_SEED = operator.attrgetter("params.seed")
+# a row of greedy decoding and nothing else: temperature 0, no filter, penalty or bias
+_PLAIN_GREEDY = (0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, ())
+_SAMPLING_ROWS_KEPT = 4096  # distinct sampling rows interned before the table starts over
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graphs import CudaGraphRunner
@@ -66,6 +79,15 @@ class StepOutput:
 
 
 @dataclass
+class DecodeDone:
+    """A launched decode step's result (launch_decode): its sampled token ids [B] on the device, and the
+    seconds its work took on the device thread."""
+
+    tokens: Tensor
+    seconds: float
+
+
+@dataclass
 class StepInputs:
     """One forward pass's packed inputs, whatever the phase."""
 
@@ -75,6 +97,7 @@ class StepInputs:
     logits_index: Tensor  # [S]: the row in T of the last token of each sequence sampled from
     sampled: list[int]  # [S]: which of the batch's sequences those are (a prompt chunk that does not
     # finish its prompt is not sampled from)
+    every_row: bool = False  # logits_index is every row of T in order (a decode step): no gather needed
 
 
 class ModelRunner:
@@ -126,6 +149,9 @@ class ModelRunner:
         )
         self._block_axis = next(i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
         self.graphs: CudaGraphRunner | None = None
+        self._sampling_rows: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # sampling_row's
+        self._rows_data: object = None  # the block manager's table buffer last viewed, and the view
+        self._rows_view = torch.empty(0, 0, dtype=torch.int32)
         if use_graphs and isinstance(model, LlamaFamilyModel):
             from worker.engine.cuda_graphs import CudaGraphRunner
 
@@ -136,7 +162,7 @@ class ModelRunner:
     def _tensor(self, data: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _block_table_tensor(self, tables: list[list[int]]) -> Tensor:
+    def _block_table_tensor(self, tables: Tables) -> Tensor:
         width = max(len(t) for t in tables)
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)  # [B, width]
 
@@ -146,7 +172,7 @@ class ModelRunner:
         return blocks * self.block_size + positions % self.block_size
 
     def _packed(
-        self, tables: list[list[int]], lens: list[int], starts: list[int], context: list[int]
+        self, tables: Tables, lens: list[int], starts: list[int], context: list[int]
     ) -> tuple[Tensor, AttentionMetadata, Tensor]:
         """Rows of `lens` new tokens each, the first at position `starts`, over `context` cached tokens
         (theirs included). -> positions [T], prefill metadata, cu_seqlens [rows + 1] int64."""
@@ -170,7 +196,7 @@ class ModelRunner:
         return positions, meta, cu
 
     def prefill_inputs(
-        self, seqs: list[Sequence], tables: list[list[int]], chunks: list[int] | None = None
+        self, seqs: list[Sequence], tables: Tables, chunks: list[int] | None = None
     ) -> StepInputs:
         """Each sequence's next prompt chunk (default: all of what is left), packed without padding. The
         prompt is prefill_ids: after a preemption, the output so far too."""
@@ -186,12 +212,15 @@ class ModelRunner:
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """Decode rows first, then prompt chunks, in one pass (a "mixed" step) where both are present."""
         nd = batch.num_decode if batch.phase != "prefill" else 0
+        rows, table_rows = batch.rows, batch.table_rows
         if batch.phase == "decode":
-            return self.decode_inputs(batch.seqs, batch.block_tables)
+            return self.decode_inputs(batch.seqs, batch.block_tables, rows, table_rows)
         pre = self.prefill_inputs(batch.seqs[nd:], batch.block_tables[nd:], batch.chunks)
         if nd == 0:
             return pre
-        dec = self.decode_inputs(batch.seqs[:nd], batch.block_tables[:nd])
+        dec = self.decode_inputs(
+            batch.seqs[:nd], batch.block_tables[:nd], None if rows is None else rows[:nd], table_rows
+        )
         meta = AttentionMetadata(
             phase="mixed",
             slot_mapping=torch.cat([dec.meta.slot_mapping, pre.meta.slot_mapping]),
@@ -208,20 +237,53 @@ class ModelRunner:
             [*range(nd), *(nd + i for i in pre.sampled)],
         )
 
-    def decode_inputs(self, seqs: list[Sequence], tables: list[list[int]]) -> StepInputs:
-        """Every sequence's last sampled token, at the position after its cached context."""
-        block_tables = self._block_table_tensor(tables)
-        input_ids = self._tensor([s.last_token for s in seqs])
-        context = [s.num_tokens for s in seqs]
-        positions = self._tensor(context) - 1
-        seq_index = torch.arange(len(seqs), device=self.device)
-        meta = AttentionMetadata(
-            phase="decode",
-            slot_mapping=self._slots(block_tables, seq_index, positions),
-            block_tables=block_tables,
-            context_lens=self._tensor(context, torch.int32),
+    def decode_inputs(
+        self,
+        seqs: list[Sequence],
+        tables: Tables,
+        rows: list[int] | None = None,
+        table_rows: TableRows | None = None,
+    ) -> StepInputs:
+        """Every sequence's last sampled token, at the position after its cached context. The block tables
+        come from the block manager's buffer where the batch names its rows (the scheduler's batches do),
+        else from `tables`, padded."""
+        n, bs = len(seqs), self.block_size
+        # (Sequence.num_tokens and last_token, inline: these two run over every decoding sequence each step.
+        # A token in flight, Engine's overlap, counts; its id is not known here: launch_decode's step takes it
+        # from the step in flight.)
+        packed = array("q", [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs])
+        context = [len(s.prompt_ids) + len(s.output_ids) + s.inflight for s in seqs]
+        packed.extend(context)
+        from_rows = rows is not None and table_rows is not None
+        if from_rows:
+            packed.extend(rows)  # type: ignore[arg-type]
+        ints = torch.frombuffer(packed, dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
+        if from_rows:
+            assert table_rows is not None
+            if table_rows.data is not self._rows_data:  # a new buffer (it grew): view it
+                self._rows_data = table_rows.data
+                self._rows_view = torch.frombuffer(table_rows.data, dtype=torch.int32).view(
+                    -1, table_rows.width
+                )
+            block_tables = self._rows_view[:, : -(-max(context) // bs)].index_select(0, ints[2 * n :])
+        else:
+            block_tables = self._block_table_tensor(tables).cpu()
+        # (few torch calls: each costs microseconds whatever the batch, most of a small step's fixed cost)
+        positions = ints[n : 2 * n] - 1
+        slots = (positions % bs).add_(
+            block_tables.gather(1, (positions // bs).unsqueeze_(1)).squeeze_(1), alpha=bs
         )
-        return StepInputs(input_ids, positions, meta, seq_index, list(range(len(seqs))))
+        context_lens = ints[n : 2 * n].to(torch.int32)
+        input_ids = ints[:n]
+        if self.device.type != "cpu":
+            dev = self.device
+            input_ids, positions, slots = input_ids.to(dev), positions.to(dev), slots.to(dev)
+            block_tables, context_lens = block_tables.to(dev), context_lens.to(dev)
+        meta = AttentionMetadata(
+            phase="decode", slot_mapping=slots, block_tables=block_tables, context_lens=context_lens
+        )
+        index = torch.arange(n, device=self.device)
+        return StepInputs(input_ids, positions, meta, index, list(range(n)), every_row=True)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[Tensor, list[int]]:
@@ -235,7 +297,38 @@ class ModelRunner:
             return logits, list(range(len(batch.seqs)))
         step = self.step_inputs(batch)
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
-        return self.model.compute_logits(hidden[step.logits_index]), step.sampled  # hidden: [T, hidden]
+        rows = hidden if step.every_row else hidden[step.logits_index]  # hidden: [T, hidden]
+        return self.model.compute_logits(rows), step.sampled
+
+    def launch_decode(
+        self, batch: ScheduledBatch, previous: Future[DecodeDone] | None
+    ) -> Callable[[], DecodeDone]:
+        """A decode step of plain sequences (Sequence.fast) for a device thread (Engine's overlap): its inputs
+        and sampling settings are built here, on the caller's thread, and the work returned runs the forward
+        pass and samples. With `previous` (the step in flight, which every sequence of `batch` was in), each
+        input token is that step's sampled token at the sequence's row there (Sequence.inflight_row), taken
+        on the device thread once that step is done: no host sync between the two steps."""
+        seqs = batch.seqs
+        step = self.decode_inputs(seqs, batch.block_tables, batch.rows, batch.table_rows)
+        sampling = self._sampling_batch(seqs)
+        source = None
+        if previous is not None:
+            source = torch.frombuffer(array("q", map(_INFLIGHT_ROW, seqs)), dtype=torch.int64).to(self.device)
+        threads = torch.get_num_threads()
+
+        @torch.inference_mode()
+        def work() -> DecodeDone:
+            t0 = time.monotonic()
+            if torch.get_num_threads() != threads:  # (OpenMP's thread count is each thread's own)
+                torch.set_num_threads(threads)
+            ids = step.input_ids
+            if previous is not None and source is not None:
+                ids = previous.result().tokens.index_select(0, source)
+            hidden = self.model(ids, step.positions, step.meta, self.kv_caches, self.backend)
+            tokens = self.sampler(self.model.compute_logits(hidden), sampling)
+            return DecodeDone(tokens, time.monotonic() - t0)
+
+        return work
 
     def compute_logits(self, batch: ScheduledBatch) -> Tensor:
         """forward()'s logits (tests compare them with HF's)."""
@@ -250,8 +343,12 @@ class ModelRunner:
         nd = batch.num_decode
         if any(s.pooling is not None for s in batch.seqs[nd:]):  # embedding inputs come as prompt chunks
             return self._run_pooling(batch)
+        # A decode step's sampling settings come first, while its sequences are in the CPU's caches (the
+        # forward pass and LM head pass through a good deal of memory).
+        early = batch.phase == "decode" and not batch.forks
+        prepared = (self._sampling_batch(batch.seqs), all(map(_FAST, batch.seqs))) if early else None
         logits, sampled = self.forward(batch)  # [S, vocab] float32
-        return self._sample(batch, logits, sampled)
+        return self._sample(batch, logits, sampled, prepared)
 
     def _run_pooling(self, batch: ScheduledBatch) -> StepOutput:
         """A step with embedding inputs among its chunks: their hidden states are pooled, never sampled
@@ -274,8 +371,16 @@ class ModelRunner:
         out.embeddings = embeddings
         return out
 
-    def _sample(self, batch: ScheduledBatch, logits: Tensor, sampled: list[int]) -> StepOutput:
-        """One token per sequence of `sampled` (batch indices) from its row of logits [S, vocab] float32."""
+    def _sample(
+        self,
+        batch: ScheduledBatch,
+        logits: Tensor,
+        sampled: list[int],
+        prepared: tuple[SamplingBatch, bool] | None = None,
+    ) -> StepOutput:
+        """One token per sequence of `sampled` (batch indices) from its row of logits [S, vocab] float32;
+        `prepared`: where the caller made them (every row sampled, no forks), their settings
+        (_sampling_batch) and whether every one is Sequence.fast."""
         seqs = [batch.seqs[i] for i in sampled]
         num_sampled = len(seqs)
         if batch.forks:  # each forked sample draws its first token from its leader's row, with its own seed
@@ -283,10 +388,11 @@ class ModelRunner:
             logits = torch.cat([logits, logits[self._tensor([row_of[i] for i, _ in batch.forks])]])
             seqs += [f for _, f in batch.forks]
         # Raw log-probabilities: before penalties, temperature, filtering and grammar masks (a ranked
-        # sample's too: best_of ranks by them).
-        lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs or s.ranked]
+        # sample's too: best_of ranks by them). A fast sequence (Sequence.fast) asks for neither.
+        plain = prepared[1] if prepared is not None else all(map(_FAST, seqs))
+        lp_rows = [] if plain else [i for i, s in enumerate(seqs) if s.params.logprobs or s.ranked]
         raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
-        masked = [i for i, s in enumerate(seqs) if s.constrained]
+        masked = [] if plain else [i for i, s in enumerate(seqs) if s.constrained]
         if masked:
             # a reasoning model that has not opened its thinking may still open it instead of answering
             opening: list[tuple[int, int]] = []
@@ -298,30 +404,7 @@ class ModelRunner:
             mask_logits(logits, masked, [seqs[i].matcher for i in masked])
             for (i, t), value in zip(opening, kept, strict=True):
                 logits[i, t] = value
-        # the settings' columns from one C-level getter per row (a comprehension per field cost each row
-        # a dozen attribute chains a step)
-        columns = zip(*map(_SAMPLING_FIELDS, [s.params for s in seqs]), strict=True)
-        temps, top_ks, top_ps, min_ps, reps, seeds, presence, frequency, biases = (
-            map(list, columns) if seqs else ([] for _ in range(9))
-        )
-        sampling = SamplingBatch(
-            temperatures=temps,
-            top_ks=top_ks,
-            top_ps=top_ps,
-            min_ps=min_ps,
-            repetition_penalties=reps,
-            seen_token_ids=[
-                s.prompt_ids + s.output_ids if r != 1.0 else [] for s, r in zip(seqs, reps, strict=True)
-            ],
-            seeds=seeds,
-            steps=[len(s.output_ids) for s in seqs],
-            presence_penalties=presence,
-            frequency_penalties=frequency,
-            output_token_ids=[
-                s.output_ids if p or f else [] for s, p, f in zip(seqs, presence, frequency, strict=True)
-            ],
-            logit_biases=biases,
-        )
+        sampling = prepared[0] if prepared is not None else self._sampling_batch(seqs)
         tokens: list[int] = self.sampler(logits, sampling).tolist()
         logprobs: list[RowLogprobs | None] = [None] * len(seqs)
         if raw is not None:
@@ -335,6 +418,61 @@ class ModelRunner:
                 logprobs[i] = RowLogprobs(tokens[i], chosen[j], top_is[j][:n], top_vs[j][:n])
         ns = num_sampled
         return StepOutput(sampled, tokens[:ns], logprobs[:ns], None, tokens[ns:], logprobs[ns:])
+
+    def sampling_row(self, params: GenerationParams) -> tuple[Any, ...]:
+        """The params' sampling settings but the seed (Sequence.sampling), one shared tuple per distinct
+        value: a step whose rows share theirs (a batch job's) builds its columns without reading each row."""
+        row = _SAMPLING_FIELDS(params)
+        if len(self._sampling_rows) >= _SAMPLING_ROWS_KEPT:
+            self._sampling_rows.clear()
+        try:
+            return self._sampling_rows.setdefault(row, row)
+        except TypeError:  # a logit_bias given as a list: its own row
+            return row
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The sampler's columns of `seqs`; the token lists, seeds and RNG counters only where a row needs them."""
+        n = len(seqs)
+        rows = list(map(_SAMPLING, seqs))
+        if None in rows:  # a sequence the engine did not admit (a test's)
+            rows = [
+                r if r is not None else self.sampling_row(s.params) for r, s in zip(rows, seqs, strict=True)
+            ]
+        uniform = n > 0 and rows.count(rows[0]) == n  # one row for all (shared tuples: compared by identity)
+        if uniform:
+            temps, top_ks, top_ps, min_ps, reps, presence, frequency, biases = ([v] * n for v in rows[0])
+        else:
+            temps, top_ks, top_ps, min_ps, reps, presence, frequency, biases = (
+                map(list, zip(*rows, strict=True)) if n else ([] for _ in range(8))
+            )
+        sampled = temps.count(0.0) != n  # some row samples: its seed and counter pick its uniform
+        return SamplingBatch(
+            temperatures=temps,
+            top_ks=top_ks,
+            top_ps=top_ps,
+            min_ps=min_ps,
+            repetition_penalties=reps,
+            seen_token_ids=(
+                [[]] * n
+                if reps.count(1.0) == n
+                else [
+                    s.prompt_ids + s.output_ids if r != 1.0 else [] for s, r in zip(seqs, reps, strict=True)
+                ]
+            ),
+            seeds=list(map(_SEED, seqs)) if sampled else [0] * n,
+            steps=[len(s.output_ids) + s.inflight for s in seqs] if sampled else [0] * n,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            output_token_ids=(
+                [[]] * n
+                if presence.count(0.0) == n and frequency.count(0.0) == n
+                else [
+                    s.output_ids if p or f else [] for s, p, f in zip(seqs, presence, frequency, strict=True)
+                ]
+            ),
+            logit_biases=biases,
+            plain_greedy=uniform and rows[0] == _PLAIN_GREEDY,
+        )
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -351,7 +489,7 @@ class ModelRunner:
                 raw.index_copy_(axis, dst, raw.index_select(axis, src))
 
     @torch.inference_mode()
-    def score_labels(self, seqs: list[Sequence], tables: list[list[int]]) -> list[ScoredLabels]:
+    def score_labels(self, seqs: list[Sequence], tables: Tables) -> list[ScoredLabels]:
         """Each label's log-probability after its sequence's prompt (and thinking): the sum over its tokens, then the
         first EOS, of log p(token | prompt, label tokens before it), in one packed forward pass.
 

@@ -149,6 +149,7 @@ class EngineCounters:
     score_steps: int = 0  # `choices` scoring steps (label rows only; in `steps`, not in prefill_steps)
     score_s: float = 0.0  # time in the model for scoring steps
     prefill_tokens: int = 0  # prompt tokens computed in prompt chunks (a preempted one's recomputation too)
+    overlapped_steps: int = 0  # decode steps launched before the one before them was taken (async scheduling)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class EngineStats:
     window_released_blocks: int = 0
     window_idle_blocks: int = 0
     prefill_tokens: int = 0  # prompt tokens computed in prompt chunks (a preempted one's recomputation too)
+    overlapped_steps: int = 0  # decode steps launched before the one before them was taken (async scheduling)
     # A mixture-of-experts model: per layer with experts (its index), the (token, pick) routings each expert
     # received since load, prompts and generated tokens alike (a skewed batch shows as a few hot experts).
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)

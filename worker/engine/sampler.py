@@ -43,18 +43,22 @@ class SamplingBatch:
     frequency_penalties: list[float] | None = None
     output_token_ids: list[list[int]] | None = None  # generated ids, for rows with either of the two
     logit_biases: list[tuple[tuple[int, float], ...]] | None = None  # () = off
+    # every row greedy, unbiased, unpenalised (the builder knows it without another pass): one argmax
+    plain_greedy: bool = False
 
 
 class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         # logits: [B, vocab] float32 -> token ids: [B] int64
+        if batch.plain_greedy:
+            return logits.argmax(dim=-1)
         logits = _apply_logit_bias(logits, batch)
         logits = self._apply_repetition_penalty(logits, batch)
         logits = _apply_openai_penalties(logits, batch)
-        greedy_rows = [t == 0.0 for t in batch.temperatures]
         greedy = logits.argmax(dim=-1)
-        if all(greedy_rows):
+        if batch.temperatures.count(0.0) == len(batch.temperatures):
             return greedy
+        greedy_rows = [t == 0.0 for t in batch.temperatures]
         dev = logits.device
         temps = torch.tensor([t if t > 0.0 else 1.0 for t in batch.temperatures], device=dev)
         scaled = logits / temps.unsqueeze(1)
@@ -63,6 +67,8 @@ class Sampler:
 
     @staticmethod
     def _apply_repetition_penalty(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        if batch.repetition_penalties.count(1.0) == len(batch.repetition_penalties):
+            return logits
         rows = [i for i, p in enumerate(batch.repetition_penalties) if p != 1.0]
         if not rows:
             return logits
@@ -132,7 +138,9 @@ def _mask_top_k(sorted_or_raw: Tensor, top_ks: list[int], is_sorted: bool) -> Te
 
 def _apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
     biases = batch.logit_biases
-    rows = [i for i, b in enumerate(biases or ()) if b]
+    if not biases or not any(biases):
+        return logits
+    rows = [i for i, b in enumerate(biases) if b]
     if not rows or biases is None:
         return logits
     logits = logits.clone()
@@ -145,6 +153,8 @@ def _apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
 def _apply_openai_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     pres, freq, outs = batch.presence_penalties, batch.frequency_penalties, batch.output_token_ids
     if pres is None or freq is None or outs is None:
+        return logits
+    if pres.count(0.0) == len(pres) and freq.count(0.0) == len(freq):
         return logits
     rows = [i for i in range(len(pres)) if (pres[i] != 0.0 or freq[i] != 0.0) and outs[i]]
     if not rows:

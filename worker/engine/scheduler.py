@@ -53,19 +53,22 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
+from collections import abc
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, overload
 
-from worker.engine.block_manager import BlockHash, BlockManager
+from worker.engine.block_manager import BlockHash, BlockManager, TableRows
 from worker.engine.config import Admission, SchedulePolicy
 from worker.engine.kv_window import PrefixHit
 from worker.engine.sequence import Sequence
 
 _FORKS = operator.attrgetter("forks")  # a step's seat count reads every running sequence's: in C
+_REQUEST_ID = operator.attrgetter("request_id")
 
 Phase = Literal["prefill", "mixed", "decode", "score"]
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, RATIO_MARGIN, RATIO_WEIGHT = 0.7, 0.1, 1.5, 0.1
 RESUME_FIRST = -(1 << 62)  # the order key of a preempted sequence: ahead of every other waiting one
+REFUSAL_STEPS = 16  # admission_closed: steps a head the pool refused waits before it is tried again
 
 
 # What a block table names in place of a block the window released: block 0, like a table's padding. No
@@ -73,18 +76,46 @@ RESUME_FIRST = -(1 << 62)  # the order key of a preempted sequence: ahead of eve
 RELEASED_BLOCK = 0
 
 
+Tables = abc.Sequence[list[int]]  # a batch's block tables: lists, or BlockTables
+
+
+class BlockTables(abc.Sequence[list[int]]):
+    """A batch's block tables (ScheduledBatch.block_tables), made as they are read: the physical block of each
+    logical block of each sequence, RELEASED_BLOCK for those the window released. A decode step reads the
+    block manager's table rows (TableRows) instead, and never makes them."""
+
+    def __init__(self, bm: BlockManager, ids: list[str], released: list[int]) -> None:
+        self._bm, self._ids, self._released = bm, ids, released
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @overload
+    def __getitem__(self, i: int) -> list[int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[int]]: ...
+    def __getitem__(self, i: int | slice) -> list[int] | list[list[int]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self._ids)))]
+        return [RELEASED_BLOCK] * self._released[i] + self._bm.block_table(self._ids[i])
+
+
 @dataclass
 class ScheduledBatch:
     phase: Phase
     seqs: list[Sequence]  # the decoding ones first, then the ones computing a prompt chunk
     # One per seq: the physical block of each logical block, RELEASED_BLOCK for those the window released
-    block_tables: list[list[int]]
+    block_tables: Tables
     num_decode: int = 0  # seqs[:num_decode] decode one token each
     chunks: list[int] = field(default_factory=list)  # seqs[num_decode:]: prompt tokens computed this step
     # n > 1: (index in seqs of a leader whose chunk completes its prompt, a sample to fork from it); the
     # sample's first token comes from the leader's logits row of this step
     forks: list[tuple[int, Sequence]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # per seq: leading logical blocks released
+    # The same tables as rows of the block manager's buffer (TableRows): each seq's row there. A batch built by
+    # hand has none; the runner then pads block_tables.
+    rows: list[int] | None = None
+    table_rows: TableRows | None = None
 
 
 class Scheduler:
@@ -109,6 +140,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # in admission order
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
+        # the waiting head the pool last refused (admission_closed), and the steps since
+        self._refused: Sequence | None = None
+        self._refused_steps = 0
         self._order: dict[str, tuple[int, int]] = {}
 
     def slides(self, seq: Sequence) -> bool:
@@ -156,7 +190,8 @@ class Scheduler:
         decoding = [s for s in self.running if s.prefilled and s.labels is None]
         budget = self.max_num_batched_tokens - len(decoding)
         chunks: list[tuple[Sequence, int]] = []
-        for seq in self.running:
+        prefilling = [] if len(decoding) == len(self.running) else self.running
+        for seq in prefilling:
             if not seq.prefilled and budget > 0:
                 n = min(len(seq.prefill_ids) - seq.num_computed, budget)
                 if self.slides(seq):  # its blocks come chunk by chunk (the rest did at admission)
@@ -176,6 +211,39 @@ class Scheduler:
             if seq.num_computed + n == len(seq.prefill_ids):
                 batch.forks += [(i, f) for f in seq.forks]
         return batch
+
+    def schedule_decode(self) -> ScheduledBatch | None:
+        """The next decode step while one is in flight (Engine's overlap; the engine checked that every running
+        sequence is prefilled and plain, and that none can be admitted): every running sequence whose tokens
+        in flight leave it short of max_new_tokens, each counting them."""
+        if self.running:
+            self._make_room()
+        decoding = [s for s in self.running if len(s.output_ids) + s.inflight < s.max_new_tokens]
+        if not decoding:
+            return None
+        batch = self._batch("decode", decoding)
+        batch.num_decode = len(decoding)
+        return batch
+
+    def _seats_for_head(self) -> int | None:
+        """The seats taken (running sequences and the samples still to fork from them: max_num_seqs bounds the
+        sum) where the waiting head (and its samples) would find one; None where none waits or it would not."""
+        if not self.waiting:
+            return None
+        seats = len(self.running) + sum(map(len, map(_FORKS, self.running)))
+        return None if seats + 1 + len(self.waiting[0].forks) > self.max_num_seqs else seats
+
+    def admission_closed(self) -> bool:
+        """Whether no waiting sequence can be admitted now (the engine's overlap goes on while so): none waits,
+        no seat is free, or the pool refused the head when it was last tried, nothing has ended since, and
+        fewer than REFUSAL_STEPS steps have passed (the running sequences' expected growth shrinks as they
+        advance: the head is tried again after that many, by a serial step)."""
+        if self._seats_for_head() is None:
+            return True
+        if self.waiting[0] is self._refused and self._refused_steps < REFUSAL_STEPS:
+            self._refused_steps += 1
+            return True
+        return False
 
     def fork(self, batch: ScheduledBatch) -> list[tuple[int, int]]:
         """After computed(batch): start the samples forked in this step as running, prefilled sequences
@@ -219,6 +287,17 @@ class Scheduler:
         not cached yet: the decode step writes it at position num_tokens - 1), oldest first, preempting
         the newest where the pool runs out. Under "reserve" the slot is always within the reservation."""
         bm = self.block_manager
+        if bm.window is None:
+            # Most decode steps fill a slot the table already has (Sequence.kv_room): only the others grow.
+            # (a token in flight, Engine's overlap, counts: the step that takes it writes its K/V)
+            short = [s for s in self.running if len(s.output_ids) + s.inflight > s.kv_room]
+            for seq in short:
+                while seq.status == "running":
+                    if bm.grow(seq.request_id, seq.num_tokens + seq.inflight):
+                        seq.kv_room = bm.capacity(seq.request_id) - seq.prompt_len
+                        break
+                    self.preempt(self.running[-1])  # the newest; it may be `seq` itself
+            return
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -226,8 +305,10 @@ class Scheduler:
                 if not seq.prefilled:  # its next chunk's blocks come with the chunk (schedule)
                     i += 1
                     continue
-                bm.slide(seq.request_id, seq.num_tokens - 1)  # its next token is computed there
-            if bm.grow(seq.request_id, seq.num_tokens):
+                bm.slide(
+                    seq.request_id, seq.num_tokens + seq.inflight - 1
+                )  # its next token is computed there
+            if bm.grow(seq.request_id, seq.num_tokens + seq.inflight):
                 i += 1
                 continue
             self.preempt(self.running[-1])  # the newest; it may be `seq` itself, the loop then ends
@@ -236,6 +317,7 @@ class Scheduler:
         """Take a running sequence's blocks back and queue it first, to resume by recomputation."""
         self.running.remove(seq)
         self.block_manager.release(seq.request_id)
+        seq.kv_room = -1
         seq.status = "waiting"
         seq.num_cached_tokens = seq.num_computed = 0
         seq.prefilled = False
@@ -288,9 +370,8 @@ class Scheduler:
         """Admit waiting sequences while the pool and `budget` prompt tokens allow. -> (seq, chunk)."""
         bm = self.block_manager
         admitted: list[tuple[Sequence, int]] = []
-        # running sequences and the samples still to fork from them: max_num_seqs bounds the sum
-        seats = len(self.running) + sum(map(len, map(_FORKS, self.running)))
-        if not self.waiting or seats + 1 + len(self.waiting[0].forks) > self.max_num_seqs:
+        seats = self._seats_for_head()
+        if seats is None:
             return admitted  # nothing can join: the per-sequence sums below are every decode step's cost
         tokens = 0
         computing: set[BlockHash] = set()  # prompt blocks that prefills in progress are computing
@@ -318,6 +399,8 @@ class Scheduler:
             else:
                 need, expected = self.blocks_needed(seq), 0
             if not bm.can_admit(need + expected, hit.blocks):
+                if not admitted:  # (admission_closed: the head waits for the pool)
+                    self._refused, self._refused_steps = seq, 0
                 break
             cached = hit.end * bm.block_size
             chunk = min(len(ids) - cached, budget - tokens)
@@ -340,11 +423,11 @@ class Scheduler:
 
     def _batch(self, phase: Phase, seqs: list[Sequence]) -> ScheduledBatch:
         bm = self.block_manager
-        released = [bm.released(s.request_id) for s in seqs]
-        tables = [
-            [RELEASED_BLOCK] * r + bm.block_table(s.request_id) for s, r in zip(seqs, released, strict=True)
-        ]
-        return ScheduledBatch(phase=phase, seqs=seqs, block_tables=tables, released=released)
+        ids = list(map(_REQUEST_ID, seqs))
+        rows = list(map(bm.rows.row_of.__getitem__, ids))
+        released = [0] * len(seqs) if bm.window is None else list(map(bm.released, ids))
+        tables = BlockTables(bm, ids, released)  # (a decode step reads its rows instead)
+        return ScheduledBatch(phase, seqs, tables, released=released, rows=rows, table_rows=bm.rows)
 
     def window_idle_blocks(self, window: int) -> int:
         """Blocks running sequences hold that lie wholly before their next token's `window`: what layers of
@@ -378,6 +461,7 @@ class Scheduler:
             self.waiting.remove(seq)
             del self._order[seq.request_id]
         seq.status = "finished"
+        self._refused = None  # its blocks may admit the head
         self.block_manager.release(seq.request_id)
         if seq.finish_reason in ("eos", "stop", "length", "repetition") and seq.max_new_tokens > 0:
             used = len(seq.output_ids) / seq.max_new_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from worker.engine.request import EngineError, EngineResult, FinishReason, Label
 SequenceStatus = Literal["waiting", "running", "finished", "pending"]  # pending: a sample not yet forked
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     request_id: str
     params: GenerationParams
@@ -25,6 +26,33 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    # (These fields, read for every decoding sequence each step, lie together: slots in declaration order.)
+    # The engine's fast path for decoded tokens (StopRules.prepare sets these at admission): a plain request
+    # (no grammar, reasoning, labels, logprobs or penalties) appends a token without the full stop rules unless the
+    # token is one of `ends_on` (every EOS, its stop ids), reaches max_new_tokens, or comes after
+    # `deadline` (its timeout, a little early). With `defer_text` (a byte-level detokenizer) its text waits
+    # until something needs it (settle_text): an id that may end a stop string (stop_bytes), the full
+    # rules, its result.
+    fast: bool = False
+    defer_text: bool = False
+    ends_on: frozenset[int] = frozenset()
+    silent_ids: frozenset[int] = (
+        frozenset()
+    )  # ids counted but never rendered: its stop ids, EOS unless ignored
+    deadline: float = math.inf
+    stop_ends: frozenset[str] = frozenset()  # the last character of each stop string
+    # a deferred text with stop strings: which ids may complete one (detokenizer.ending_bytes_table), and
+    # whether the detokenizer held text back when it last caught up (the next ids catch up too)
+    stop_bytes: bytes | None = None
+    text_held: bool = False
+    kv_room: int = (
+        -1
+    )  # generated tokens its block table covered when the scheduler last grew it (-1: unknown)
+    sampling: tuple[Any, ...] | None = None  # its params' sampling settings (ModelRunner.sampling_row)
+    # Engine's overlap (async scheduling): tokens sampled in steps launched but not yet taken, and its row in
+    # the step launched last (the next step's input token is that step's token at this row)
+    inflight: int = 0
+    inflight_row: int = -1
     status: SequenceStatus = "waiting"
     first_token_at: float | None = None
     finish_reason: FinishReason | None = None
@@ -63,6 +91,15 @@ class Sequence:
     embedding_index: int = 0
     dimensions: int | None = None  # keep the first d of the pooled vector (Matryoshka)
     pooled: Any = None  # mean pooling: the runner's running sum of the hidden states computed so far
+
+    def settle_text(self) -> None:
+        """Bring `text` up to its generated ids where it waits (defer_text): the detokenizer takes the ids it
+        has not seen, but a final silent one (a stop id or EOS that ended the sequence is never rendered)."""
+        if self.defer_text:
+            ids = self.output_ids
+            if ids and ids[-1] in self.silent_ids:
+                ids = ids[:-1]
+            self.text += self.detokenizer.catch_up(ids)
 
     @property
     def prompt_len(self) -> int:
