@@ -89,10 +89,12 @@ def run_engine(
     weight_dtype: str = "auto",
     dequantised: bool = False,
     batch_invariant: bool = True,
+    async_scheduling: bool = True,
 ) -> dict[str, Any]:
     """dequantised: the model from Hugging Face's float32 dequantisation of its GGUF (what weight_dtype
     narrows; the default keeps the file's Q4_1 / Q8_0 weights as they ship). batch_invariant False: the
-    fastest kernels, whose rounding may follow the batch (what invariance costs)."""
+    fastest kernels, whose rounding may follow the batch (what invariance costs). async_scheduling False:
+    every step serial (what the overlap gains or costs)."""
     from benchmarks.bench import memory_bandwidth
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
@@ -112,6 +114,7 @@ def run_engine(
             kv_cache_dtype=kv_cache_dtype,
             weight_dtype=weight_dtype,
             batch_invariant=batch_invariant,
+            async_scheduling=async_scheduling,
         )
     )
     load_s = time.perf_counter() - t0
@@ -480,6 +483,12 @@ def main() -> int:
         action="store_false",
         help="the engine with batch_invariant = false (the fastest kernels, whose rounding may follow the batch)",
     )
+    p.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="the engine with async_scheduling = false (every step serial)",
+    )
     ns = p.parse_args()
     from worker.kernels.native_build import cap_libraries
 
@@ -495,6 +504,7 @@ def main() -> int:
             ns.weight_dtype,
             ns.dequantised,
             ns.batch_invariant,
+            ns.async_scheduling,
         )
     elif ns.mode == "llamacpp":
         res = run_llamacpp(lines)

@@ -1,6 +1,6 @@
 """The engine's host cost per decoding sequence per step, on a model whose own compute is small.
 
-    .venv/bin/python benchmarks/host_overhead.py                 # the table
+    .venv/bin/python benchmarks/host_overhead.py                 # the tables (the overlap's at D = 5 ms)
     .venv/bin/python benchmarks/host_overhead.py --profile       # + cProfile's top 25 at N=256
     .venv/bin/python benchmarks/host_overhead.py --sample        # seeded sampling in place of greedy
 
@@ -21,6 +21,12 @@ of the step (intake, scheduling, block tables, input packing, stop rules, detoke
 The table: ms per step at each N, in all and the host's part, and the line through N=64 and N=512: its
 slope, microseconds per sequence per step ((t512 - t64) / (448 * steps), counting a sequence the
 repetition rule ended early out of the steps after), and its intercept, the fixed ms per step.
+
+The second table (--device-ms D, 5 by default; 0: none) is the overlap of the host's work with the device's (EngineConfig.async_scheduling). A stand-in
+device: the model's forward pass, LM head and sampler take D ms together, waiting without holding the
+GIL (as a GPU's step leaves the host free), on deterministic logits over the first 1,024 ids (a fixed
+random table's row, picked by the input token and its position). The same requests run serially and overlapped; the table is ms per step against
+D: serially a step takes D + the host's work, overlapped about max(D, the host's work).
 """
 
 from __future__ import annotations
@@ -190,6 +196,59 @@ def run(
     return {"total": total, **timers.seconds, "seq_steps": seq_steps}
 
 
+STAND_IN_VOCAB = 1024  # the stand-in device's logits: the first ids of the vocabulary
+STAND_IN_ROWS = 4099  # rows of its table (a prime: (token, position) pairs spread over them)
+
+
+def stand_in_device(engine: Any, ms: float) -> None:
+    """Replace the engine's model by the stand-in device (--device-ms): a forward pass, its logits and the
+    sampling from them take `ms` together (a GPU's step, sampler included), waiting (time.sleep releases the
+    GIL) for what the table lookup and the sampler leave of them; the logits are a fixed random table's row
+    per (input token, position)."""
+    import torch
+
+    table = torch.randn(STAND_IN_ROWS, STAND_IN_VOCAB, generator=torch.Generator().manual_seed(0))
+    runner = engine.model_runner
+    model, sampler = runner.model, runner.sampler
+    began = [0.0]
+
+    def forward(input_ids: Any, positions: Any, *_: Any) -> Any:
+        began[0] = time.perf_counter()
+        return ((input_ids * 31 + positions) % STAND_IN_ROWS).unsqueeze(1)  # [T, 1]: the table's row
+
+    def compute_logits(hidden: Any) -> Any:
+        return table.index_select(0, hidden.squeeze(1))
+
+    def sample(logits: Any, batch: Any) -> Any:
+        tokens = sampler(logits, batch)
+        time.sleep(max(0.0, began[0] + ms / 1e3 - time.perf_counter()))
+        return tokens
+
+    model.forward = forward
+    model.compute_logits = compute_logits
+    runner.sampler = sample
+
+
+def overlap(engine: Any, n: int, steps: int, warmup: int, sample: bool) -> tuple[float, list[list[int]]]:
+    """ms per step of `steps` decode steps at n sequences (after the prompts and `warmup` steps), and the
+    tokens every sequence generated (the serial and overlapped engines' must agree)."""
+    from worker.engine.request import EngineError
+
+    add_requests(engine, n, steps + warmup + 8, sample)
+    sched = engine.scheduler
+    while engine.stats().waiting or not all(s.prefilled for s in sched.running):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    ms = (time.perf_counter() - t) / steps * 1e3
+    results = engine.abort_all(EngineError("cancelled", "measured"))
+    tokens = [r.token_ids for r in sorted(results, key=lambda r: r.request_id)]
+    return ms, tokens
+
+
 def print_profile(prof: cProfile.Profile, steps: int, n: int) -> None:
     print(
         f"\ncProfile, {steps} steps at N={n}: top 25 by tottime (us/seq/step = tottime / steps / N; the profiler"
@@ -211,6 +270,12 @@ def main() -> int:
     p.add_argument("--sample", action="store_true", help="seeded sampling at temperature 1 (default: greedy)")
     p.add_argument("--profile", action="store_true", help="cProfile's top 25 by tottime at N=256")
     p.add_argument("--checkpoint", type=Path, help="reuse (or build once in) this folder")
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=5.0,
+        help="the overlap table's stand-in device: D ms a step (0: no table)",
+    )
     ns = p.parse_args()
 
     from worker.engine.config import EngineConfig
@@ -228,6 +293,8 @@ def main() -> int:
             max_num_batched_tokens=max(SIZES) * PROMPT_LEN,
             max_model_len=512,
             prefix_cache=False,
+            # the host's work is measured serially (the overlap hides it behind the model's, the table after)
+            async_scheduling=False,
         )
         engine = Engine.load(cfg)
         timers = Timers(engine)
@@ -269,6 +336,35 @@ def main() -> int:
             prof = cProfile.Profile()
             run(engine, timers, 256, ns.steps, ns.warmup, ns.sample, prof)
             print_profile(prof, ns.steps, 256)
+        if ns.device_ms > 0:
+            print()
+            overlap_table(cfg, ns)
+    return 0
+
+
+def overlap_table(cfg: Any, ns: argparse.Namespace) -> int:
+    """--device-ms: ms per decode step, serial and overlapped, on the stand-in device."""
+    from worker.engine.engine import Engine
+
+    engines = {}
+    for overlapped in (False, True):
+        engines[overlapped] = engine = Engine.load(cfg.model_copy(update={"async_scheduling": overlapped}))
+        stand_in_device(engine, ns.device_ms)
+    d = ns.device_ms
+    print(
+        f"stand-in device: {d:g} ms per step (sleeping, the GIL free), logits over {STAND_IN_VOCAB} ids; "
+        f"{'seeded sampling' if ns.sample else 'greedy'}; {ns.steps} timed decode steps, best of {ns.repeats}"
+    )
+    print(f"{'N':>6} {'serial ms/step':>15} {'overlapped ms/step':>19} {'overlapped / D':>15}")
+    for n in SIZES:
+        best: dict[bool, float] = {}
+        tokens: list[list[list[int]]] = []
+        for overlapped, engine in engines.items():
+            runs = [overlap(engine, n, ns.steps, ns.warmup, ns.sample) for _ in range(ns.repeats)]
+            best[overlapped] = min(ms for ms, _ in runs)
+            tokens += [t for _, t in runs]
+        assert all(t == tokens[0] for t in tokens), f"N={n}: the runs' tokens differ (serial and overlapped)"
+        print(f"{n:>6} {best[False]:>15.2f} {best[True]:>19.2f} {best[True] / d:>15.2f}")
     return 0
 
 
