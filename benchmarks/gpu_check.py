@@ -1,7 +1,9 @@
-"""One prepared GPU check: hardware, kernel tests, greedy parity with HF, bitwise batch invariance, throughput
-vs HF and what invariance costs (8B), Q4 (1B).
+"""One prepared GPU check: hardware, kernel tests, greedy parity with HF, bitwise batch invariance, the engine's
+own throughput with host ms per step, the GPU's idle share and the roofline's share (nano-vllm's shape on an
+8B and a 0.6B; labeling with choices over a shared instruction on a 1B), throughput vs HF and what
+invariance costs (8B), Q4 (1B).
 
-    python benchmarks/gpu_check.py                # on the GPU (what gpu_check.sh runs), < 7.5 min
+    python benchmarks/gpu_check.py                # on the GPU (what gpu_check.sh runs), < 9 min
     python benchmarks/gpu_check.py --stages parity,bench:llama-8b   # a rerun of some stages only
     python benchmarks/gpu_check.py --tiny         # the whole flow on CPU with tiny models, < 2 min
 
@@ -28,9 +30,13 @@ sys.path.insert(0, str(ROOT))
 
 # Stage budgets in seconds (hard timeouts). A lent GPU gives a task 15 minutes, start-up included: the
 # whole check (~6 min) must leave room for a rerun of what failed (--stages).
-GPU_STAGES = [("kernels", 120), ("parity", 45), ("invariance", 45), ("bench:llama-8b", 190),
-              ("quant:llama-1b", 45)]  # fmt: skip
-TINY_STAGES = [("parity", 40), ("invariance", 40), ("quant:tiny", 30), ("bench:tiny", 50)]
+GPU_STAGES = [("kernels", 100), ("parity", 35), ("invariance", 35), ("throughput:llama-8b", 100),
+              ("throughput:qwen3-0.6b", 50), ("labeling:llama-1b", 45), ("bench:llama-8b", 100),
+              ("quant:llama-1b", 35)]  # fmt: skip
+TINY_STAGES = [("parity", 40), ("invariance", 40), ("quant:tiny", 30), ("bench:tiny", 50),
+               ("throughput:tiny", 40), ("labeling:tiny", 40)]  # fmt: skip
+# The H200's roofline: HBM3e bandwidth and the dense bf16 tensor-core peak (no sparsity).
+H200_BYTES_S, H200_FLOPS = 4.8e12, 989e12
 
 
 def hardware() -> dict[str, Any]:
@@ -238,6 +244,184 @@ def stage_bench(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     return res
 
 
+class StepProbe:
+    """Per step of an engine (a wrapper over its model runner's `run`): the device's time (CUDA events around
+    the step's work; on a CPU its wall time) and the step's roofline time on an H200: the weights' and the
+    KV cache's bytes it reads at H200_BYTES_S, or its FLOPs (2 x params per token, 4 x head dims per
+    attended pair) at H200_FLOPS, whichever is longer."""
+
+    def __init__(self, engine: Any) -> None:
+        import torch
+
+        from worker.engine.kv_pool import kv_bytes_per_token
+
+        runner = engine.model_runner
+        model = runner.model
+        self.cuda = runner.device.type == "cuda"
+        self.params = sum(p.numel() for p in model.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        dtype = runner.kv_caches[0][0].dtype
+        self.kv_token_bytes = kv_bytes_per_token(model, dtype)
+        spec = model.spec
+        self.attn_flops_per_pair = 4 * spec.num_layers * spec.num_heads * spec.head_dim
+        self.events: list[tuple[Any, Any]] = []
+        self.cpu_s: list[float] = []
+        self.roofline_s = 0.0
+        inner_run, inner_launch = runner.run, runner.launch_decode
+
+        def timed(work: Any, *a: Any) -> Any:
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = work(*a)
+                end.record()
+                self.events.append((start, end))
+                return out
+            t = time.perf_counter()
+            out = work(*a)
+            self.cpu_s.append(time.perf_counter() - t)
+            return out
+
+        def run(batch: Any) -> Any:
+            self.count(batch)
+            return timed(inner_run, batch)
+
+        def launch_decode(batch: Any, previous: Any) -> Any:  # async scheduling: timed on the device thread
+            self.count(batch)
+            work = inner_launch(batch, previous)
+            return lambda: timed(work)
+
+        runner.run, runner.launch_decode = run, launch_decode
+
+    def count(self, batch: Any) -> None:
+        seqs = batch.seqs
+        new = batch.num_decode + sum(batch.chunks)  # tokens this step computes
+        context = sum(s.num_tokens for s in seqs)  # tokens their attention reads (an upper bound)
+        flops = 2 * self.params * new + self.attn_flops_per_pair * new * (context // max(1, len(seqs)))
+        bytes_ = self.weight_bytes + self.kv_token_bytes * context
+        self.roofline_s += max(bytes_ / H200_BYTES_S, flops / H200_FLOPS)
+
+    def device_s(self) -> float:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        return sum(self.cpu_s)
+
+
+def probe_run(engine: Any, reqs: list[Any], warm: list[Any], budget_s: float) -> dict[str, Any]:
+    """Run `reqs` through the engine after `warm` (compiles, graphs), measured by a StepProbe: output tok/s,
+    requests done, host ms per step (a step's wall time less its device time), the device's idle share and
+    the share of the H200's roofline (roofline time over wall time)."""
+    engine.generate(warm)
+    probe = StepProbe(engine)
+    for r in reqs:
+        engine.add_request(r)
+    before, overlapped = engine.stats().tokens_generated, engine.stats().overlapped_steps
+    t0 = time.perf_counter()
+    deadline = t0 + budget_s
+    done = steps = 0
+    while engine.has_work() and time.perf_counter() < deadline:
+        done += len(engine.step())
+        steps += 1
+    wall = time.perf_counter() - t0
+    busy = probe.device_s()
+    tokens = engine.stats().tokens_generated - before
+    return {"tok_s": round(tokens / wall, 1), "req_s": round(done / wall, 2), "requests_done": done,
+            "partial": done < len(reqs), "steps": steps, "wall_s": round(wall, 1),
+            "host_ms_per_step": round((wall - busy) / max(1, steps) * 1e3, 3),
+            "device_idle_share": round(1 - busy / wall, 3), "roofline_share": round(probe.roofline_s / wall, 3),
+            "cuda_graphs": engine.model_runner.graphs is not None,
+            "overlapped_steps": engine.stats().overlapped_steps - overlapped}  # fmt: skip
+
+
+def stage_throughput(args: argparse.Namespace, shape: str) -> dict[str, Any]:
+    """nano-vllm's benchmark shape: 256 sequences, prompt and output lengths drawn from 100-1024, random
+    weights in bf16, EOS off; output tok/s, host ms per step, the GPU's idle share, the roofline's share."""
+    import random
+
+    import torch
+
+    from benchmarks import gpu_models as gm
+    from worker.engine.config import EngineConfig
+    from worker.engine.params import GenerationParams
+    from worker.engine.request import EngineRequest
+
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    tiny = shape == "tiny"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    vocab = gm.SHAPES[shape]["vocab_size"]
+    rng = random.Random(0)
+    n, lo, hi = (32, 10, 60) if tiny else (256, 100, 1024)
+
+    def request(tag: str, i: int) -> EngineRequest:
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
+        p = GenerationParams(max_new_tokens=rng.randint(lo, hi), temperature=0.0, ignore_eos=True)
+        return EngineRequest(f"{tag}{i}", p, prompt_token_ids=prompt)
+
+    warm = [request("warm", i) for i in range(8)]
+    reqs = [request("r", i) for i in range(n)]
+    hf = gm.hf_model(shape, dtype, device)
+    cfg = EngineConfig(model=shape, device=args.device, dtype=str(dtype).removeprefix("torch."),
+                       kv_cache_gb=0.2 if tiny else 40, max_num_seqs=n, max_num_batched_tokens=8192,
+                       max_model_len=2 * hi + 16)  # fmt: skip
+    engine = gm.engine_from_hf(hf, cfg)
+    del hf
+    gc.collect()
+    res: dict[str, Any] = {"model": shape, "dtype": cfg.dtype, "requests": n,
+                           "setup_s": round(time.perf_counter() - t_start, 1)}  # fmt: skip
+    res.update(probe_run(engine, reqs, warm, args.budget - (time.perf_counter() - t_start) - 10))
+    res["ok"] = True  # (measured; a budget run out shows as partial)
+    return res
+
+
+LABELS = ("positive", "negative", "neutral")
+
+
+def stage_labeling(args: argparse.Namespace, shape: str) -> dict[str, Any]:
+    """Labeling-shaped: 2,000 short requests sharing a 500-token instruction (the prefix cache holds it),
+    each `choices` over three labels; req/s, host ms per step, the GPU's idle share, the roofline's share."""
+    import random
+
+    import torch
+
+    from benchmarks import gpu_models as gm
+    from worker.engine.config import EngineConfig
+    from worker.engine.params import GenerationParams
+    from worker.engine.request import EngineRequest
+
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    tiny = shape == "tiny"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    vocab = gm.SHAPES[shape]["vocab_size"]
+    rng = random.Random(0)
+    n, shared = (200, 100) if tiny else (2000, 500)
+    instruction = [rng.randrange(3, vocab) for _ in range(shared)]
+    params = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
+
+    def request(tag: str, i: int) -> EngineRequest:
+        text = [rng.randrange(3, vocab) for _ in range(rng.randint(20, 60))]
+        return EngineRequest(f"{tag}{i}", params, prompt_token_ids=instruction + text)
+
+    hf = gm.hf_model(shape, dtype, device)
+    cfg = EngineConfig(model=shape, device=args.device, dtype=str(dtype).removeprefix("torch."),
+                       kv_cache_gb=0.2 if tiny else 20, max_num_seqs=256, max_num_batched_tokens=8192,
+                       max_model_len=1024)  # fmt: skip
+    engine = gm.engine_from_hf(hf, cfg)
+    del hf
+    gc.collect()
+    res: dict[str, Any] = {"model": shape, "dtype": cfg.dtype, "requests": n,
+                           "setup_s": round(time.perf_counter() - t_start, 1)}  # fmt: skip
+    warm = [request("warm", i) for i in range(8)]
+    reqs = [request("r", i) for i in range(n)]
+    res.update(probe_run(engine, reqs, warm, args.budget - (time.perf_counter() - t_start) - 10))
+    res["ok"] = True
+    return res
+
+
 def stage_quant(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     """Weights kept 4-bit on the GPU (every projection, groups of 128, through Triton's quantised GEMM)
     against the same engine holding those weights dequantised (bf16, F.linear): greedy agreement and
@@ -293,6 +477,10 @@ def run_stage(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return stage_parity(args)
     if name.startswith("quant:"):
         return stage_quant(args, name.split(":", 1)[1])
+    if name.startswith("throughput:"):
+        return stage_throughput(args, name.split(":", 1)[1])
+    if name.startswith("labeling:"):
+        return stage_labeling(args, name.split(":", 1)[1])
     return stage_bench(args, name.split(":", 1)[1])
 
 
@@ -338,6 +526,11 @@ def report(hw: dict[str, Any], results: dict[str, Any]) -> None:
             print(f"== {name}: {'PASS' if r.get('ok') else 'FAIL'} ({r.get('wall_s')}s) {detail}")
             if not r.get("ok"):
                 print("\n".join("   " + line for line in r.get("tail", [])))
+    for name in [n for n in results if n.startswith(("throughput:", "labeling:"))]:
+        r = results[name]
+        keys = ("tok_s", "req_s", "requests_done", "partial", "steps", "host_ms_per_step", "device_idle_share",
+                "roofline_share", "cuda_graphs", "overlapped_steps", "error")  # fmt: skip
+        print(f"== {name} ({r.get('wall_s')}s): " + ", ".join(f"{k}={r[k]}" for k in keys if k in r))
     print(f"\n{'model':<10} {'contender':<14} {'output tok/s':>12} {'vs batchq':>10}  notes")
     for name, r in results.items():
         if not name.startswith("bench:"):

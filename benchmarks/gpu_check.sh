@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a single GPU (sized for an H200): hardware, kernel tests on the GPU, greedy parity
-# with HF generate, output throughput of batchq vs HF generate vs HF continuous batching on a random 8B
+# with HF generate, the engine's own throughput with host ms per step, the GPU's idle share and the share of
+# the H200's roofline (nano-vllm's shape on a random 8B and 0.6B, labeling with choices over a shared
+# instruction on a 1B), output throughput of batchq vs HF generate vs HF continuous batching on a random 8B
 # Llama (batch-invariant, the default, and batch_invariant = false), a random 1B kept 4-bit, and bitwise batch
-# invariance on a tiny model (dense and 4-bit). No network needed; ends within ~7.5 minutes; results in
+# invariance on a tiny model (dense and 4-bit). No network needed; ends within ~9 minutes; results in
 # $OUT/gpu_check.json and the kernel tests' whole log in $OUT/kernels.log. An image with only torch,
 # Triton and transformers also needs (as wheels, say): pydantic, pydantic-core, annotated-types,
 # typing-inspection, typing-extensions, orjson, redis, PyJWT, hiredis, arq, llguidance, gguf, jsonschema
@@ -43,5 +45,5 @@ case " $* " in
     fi
     ;;
 esac
-# Hard stop at 8 minutes whatever happens inside; the stages have their own budgets.
-exec timeout -k 10 480 "$PY" benchmarks/gpu_check.py "$@"
+# Hard stop at 9 minutes whatever happens inside; the stages have their own budgets.
+exec timeout -k 10 540 "$PY" benchmarks/gpu_check.py "$@"

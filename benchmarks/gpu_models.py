@@ -33,6 +33,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                      intermediate_size=8192, vocab_size=128256),
     "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                      intermediate_size=14336, vocab_size=128256),
+    # Qwen3-0.6B's dimensions on the Llama architecture (no q/k norms: their cost is a rounding error here)
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=1000),
 }  # fmt: skip
