@@ -2,8 +2,8 @@
 
 Jobs are arq's (one per request: `arq:job:<id>` in the queue zset, written by `producer submit` and
 `producer retry`); the loop is batchq's own. arq's Worker spends a dozen Redis round trips and an asyncio
-task on each job, which capped one worker process near 150 requests/s of its own CPU whatever the engine
-did (benchmarks/queue_bench.py). Here:
+task on each job, so one worker process's own CPU capped its request rate whatever the engine did
+(benchmarks/queue_bench.py measures it). Here:
 
 - claim: one Lua call takes up to the free slots' worth of due jobs no worker holds, leases them, counts
   their tries and starts their attempts (producer/wire/jobs.py). Leased jobs move out of the queue's due

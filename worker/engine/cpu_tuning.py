@@ -1,5 +1,5 @@
-"""CPU allocator and oneDNN settings the engine makes once at load, each with its reason (the runs that
-measured them: benchmarks/RESULTS.md, 2026-11-30)."""
+"""CPU allocator and oneDNN settings the engine makes once at load, each with its reason (the runs behind
+them are in benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 

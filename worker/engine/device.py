@@ -30,8 +30,9 @@ def pick_device(name: Device) -> torch.device:
     return torch.device(name)
 
 
-# auto on CPU takes bfloat16 only where its matmuls are clearly faster than float32 (AMX, Zen 4): on
-# CPUs that merely convert bf16 (AVX512-BF16 without AMX) bf16 GEMMs are slower and float32 is exact.
+# auto on CPU takes bfloat16 only where its matmuls are clearly faster than float32 (bf16 matrix units, or
+# bf16 dot products at full vector width): on CPUs that merely convert bf16 its GEMMs are slower and float32
+# is exact.
 # float32's rate is the better of torch's matmul and linear.c's (the path float32 runs on the CPU).
 BF16_MIN_SPEEDUP = 1.3
 

@@ -55,8 +55,8 @@
    reading one of the two cache lines of every panel row, with few independent FMA chains per pass when M
    is small. Where one tile holds every row (M <= wide_rows), a tile over the whole panel can stream it once
    with PANEL_VECS chains per row: WIDE_MR rows x PANEL_VECS vectors = 12 accumulators of the 16
-   registers. Which streams faster differs between CPUs by a fifth or more either way at 1-3 rows (a Zen 4
-   running the AVX2 build favours the whole panel, a Zen 3 the halves), so it is the machine's choice,
+   registers. Which streams faster at 1-3 rows differs between CPUs, either way (benchmarks/RESULTS.md has
+   the runs), so it is the machine's choice,
    measured at load and set by batchq_linear_set_wide_rows: 0 (halves) until then. Every output sums the
    same products in the same order either way, so the choice never changes a result. With more rows the
    whole-panel tiles would each reread the panel, and the MR x NV tiles, which need fewer broadcasts per
@@ -105,9 +105,9 @@ static inline size_t row_bytes(const int elem) {
 #define PREFETCH_BYTES 4096
 #endif
 /* The prefetches' hint: non-temporal (prefetchnta: the weights, streamed once a step, evict little else)
-   or into every level (prefetcht0). Which streams faster is the machine's: on some Intel server parts the
-   non-temporal prefetches leave the weights streaming at half the bandwidth or less, where on the AMD
-   parts the hint makes no difference beyond the noise. So it is measured at load and set by
+   or into every level (prefetcht0). Which streams faster is the machine's: on some CPUs the non-temporal
+   prefetches leave the weights streaming far slower, on others the hint makes no difference beyond the
+   noise (benchmarks/RESULTS.md has the runs). So it is measured at load and set by
    batchq_linear_set_prefetch_t0 (non-temporal until then). The branch is taken the same way all along,
    and the hint changes when lines arrive, never a result. */
 static int prefetch_t0 = 0;
@@ -173,8 +173,8 @@ int batchq_linear_set_far_prefetch(int on) {
 /* Decode-sized steps of fewer than pace_rows rows (of weights read as stored, in half-panel K-block tiles)
    can run through tiles of pace_rows rows, the rows past x's repeating row 0's products, which are never
    stored. A tile of one to three rows has so little arithmetic per weight line that its loop runs far ahead
-   of the lines arriving, and on some CPUs the stream then slows: a Zen 3 streamed one-row steps a quarter
-   slower than six-row ones, whose FMAs pace the loop; the idle rows cost FMAs that memory-bound steps have
+   of the lines arriving, and on some CPUs the stream then slows below that of six-row steps, whose FMAs
+   pace the loop (benchmarks/RESULTS.md); the idle rows cost FMAs that memory-bound steps have
    to spare. Elsewhere the idle FMAs only cost, so it is measured at load and set by
    batchq_linear_set_pace_rows (0, off, until then). Each real row's sums are the same either way. */
 static int pace_rows = 0;
