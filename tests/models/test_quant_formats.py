@@ -10,50 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.quant_checkpoints import AWQ_ORDER, pack_along, quantize_asym  # (AutoAWQ's order, not batchq's)
+from tests.quant_checkpoints import dequantize_ref as reference
 from worker.kernels import native_linear
 from worker.kernels.linear_methods import TORCH_LINEAR, PackedLinear
 from worker.models import quant_formats
 from worker.models.layers import Linear
-from worker.models.quant_formats import AWQ_ORDER, QuantConfig
-
-
-def quantize_asym(w: torch.Tensor, g_of_k: torch.Tensor, groups: int, bits: int):
-    """Min-max asymmetric quantisation per group of input rows: q [out, in], scales and zeros [groups, out]."""
-    n, k = w.shape
-    top = (1 << bits) - 1
-    scales = torch.empty(groups, n, dtype=torch.float16)
-    zeros = torch.empty(groups, n, dtype=torch.int32)
-    q = torch.empty(n, k, dtype=torch.int32)
-    for g in range(groups):
-        cols = (g_of_k == g).nonzero().flatten()
-        wg = w[:, cols]
-        lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
-        s = ((hi - lo) / top).clamp(min=1e-5).half()
-        z = torch.round(-lo / s.float()).clamp(0, top).int()
-        scales[g], zeros[g] = s, z
-        q[:, cols] = torch.clamp(torch.round(wg / s.float()[:, None]) + z[:, None], 0, top).int()
-    return q, scales, zeros
-
-
-def reference(
-    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_of_k: torch.Tensor
-) -> torch.Tensor:
-    """w[n, k] = scales[g, n] * (q[n, k] - zeros[g, n]), g = g_of_k[k], in float32."""
-    return scales.float()[g_of_k].t() * (q.float() - zeros.float()[g_of_k].t())
-
-
-def pack_along(vals: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Pack 32 / bits values per int32 along `dim`, value i at bits i * bits (or order[i] of each run)."""
-    per = 32 // bits
-    v = vals.movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)
-    if order is not None:
-        v = v[..., list(order)]
-    words = torch.zeros(v.shape[:-1], dtype=torch.int64)
-    for i in range(per):
-        words |= (v[..., i].long() & ((1 << bits) - 1)) << (bits * i)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.movedim(-1, dim)
+from worker.models.quant_formats import QuantConfig
 
 
 @pytest.mark.parametrize(("bits", "act_order", "v1"), [(4, False, True), (4, True, True), (8, False, True),
