@@ -238,32 +238,19 @@ class PackedLinear:
         return native_linear.linear(x, stored, scale, bias, n)
 
 
-class TritonLinear:
+class TritonLinear(TorchLinear):
     """F.linear for every weight but those kept quantised (groups, FP8), which triton_quant's GEMM runs
-    from a layout of its own: 4-bit q packed two to a byte along K, the (s, o) table [out, groups, 2]."""
+    from a layout of its own: 4-bit q packed two to a byte along K; the (s, o) table [out, groups, 2] and
+    every unquantised weight are kept as TorchLinear keeps them."""
 
     name = "triton"
     layout = "triton"
-    bf16_gemm_rows = 0
-    bf16_dot = False
 
     def __init__(self, invariant: bool = False) -> None:
         # invariant: unquantised weights through triton_invariant's fixed-tile GEMM instead of cuBLAS, which
         # picks its kernel by the step's row count (a row's bits would follow its neighbours); quantised ones
         # through triton_quant with one row tile at every row count
         self.invariant = invariant
-
-    def takes(self, weight: Tensor) -> bool:
-        return True
-
-    def store(self, weight: Tensor) -> Tensor:
-        return weight
-
-    def unpack(self, stored: Tensor, n: int) -> Tensor:
-        return stored
-
-    def rows(self, stored: Tensor, ids: Tensor) -> Tensor:
-        return F.embedding(ids, stored)
 
     def store_q(self, q: Tensor, bits: int) -> Tensor:
         from worker.kernels import triton_quant
@@ -275,17 +262,8 @@ class TritonLinear:
 
         return triton_quant.unpack_q4_rows(stored) if bits == 4 else stored
 
-    def store_groups(self, s: Tensor, o: Tensor) -> Tensor:
-        return torch.stack((s, o), dim=-1)
-
-    def unpack_groups(self, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        return table[..., 0], table[..., 1]
-
     def rows_q(self, stored: Tensor, ids: Tensor, bits: int) -> Tensor:
         return self.unpack_q(stored[ids], ids.shape[0], bits)
-
-    def rows_groups(self, table: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        return table[ids, :, 0], table[ids, :, 1]
 
     def apply(
         self,
