@@ -1,6 +1,6 @@
 """What the console shows of a batch's results, computed in one pass over them: finish reasons, failed
 requests, throughput over time, and for a `choices` batch its labels (distribution, confidence histogram,
-the least-confident rows). Pure Python over contract Results: no Redis, no HTTP (producer/api/console.py
+the least-confident rows). Pure Python over contract Results: no Redis, no HTTP (producer/api/console_api.py
 reads the results and serves these as JSON).
 """
 

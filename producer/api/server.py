@@ -1,5 +1,5 @@
 """The HTTP API's app: OpenAI's Files and Batches API over batchq, on Starlette (`producer serve` runs it:
-producer/api/serve.py), and the batch console in the browser (console.py) at / and /console.
+producer/api/serve.py), and the batch console in the browser (console_api.py) at / and /console.
 
 The official `openai` client works against it unchanged (base_url=http://HOST:PORT/v1). Every /v1 route
 needs a bearer API key (auth.py) and sees only that key's objects; other keys' ids answer 404. Objects
@@ -29,7 +29,7 @@ from producer.api.auth import ApiKeys
 from producer.api.batch_object import expires_after
 from producer.api.batches import BatchStore
 from producer.api.common import ApiError, parse_limit
-from producer.api.console import CONSOLE_ENDPOINTS, SECURITY_HEADERS, Console, page_routes
+from producer.api.console_api import CONSOLE_ENDPOINTS, SECURITY_HEADERS, Console, page_routes
 from producer.api.files import FileStore
 from producer.client.batchq_client import BatchqClient
 from producer.wire import keys
@@ -263,7 +263,7 @@ def create_app(settings: ServerSettings) -> Starlette:
         route("/v1/batches", Api.list_batches, "GET"),
         route("/v1/batches/{batch_id}", Api.get_batch, "GET"),
         route("/v1/batches/{batch_id}/cancel", Api.cancel_batch, "POST"),
-        # The console (producer/api/console.py): the page's files need no key, its data does.
+        # The console (producer/api/console_api.py): the page's files need no key, its data does.
         *page_routes(),
         *(route(path, _console_handler(name), method) for path, name, method in CONSOLE_ENDPOINTS),
     ]

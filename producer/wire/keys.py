@@ -87,7 +87,7 @@ def batch_requests(batch_id: str) -> str:
 def batch_inputs(batch_id: str) -> str:
     """hash: n -> JSON list of the input excerpts (the prompt, or the last user message) of requests
     n * store.EXCERPTS_PER_FIELD onwards (null: an invalid line), written at submit for the console's rows
-    to review (producer/api/console.py)."""
+    to review (producer/api/console_api.py)."""
     return f"{PREFIX}batch:{batch_id}:inputs"
 
 

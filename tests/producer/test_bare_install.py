@@ -47,7 +47,7 @@ CONSOLE = [
 ]
 CONSOLE_FILES = """
 from producer.api.auth import ApiKeys
-from producer.api.console import STATIC
+from producer.api.console_api import STATIC
 from producer.api.server import ServerSettings, create_app
 create_app(ServerSettings(redis_url="redis://127.0.0.1:1/0", keys=ApiKeys(["k"])))
 print(*sorted(p.name for p in STATIC.iterdir()))
