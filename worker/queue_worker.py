@@ -25,7 +25,7 @@ import logging
 from redis.asyncio import Redis
 
 from producer.wire.jobs import claim_jobs, renew_leases
-from worker.jobs import REDIS_ERRORS, JobHandler
+from worker.job_handler import REDIS_ERRORS, JobHandler
 from worker.metrics import REDIS_ERRORS_SEEN
 
 log = logging.getLogger("batchq.worker")

@@ -18,7 +18,7 @@ from producer.wire.redis_url import pool_from_url
 from worker import health
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
-from worker.jobs import REDIS_ERRORS, JobHandler, retrying
+from worker.job_handler import REDIS_ERRORS, JobHandler, retrying
 from worker.metrics import REDIS_ERRORS_SEEN
 from worker.queue_worker import QueueWorker
 

@@ -18,7 +18,7 @@ from producer.wire.jobs import Finished, claim_jobs, finish_jobs
 from worker.config import STAND_IN_MODEL, WorkerConfig
 from worker.embedded_redis import RedisServer
 from worker.engine.async_engine import AsyncEngine
-from worker.jobs import JobHandler
+from worker.job_handler import JobHandler
 from worker.queue_worker import QueueWorker
 from worker.service import connect
 from worker.stand_in import InstantEngine

@@ -30,11 +30,11 @@ from producer.wire.jobs import Claimed, Finished, finish_jobs, hand_back
 from producer.wire.lua import done
 from producer.wire.result_cache import CachedAnswer, cacheable
 from worker.adapter import cancelled_result, engine_request, error_result, to_result
+from worker.cached_results import ResultCache, key_of
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.request import EngineRequest, EngineResult
 from worker.metrics import REDIS_ERRORS_SEEN, WorkerMetrics
-from worker.result_cache import ResultCache, key_of
 
 log = logging.getLogger("batchq.worker")
 
