@@ -336,22 +336,48 @@ def probe_run(engine: Any, reqs: list[Any], warm: list[Any], budget_s: float) ->
             "overlapped_steps": engine.stats().overlapped_steps - overlapped}  # fmt: skip
 
 
+def probe_stage(
+    args: argparse.Namespace,
+    shape: str,
+    t_start: float,
+    limits: dict[str, Any],
+    reqs: list[Any],
+    warm: list[Any],
+) -> dict[str, Any]:
+    """A random `shape` model (bf16 on a GPU, float32 on a CPU) in an engine of `limits` (max_num_seqs,
+    max_model_len, kv_cache_gb), `reqs` run through it after `warm` (probe_run) in what the stage's budget
+    leaves since t_start."""
+    import torch
+
+    from benchmarks import gpu_models as gm
+    from worker.engine.config import EngineConfig
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf = gm.hf_model(shape, dtype, device)
+    cfg = EngineConfig(model=shape, device=args.device, dtype=str(dtype).removeprefix("torch."),
+                       max_num_batched_tokens=8192, **limits)  # fmt: skip
+    engine = gm.engine_from_hf(hf, cfg)
+    del hf
+    gc.collect()
+    res: dict[str, Any] = {"model": shape, "dtype": cfg.dtype, "requests": len(reqs),
+                           "setup_s": round(time.perf_counter() - t_start, 1)}  # fmt: skip
+    res.update(probe_run(engine, reqs, warm, args.budget - (time.perf_counter() - t_start) - 10))
+    res["ok"] = True  # (measured; a budget run out shows as partial)
+    return res
+
+
 def stage_throughput(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     """nano-vllm's benchmark shape: 256 sequences, prompt and output lengths drawn from 100-1024, random
     weights in bf16, EOS off; output tok/s, host ms per step, the GPU's idle share, the roofline's share."""
     import random
 
-    import torch
-
     from benchmarks import gpu_models as gm
-    from worker.engine.config import EngineConfig
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
 
     t_start = time.perf_counter()
-    device = torch.device(args.device)
     tiny = shape == "tiny"
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vocab = gm.SHAPES[shape]["vocab_size"]
     rng = random.Random(0)
     n, lo, hi = (32, 10, 60) if tiny else (256, 100, 1024)
@@ -363,18 +389,8 @@ def stage_throughput(args: argparse.Namespace, shape: str) -> dict[str, Any]:
 
     warm = [request("warm", i) for i in range(8)]
     reqs = [request("r", i) for i in range(n)]
-    hf = gm.hf_model(shape, dtype, device)
-    cfg = EngineConfig(model=shape, device=args.device, dtype=str(dtype).removeprefix("torch."),
-                       kv_cache_gb=0.2 if tiny else 40, max_num_seqs=n, max_num_batched_tokens=8192,
-                       max_model_len=2 * hi + 16)  # fmt: skip
-    engine = gm.engine_from_hf(hf, cfg)
-    del hf
-    gc.collect()
-    res: dict[str, Any] = {"model": shape, "dtype": cfg.dtype, "requests": n,
-                           "setup_s": round(time.perf_counter() - t_start, 1)}  # fmt: skip
-    res.update(probe_run(engine, reqs, warm, args.budget - (time.perf_counter() - t_start) - 10))
-    res["ok"] = True  # (measured; a budget run out shows as partial)
-    return res
+    limits = {"max_num_seqs": n, "max_model_len": 2 * hi + 16, "kv_cache_gb": 0.2 if tiny else 40}
+    return probe_stage(args, shape, t_start, limits, reqs, warm)
 
 
 LABELS = ("positive", "negative", "neutral")
@@ -385,17 +401,12 @@ def stage_labeling(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     each `choices` over three labels; req/s, host ms per step, the GPU's idle share, the roofline's share."""
     import random
 
-    import torch
-
     from benchmarks import gpu_models as gm
-    from worker.engine.config import EngineConfig
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
 
     t_start = time.perf_counter()
-    device = torch.device(args.device)
     tiny = shape == "tiny"
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     vocab = gm.SHAPES[shape]["vocab_size"]
     rng = random.Random(0)
     n, shared = (200, 100) if tiny else (2000, 500)
@@ -406,20 +417,10 @@ def stage_labeling(args: argparse.Namespace, shape: str) -> dict[str, Any]:
         text = [rng.randrange(3, vocab) for _ in range(rng.randint(20, 60))]
         return EngineRequest(f"{tag}{i}", params, prompt_token_ids=instruction + text)
 
-    hf = gm.hf_model(shape, dtype, device)
-    cfg = EngineConfig(model=shape, device=args.device, dtype=str(dtype).removeprefix("torch."),
-                       kv_cache_gb=0.2 if tiny else 20, max_num_seqs=256, max_num_batched_tokens=8192,
-                       max_model_len=1024)  # fmt: skip
-    engine = gm.engine_from_hf(hf, cfg)
-    del hf
-    gc.collect()
-    res: dict[str, Any] = {"model": shape, "dtype": cfg.dtype, "requests": n,
-                           "setup_s": round(time.perf_counter() - t_start, 1)}  # fmt: skip
     warm = [request("warm", i) for i in range(8)]
     reqs = [request("r", i) for i in range(n)]
-    res.update(probe_run(engine, reqs, warm, args.budget - (time.perf_counter() - t_start) - 10))
-    res["ok"] = True
-    return res
+    limits = {"max_num_seqs": 256, "max_model_len": 1024, "kv_cache_gb": 0.2 if tiny else 20}
+    return probe_stage(args, shape, t_start, limits, reqs, warm)
 
 
 def stage_quant(args: argparse.Namespace, shape: str) -> dict[str, Any]:

@@ -128,6 +128,18 @@ def add_requests(engine: Any, n: int, max_new_tokens: int, sample: bool) -> None
         engine.add_request(EngineRequest(f"n{n}-{i}", params, prompt_token_ids=ids))
 
 
+def start_decoding(engine: Any, n: int, max_new_tokens: int, warmup: int, sample: bool) -> Any:
+    """Add the n requests, run their prompts and `warmup` decode steps: every sequence decoding from here
+    on. -> the engine's scheduler."""
+    add_requests(engine, n, max_new_tokens, sample)
+    sched = engine.scheduler
+    while engine.stats().waiting or not all(s.prefilled for s in sched.running):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    return sched
+
+
 class Timers:
     """Seconds spent in the model's forward, its LM head and the sampler while `on` (instance attributes
     over the methods the model runner calls)."""
@@ -171,12 +183,7 @@ def run(
     the sequences decoded summed over the steps (n * steps, less what a sequence ending in a loop left)."""
     from worker.engine.request import EngineError
 
-    add_requests(engine, n, steps + warmup + 8, sample)
-    sched = engine.scheduler
-    while engine.stats().waiting or not all(s.prefilled for s in sched.running):
-        engine.step()
-    for _ in range(warmup):
-        engine.step()
+    sched = start_decoding(engine, n, steps + warmup + 8, warmup, sample)
     timers.reset()
     timers.on = True
     seq_steps = 0
@@ -234,12 +241,7 @@ def overlap(engine: Any, n: int, steps: int, warmup: int, sample: bool) -> tuple
     tokens every sequence generated (the serial and overlapped engines' must agree)."""
     from worker.engine.request import EngineError
 
-    add_requests(engine, n, steps + warmup + 8, sample)
-    sched = engine.scheduler
-    while engine.stats().waiting or not all(s.prefilled for s in sched.running):
-        engine.step()
-    for _ in range(warmup):
-        engine.step()
+    start_decoding(engine, n, steps + warmup + 8, warmup, sample)
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
