@@ -214,6 +214,9 @@ class Engine:
         # the count of sequences finished when it was launched
         self._inflight: deque[tuple[ScheduledBatch, Future[DecodeDone], int]] = deque()
         self._device: ThreadPoolExecutor | None = None
+        if cfg.async_scheduling and model_runner.graphs is not None:  # (set, and not applied: said at load)
+            log.info("async_scheduling: decode steps run serially here: CUDA graphs take their inputs as host "
+                     "lists, not the step in flight's tokens (cuda_graphs = false overlaps them)")  # fmt: skip
         self._finished = 0  # sequences finished since load
         self._groups: dict[str, SampleGroup] = {}  # n > 1: by request id, until every sample has ended
         self.embeddings = EmbeddingRequests(self.scheduler, self._seqs)  # their inputs are in _seqs too
