@@ -47,7 +47,7 @@ def isa_kernels() -> list[dict[str, Any]]:
     """The CPU linear kernel per instruction set it can be built for here (native; AVX2 too where AVX-512
     exists): decode rows' time against the weight-streaming / FMA bound, and a prompt-sized GEMM's share of
     that ISA's FMA peak (benchmarks/kernel_bench.py --linear, one process per ISA)."""
-    from worker.kernels.native_build import LIBRARY_CAPS
+    from worker.platform.cpu_settings import LIBRARY_CAPS
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isas = ["native"] + (["avx2"] if " avx512f " in f" {flags} " else [])
@@ -110,7 +110,8 @@ def machine() -> dict[str, Any]:
 
     cpu = cpu_name()
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    from worker.kernels.native_build import LIBRARY_CAPS, cpu_isa
+    from worker.kernels.native_build import cpu_isa
+    from worker.platform.cpu_settings import LIBRARY_CAPS
 
     isa = cpu_isa()
     return {
@@ -142,7 +143,7 @@ def gemm_ceiling(dtype: str, n: int = 2048, reps: int = 10, native: bool = False
         a @ b
     best = 2 * n**3 * reps / (time.perf_counter() - t0)
     if native and dt == torch.float32:
-        from worker.engine.device import native_gemm_flops
+        from worker.platform.probes import native_gemm_flops
 
         best = max(best, native_gemm_flops(n // 2))
     return best
@@ -402,16 +403,15 @@ def resolve_dtypes(requested: str) -> tuple[str, str]:
     (bfloat16 where oneDNN's bf16 GEMMs are fast)."""
     if requested != "auto":
         return requested, requested
-    import torch
 
-    from worker.engine.device import cpu_auto_dtype, pick_dtype
-    from worker.kernels.native_build import cap_libraries
+    from worker.platform.cpu import cpu_auto_dtype, cpu_dtype
+    from worker.platform.cpu_settings import cap_libraries
 
     # BATCHQ_CPU_ISA=avx2: the probe below must time the capped oneDNN, as the contenders' engines do (and
     # it keeps its figure for every later start under that instruction set)
     cap_libraries()
 
-    invariant = str(pick_dtype("auto", torch.device("cpu"), "auto", invariant=True)).removeprefix("torch.")
+    invariant = str(cpu_dtype("auto", "auto", invariant=True)).removeprefix("torch.")
     variant = str(cpu_auto_dtype("auto")).removeprefix("torch.")
     print(f"  dtype auto -> {invariant} (batch_invariant = false: {variant})", file=sys.stderr, flush=True)
     return invariant, variant
@@ -454,7 +454,7 @@ def main() -> int:
     import workload as wl
     from transformers import AutoTokenizer
 
-    from worker.kernels.native_build import cap_libraries
+    from worker.platform.cpu_settings import cap_libraries
 
     # BATCHQ_CPU_ISA=avx2: this process's GEMMs (the auto-dtype probe, the GEMM ceiling) as an AVX2-only
     # machine's, before its first matmul; the contenders' processes inherit the settings

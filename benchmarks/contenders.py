@@ -96,11 +96,11 @@ def run_engine(
     fastest kernels, whose rounding may follow the batch (what invariance costs). async_scheduling False:
     every step serial (what the overlap gains or costs)."""
     from benchmarks.bench import memory_bandwidth
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.kv_pool import kv_bytes_per_token
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.engine_config import EngineConfig
     from worker.models.resolve import hf_checkpoint
 
     model_ref = hf_checkpoint(MODEL) if dequantised else MODEL
@@ -490,7 +490,7 @@ def main() -> int:
         help="the engine with async_scheduling = false (every step serial)",
     )
     ns = p.parse_args()
-    from worker.kernels.native_build import cap_libraries
+    from worker.platform.cpu_settings import cap_libraries
 
     cap_libraries()  # BATCHQ_CPU_ISA=avx2: HF's GEMMs as on an AVX2-only machine too, before any matmul
     lines = load_lines(ns.workload)

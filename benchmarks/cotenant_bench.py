@@ -9,7 +9,7 @@ loads it), decodes `--batch` sequences for `--seconds` with the real model in fl
 a busy-loop process beside it, and reports tokens/s and the shared/alone ratio.
 
 Contenders: batchq's default (threads sized to the CPU budget, then to the cores other processes leave
-free: worker/engine/cpu_tuning.py CpuShare), the budget's thread count fixed (`num_threads`, what a
+free: worker/platform/threads.py CpuShare), the budget's thread count fixed (`num_threads`, what a
 worker ran before), and one thread fixed. The co-tenant runs for 3 s before the timed steps, the time
 the default takes to notice it.
 """
@@ -33,10 +33,10 @@ def child(args: argparse.Namespace) -> int:
     """One contender: load, warm up, then decode for --seconds; prints one JSON line."""
     import torch
 
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineError, EngineRequest
+    from worker.engine_config import EngineConfig
 
     cfg = EngineConfig(
         model=args.model, dtype="float32", kv_cache_gb=1.0, num_threads=args.threads, repetition_window=0
@@ -104,7 +104,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench import machine
 
-    from worker.engine.cpu_tuning import cpu_budget
+    from worker.platform.threads import cpu_budget
 
     m = machine()
     budget = cpu_budget()

@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EmbeddingInputs, EngineRequest
+from worker.engine_config import EngineConfig
 
 WORDS = [
     "the",

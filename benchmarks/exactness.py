@@ -20,10 +20,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import Engine  # noqa: E402
 from worker.engine.params import GenerationParams  # noqa: E402
 from worker.engine.request import EngineRequest  # noqa: E402
+from worker.engine_config import EngineConfig  # noqa: E402
 
 REVIEWS = [
     "The zipper broke on day one.",

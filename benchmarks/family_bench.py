@@ -48,10 +48,10 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def run_engine(path: Path, batch: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.engine_config import EngineConfig
 
     engine = Engine.load(EngineConfig(dtype="float32", model=str(path), kv_cache_gb=0.5))
     params = GenerationParams(temperature=0, max_new_tokens=new, ignore_eos=True)

@@ -51,10 +51,10 @@ def prompt_tokens(lines: list[dict[str, Any]]) -> int:
 def run_engine(
     lines: list[dict[str, Any]], dtype: str, prefix_cache: bool, invariant: bool = True
 ) -> dict[str, Any]:
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.engine_config import EngineConfig
 
     cfg = EngineConfig(
         model=MODEL, device="cpu", dtype=dtype, prefix_cache=prefix_cache, batch_invariant=invariant

@@ -94,10 +94,10 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from tests.tiny_models import build_tiny_checkpoint
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.engine_config import EngineConfig
 
     device = torch.device(args.device)
     new = 24
@@ -148,10 +148,10 @@ def stage_invariance(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks import gpu_models as gm
     from tests.tiny_models import build_tiny_checkpoint
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.engine_config import EngineConfig
 
     new = 12
     subjects = [[5 + (11 * i + 3 * k) % 240 for k in range(7 + 13 * i)] for i in range(3)]
@@ -197,7 +197,7 @@ def stage_bench(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     import torch
 
     from benchmarks import gpu_models as gm
-    from worker.engine.config import EngineConfig
+    from worker.engine_config import EngineConfig
 
     t_start = time.perf_counter()
     device = torch.device(args.device)
@@ -350,7 +350,7 @@ def probe_stage(
     import torch
 
     from benchmarks import gpu_models as gm
-    from worker.engine.config import EngineConfig
+    from worker.engine_config import EngineConfig
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -430,9 +430,9 @@ def stage_quant(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     import torch
 
     from benchmarks import gpu_models as gm
-    from worker.engine.config import EngineConfig
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.engine_config import EngineConfig
 
     t_start = time.perf_counter()
     device = torch.device(args.device)

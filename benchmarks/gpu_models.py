@@ -16,12 +16,12 @@ import torch
 
 from benchmarks.workload import generate as workload_lines
 from tests.tiny_models import byte_tokenizer
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.kv_pool import size_kv_pool
 from worker.engine.model_runner import ModelRunner
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 from worker.kernels.backend import select_backend
 from worker.models.layers import RotaryTable
 from worker.models.llama import DecoderSpec, LlamaFamilyModel

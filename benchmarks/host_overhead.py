@@ -280,8 +280,8 @@ def main() -> int:
     )
     ns = p.parse_args()
 
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
+    from worker.engine_config import EngineConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         path = ns.checkpoint or Path(tmp) / "tiny-llama-smollm2-vocab"

@@ -201,9 +201,9 @@ def cpu_linear(args: argparse.Namespace) -> int:
     if native_linear.library() is None:
         print("kernel_bench: the C linear kernel is not available here (see the warning above)")
         return 1
-    from worker.engine.device import tune_cpu_linear
+    from worker.platform.probes import kept_linear_tuning
 
-    tune_cpu_linear()  # the machine's prefetch hint and tiling, as a worker runs them
+    kept_linear_tuning()  # the machine's prefetch hint and tiling, as a worker runs them
     m = machine()
     print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
     print(f"command: {' '.join(sys.argv)}")
@@ -365,8 +365,8 @@ def decode_step_ms(engine: Any, batch: int, passes: int) -> float:
 def cpu_decode_step(args: argparse.Namespace) -> int:
     """Whole decode steps of a real model (float32, the C kernels), through the decode stack and layer by
     layer: what the per-step Python around the kernels costs."""
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
+    from worker.engine_config import EngineConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench import machine
@@ -439,7 +439,7 @@ def cpu_prefill_attention(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    from worker.kernels.native_build import cap_libraries
+    from worker.platform.cpu_settings import cap_libraries
 
     cap_libraries()  # BATCHQ_CPU_ISA=avx2: torch's columns as an AVX2-only machine's, before any matmul
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -100,13 +100,13 @@ def main() -> int:
     import workload as wl
     from bench import machine
 
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import Constraint, GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.engine_config import EngineConfig
 
     if ns.dtype == "auto":
-        from worker.engine.device import cpu_auto_dtype
+        from worker.platform.cpu import cpu_auto_dtype
 
         ns.dtype = str(cpu_auto_dtype("auto")).removeprefix("torch.")
 

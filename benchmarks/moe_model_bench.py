@@ -35,10 +35,10 @@ def run(prompts: int, new: int, dtype: str, passes: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from tests.tiny_models import build_tiny_checkpoint
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineRequest
+    from worker.engine_config import EngineConfig
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 259, (prompts, 64), generator=gen)

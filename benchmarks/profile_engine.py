@@ -145,10 +145,10 @@ def main() -> int:
 
     from benchmarks.contenders import MODEL
     from benchmarks.workload import generate
-    from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
     from worker.engine.params import GenerationParams
     from worker.engine.request import EngineError, EngineRequest
+    from worker.engine_config import EngineConfig
     from worker.models.resolve import hf_checkpoint
 
     cfg = EngineConfig(

@@ -20,11 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import Engine  # noqa: E402
 from worker.engine.params import GenerationParams  # noqa: E402
 from worker.engine.request import EngineRequest, EngineResult  # noqa: E402
 from worker.engine.samples import sample_seed  # noqa: E402
+from worker.engine_config import EngineConfig  # noqa: E402
 
 PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(50))
 

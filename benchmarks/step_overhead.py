@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineError, EngineRequest
+from worker.engine_config import EngineConfig
 from worker.kernels.native_build import cpu_isa
 
 KERNEL_CALLS = {

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("producer", "worker")
 # The engine and what it runs on know nothing of the wire contract, Redis or the queue.
-LIBRARY = ("worker.engine", "worker.kernels", "worker.models")
+LIBRARY = ("worker.engine", "worker.platform", "worker.kernels", "worker.models", "worker.engine_config")
 LIBRARY_MAY_NOT_IMPORT = ("producer", "worker.adapter", "worker.config", "worker.job_handler", "worker.service",
                           "worker.queue_worker", "worker.health", "worker.cli", "redis", "arq")  # fmt: skip
 # The producer's rooms, and the rooms each may import (its own included). The wire is what both sides
@@ -138,6 +138,46 @@ def test_the_engine_kernels_and_models_import_nothing_of_the_queue_or_the_contra
     assert bad == []
 
 
+# The library's layers, each with the layers above it, which it may not import: the kernels lowest; the
+# models and the platform (which measures the kernels' choices) on them; the engine composing all three.
+# worker.engine_config, the settings every layer reads, lies below them all.
+ABOVE = {
+    "worker.engine_config": ("worker.kernels", "worker.models", "worker.platform", "worker.engine"),
+    "worker.kernels": ("worker.models", "worker.platform", "worker.engine"),
+    "worker.models": ("worker.platform", "worker.engine"),
+    "worker.platform": ("worker.models", "worker.engine"),
+}
+
+
+def layer_violations(g: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in g.items()
+        for layer, above in ABOVE.items()
+        if within(mod, layer)
+        for dep in deps
+        if within(dep, *above)
+    )
+
+
+def test_no_layer_of_the_library_imports_one_above_it() -> None:
+    g = graph()
+    assert "worker.platform" in g["worker.engine.engine"]  # the walk sees the engine's platform import
+    assert layer_violations(g) == []
+
+
+def test_the_layer_rule_catches_a_breach() -> None:
+    g = {
+        "worker.kernels.backend": {"worker.platform.probes"},
+        "worker.platform.cpu": {"worker.kernels.native_linear", "worker.engine.engine"},
+        "worker.engine.engine": {"worker.platform", "worker.models.loader"},
+    }
+    assert layer_violations(g) == [
+        "worker.kernels.backend -> worker.platform.probes",
+        "worker.platform.cpu -> worker.engine.engine",
+    ]
+
+
 def kernel_violations(g: dict[str, set[str]]) -> list[str]:
     """Imports of the kernels by the models other than through the backend, the one door to them: the
     backend object decides which kernel runs, so model code never picks one itself."""
@@ -160,7 +200,7 @@ def test_the_kernel_rule_catches_a_breach() -> None:
     g = {
         "worker.models.layers": {"worker.kernels.backend", "worker.kernels.native_linear"},
         "worker.models.llama": {"worker.kernels"},
-        "worker.engine.device": {"worker.kernels.native_linear"},  # the engine may reach the kernels
+        "worker.platform.probes": {"worker.kernels.native_linear"},  # the platform may reach the kernels
     }
     assert kernel_violations(g) == [
         "worker.models.layers -> worker.kernels.native_linear",

@@ -13,7 +13,7 @@ from pydantic.fields import FieldInfo
 
 from producer.wire import serde
 from worker.config import ConfigError, WorkerConfig, load_config
-from worker.engine.config import EngineConfig
+from worker.engine_config import EngineConfig
 
 EPILOG = """\
 examples:

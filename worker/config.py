@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from producer.wire import keys
-from worker.engine.config import EngineConfig
+from worker.engine_config import EngineConfig
 
 
 class ConfigError(ValueError):

@@ -16,8 +16,8 @@ from collections import deque
 from types import SimpleNamespace
 
 from worker.config import STAND_IN_MODEL
-from worker.engine.config import EngineConfig
 from worker.engine.request import EngineError, EngineRequest, EngineResult, EngineStats, LabelScore
+from worker.engine_config import EngineConfig
 
 __all__ = ["STAND_IN_MODEL", "InstantEngine"]
 CONTEXT = 1 << 20

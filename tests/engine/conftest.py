@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine_config import EngineConfig
 
 
 @pytest.fixture(scope="session")

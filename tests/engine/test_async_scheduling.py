@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import Constraint, GenerationParams
 from worker.engine.request import EngineError, EngineRequest, EngineResult
+from worker.engine_config import EngineConfig
 
 BLOCK = 4
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK  # 2 x layers x kv_heads x head_dim x float32 bytes x tokens

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EmbeddingInputs, EngineRequest, EngineResult
+from worker.engine_config import EngineConfig
 
 pytestmark = pytest.mark.slow
 

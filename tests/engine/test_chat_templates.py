@@ -21,10 +21,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from tests.tiny_models import BYTE_OFFSET, byte_tokenizer, hf_reference, perturb, tiny_config
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"

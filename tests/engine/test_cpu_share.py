@@ -1,5 +1,5 @@
 """CPU workers on shared machines: threads sized to the cgroup's CPU quota, and to the cores other processes
-leave free (worker/engine/cpu_tuning.py)."""
+leave free (worker/platform/threads.py)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.config import EngineConfig
-from worker.engine.cpu_tuning import CpuShare, cgroup_cpu_quota
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
+from worker.platform.threads import CpuShare, cgroup_cpu_quota
 
 ROOT = Path(__file__).resolve().parents[2]
 CPUS = len(os.sched_getaffinity(0))
@@ -224,7 +224,7 @@ def test_a_worker_in_a_cgroup_with_a_cpu_quota_sizes_its_threads_to_it(tiny_mode
         (group / limit[0]).write_text(limit[1])
         code = (
             f"import os; open('{group}/cgroup.procs', 'w').write(str(os.getpid()));"
-            "import torch; from worker.engine.config import EngineConfig; from worker.engine.engine import Engine;"
+            "import torch; from worker.engine_config import EngineConfig; from worker.engine.engine import Engine;"
             f"e = Engine.load(EngineConfig(model={str(tiny_model_dir)!r}, dtype='float32', kv_cache_gb=0.05));"
             "print(torch.get_num_threads(), e.cpu_share.budget)"
         )

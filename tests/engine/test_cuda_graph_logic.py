@@ -9,7 +9,6 @@ import torch
 
 from tests.engine.fakes import make_seq
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import CudaGraphRunner, bucket, capture_sizes, pad_decode
 from worker.engine.engine import Engine
 from worker.engine.model_runner import ModelRunner
@@ -17,6 +16,7 @@ from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
+from worker.engine_config import EngineConfig
 from worker.kernels.backend import select_backend
 from worker.models.layers import AttentionMetadata
 from worker.models.loader import load_model

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine import device
-from worker.engine.device import pick_dtype
 from worker.kernels import native_build, native_linear, native_moe
+from worker.platform import cpu_settings, probes
+from worker.platform.cpu import cpu_dtype, invariant_cpu_storage
 
 CPU = torch.device("cpu")
 
@@ -39,11 +39,11 @@ def test_auto_takes_bfloat16_on_cpu_only_where_its_matmuls_are_clearly_faster(
     monkeypatch: pytest.MonkeyPatch, f32: float, native: float, bf16: float, want: torch.dtype
 ) -> None:
     rates = {torch.float32: f32, torch.bfloat16: bf16}
-    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates[dtype])
-    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: native)
-    assert pick_dtype("auto", CPU, "auto") == want
-    assert pick_dtype("float32", CPU, "auto") == torch.float32
-    assert pick_dtype("bfloat16", CPU, "auto") == torch.bfloat16
+    monkeypatch.setattr(probes, "gemm_flops", lambda dtype, **_: rates[dtype])
+    monkeypatch.setattr(probes, "native_gemm_flops", lambda **_: native)
+    assert cpu_dtype("auto", "auto") == want
+    assert cpu_dtype("float32", "auto") == torch.float32
+    assert cpu_dtype("bfloat16", "auto") == torch.bfloat16
 
 
 @pytest.mark.parametrize("bf16dot", [True, False])
@@ -52,22 +52,22 @@ def test_auto_under_batch_invariance_takes_bfloat16_only_where_linear_c_multipli
 ) -> None:
     # No probe of torch's GEMMs: oneDNN's bfloat16 picks kernels by row count, so only linear_bf16dot.c's
     # products (AVX-512 BF16) keep a bfloat16 engine invariant; elsewhere float32.
-    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: pytest.fail("torch's GEMMs were probed"))
+    monkeypatch.setattr(probes, "gemm_flops", lambda dtype, **_: pytest.fail("torch's GEMMs were probed"))
     monkeypatch.setattr(native_linear, "has_bf16dot", lambda: bf16dot)
     want = torch.bfloat16 if bf16dot else torch.float32
-    assert pick_dtype("auto", CPU, "auto", invariant=True) == want
-    assert pick_dtype("auto", CPU, "torch", invariant=True) == torch.float32
-    assert pick_dtype("float16", CPU, "auto", invariant=True) == torch.float16
-    stored = device.invariant_cpu_storage(torch.bfloat16, CPU, invariant=True, c_kernels=True)
+    assert cpu_dtype("auto", "auto", invariant=True) == want
+    assert cpu_dtype("auto", "torch", invariant=True) == torch.float32
+    assert cpu_dtype("float16", "auto", invariant=True) == torch.float16
+    stored = invariant_cpu_storage(torch.bfloat16, invariant=True, c_kernels=True)
     assert stored == (torch.float32, torch.bfloat16)
 
 
 def test_auto_without_the_c_kernels_weighs_torchs_float32_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     # cpu_kernels = "torch": float32 runs on torch's matmul, so linear.c's rate (here the faster) is not asked.
     rates = {torch.float32: 200e9, torch.bfloat16: 300e9}
-    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates[dtype])
-    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: pytest.fail("linear.c was probed"))
-    assert pick_dtype("auto", CPU, "torch") == torch.bfloat16
+    monkeypatch.setattr(probes, "gemm_flops", lambda dtype, **_: rates[dtype])
+    monkeypatch.setattr(probes, "native_gemm_flops", lambda **_: pytest.fail("linear.c was probed"))
+    assert cpu_dtype("auto", "torch") == torch.bfloat16
 
 
 def test_the_first_measurement_is_the_machines_choice_for_every_later_start(
@@ -76,29 +76,29 @@ def test_the_first_measurement_is_the_machines_choice_for_every_later_start(
     # A worker starting while the cores are loaded measures other rates; it must not pick the other dtype
     # (and answer, and key the result cache) unlike the workers that started before it.
     rates = {torch.float32: 100e9, torch.bfloat16: 240e9}
-    monkeypatch.setattr(device, "gemm_flops", lambda dtype, **_: rates[dtype])
-    monkeypatch.setattr(device, "native_gemm_flops", lambda **_: 0.0)
-    assert pick_dtype("auto", CPU, "auto") == torch.bfloat16
+    monkeypatch.setattr(probes, "gemm_flops", lambda dtype, **_: rates[dtype])
+    monkeypatch.setattr(probes, "native_gemm_flops", lambda **_: 0.0)
+    assert cpu_dtype("auto", "auto") == torch.bfloat16
     rates[torch.bfloat16] = 90e9  # what a loaded machine would measure now
-    assert pick_dtype("auto", CPU, "auto") == torch.bfloat16
-    assert pick_dtype("auto", CPU, "torch") == torch.float32  # another setting, another measurement
+    assert cpu_dtype("auto", "auto") == torch.bfloat16
+    assert cpu_dtype("auto", "torch") == torch.float32  # another setting, another measurement
     kept = list((own_cache_dir / "probes").glob("bf16-speedup-*.json"))
     assert len(kept) == 2
     for f in kept:  # deleted, the machine is measured again
         f.unlink()
-    assert pick_dtype("auto", CPU, "auto") == torch.float32
+    assert cpu_dtype("auto", "auto") == torch.float32
 
 
 _PROBE = """
 import sys, time, torch
-from worker.engine import device
+from worker.platform import cpu, probes
 rate = float(sys.argv[1])
 def gemm_flops(dtype, **_):
     time.sleep(1.5)  # as long as a real probe of a big machine: the other process starts meanwhile
     return {torch.float32: 100e9, torch.bfloat16: rate}[dtype]
-device.gemm_flops = gemm_flops
-device.native_gemm_flops = lambda **_: 0.0
-print(device.pick_dtype("auto", torch.device("cpu"), "auto"))
+probes.gemm_flops = gemm_flops
+probes.native_gemm_flops = lambda **_: 0.0
+print(cpu.cpu_dtype("auto", "auto"))
 """
 
 
@@ -124,7 +124,10 @@ def test_a_kept_figure_answers_only_for_the_linear_c_it_timed(
     rates = {"torch": 240e9, "c": 180e9}
 
     def kept() -> float:
-        return device._kept("a-probe", "a probe timing linear.c", "auto", lambda: rates["torch"] / rates["c"])
+        record = probes.kept(
+            "a-probe", "a probe timing linear.c", "auto", lambda: {"x": rates["torch"] / rates["c"]}
+        )
+        return float(record["x"])
 
     assert kept() == pytest.approx(240 / 180)
     rates["c"] = 300e9  # the new kernel's rate
@@ -137,7 +140,7 @@ def test_a_kept_figure_answers_only_for_the_linear_c_it_timed(
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
 def test_linear_c_choices_are_measured_once_kept_and_reach_every_library_with_linear_c(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, own_cache_dir: Path
 ) -> None:
     # linear.c's prefetch hint, its far prefetch in decode steps, and in the AVX2 build (what AVX2-only
     # CPUs run) whole- or half-panel tiles for 1-3 rows and paced tiles for fewer rows than a tile holds,
@@ -162,7 +165,10 @@ def test_linear_c_choices_are_measured_once_kept_and_reach_every_library_with_li
         monkeypatch.setattr(
             native_linear, "measure_pace_speedup", lambda rows: paced_rows.append(rows) or speedup["pace"]
         )
-        device.tune_cpu_linear()
+        record = probes.kept_linear_tuning()
+        want = {"prefetch_t0": 1, "far_prefetch": 1, "wide_rows": native_linear.WIDE_ROWS,
+                "pace_rows": native_linear.PACE_ROWS}  # fmt: skip
+        assert record == want
         assert native_linear.prefetch_t0() and native_linear.wide_rows() == native_linear.WIDE_ROWS
         assert native_linear.far_prefetch() and native_linear.pace_rows() == native_linear.PACE_ROWS
         assert paced_rows == [(5,)]  # whole-panel tiles take 1-3 rows: pacing is measured where it applies
@@ -180,15 +186,14 @@ def test_linear_c_choices_are_measured_once_kept_and_reach_every_library_with_li
         native_linear.set_far_prefetch(False)
         native_linear.set_pace_rows(0)
         assert moe.batchq_linear_set_prefetch_t0(-1) == 0
-        assert moe.batchq_linear_set_far_prefetch(-1) == 0
-        assert moe.batchq_linear_set_pace_rows(-1) == 0
         speedup.update(prefetch=0.7, far=0.9, tiles=0.8, pace=0.8)
-        device.tune_cpu_linear()
+        assert probes.kept_linear_tuning() == want  # one record, kept: not measured again
         assert moe.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS
         assert moe.batchq_linear_set_prefetch_t0(-1) == 1
         assert moe.batchq_linear_set_far_prefetch(-1) == 1
         assert moe.batchq_linear_set_pace_rows(-1) == native_linear.PACE_ROWS
-        assert paced_rows == [(5,)]  # kept: not measured again
+        assert paced_rows == [(5,)]
+        assert len(list((own_cache_dir / "probes").glob("linear-tuning-*.json"))) == 1
     finally:
         native_linear.set_wide_rows(0)
         native_linear.set_prefetch_t0(False)
@@ -201,15 +206,15 @@ def test_gemm_probe_measures_this_machine() -> None:
     # The real probe, small: both dtypes run and give a rate. Below 100 TFLOP/s (a 2-core CPU's is far
     # less); above 10 MFLOP/s, which a busy machine's slowest pass still reaches (an idle one's is ~100x).
     for dtype in (torch.float32, torch.bfloat16):
-        assert 1e7 < device.gemm_flops(dtype, n=256, reps=2) < 1e14
-    native = device.native_gemm_flops(n=256, reps=4)  # one probe, the best of 4 passes
+        assert 1e7 < probes.gemm_flops(dtype, n=256, reps=2) < 1e14
+    native = probes.native_gemm_flops(n=256, reps=4)  # one probe, the best of 4 passes
     assert native == 0 or 1e7 < native < 1e14
 
 
 # Runs in a fresh interpreter: oneDNN reads its cache capacity once, at the process's first matmul.
 _GROWTH = """
 import random, sys, torch
-from worker.engine.cpu_tuning import bound_onednn_caches, keep_freed_memory
+from worker.platform.cpu_settings import bound_onednn_caches, keep_freed_memory
 if sys.argv[1] == "bounded":
     bound_onednn_caches()
 keep_freed_memory()
@@ -257,7 +262,7 @@ def test_bf16_matmul_kernel_caches_stay_bounded_under_ever_new_shapes() -> None:
 # now and then, which made a page-fault bound fail one run in three.
 _MAPPED = """
 import ctypes, sys, torch
-from worker.engine.cpu_tuning import keep_freed_memory
+from worker.platform.cpu_settings import keep_freed_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
@@ -295,8 +300,8 @@ def test_freed_step_temporaries_are_reused_not_faulted_in_again() -> None:
 # the settings cap_libraries left in force, then bf16 GEMM FLOP/s over float32's, the engine's probe.
 _CAPPED = """
 import sys, torch
-from worker.engine.device import gemm_flops
-from worker.kernels.native_build import cap_libraries
+from worker.platform.cpu_settings import cap_libraries
+from worker.platform.probes import gemm_flops
 caps = cap_libraries()
 print(sorted(caps.items()))
 # One thread: a GEMM of two threads with a core taken by another process waits out a time slice for its
@@ -312,7 +317,7 @@ def test_a_forced_avx2_run_gives_torchs_gemm_libraries_an_avx2_only_machines_ins
     # BATCHQ_CPU_ISA=avx2 stands for an AVX2-only CPU. The kernels' build is one half of that; the other is
     # torch's oneDNN and MKL, which would otherwise keep AVX-512 (and AMX): then the engine's bf16 probe
     # found fast bf16 GEMMs no AVX2-only CPU has, and the AVX2 run's bf16 rows took them.
-    clean = {k: v for k, v in os.environ.items() if k not in native_build.LIBRARY_CAPS["avx2"]}
+    clean = {k: v for k, v in os.environ.items() if k not in cpu_settings.LIBRARY_CAPS["avx2"]}
 
     def run(**env: str) -> tuple[str, float]:
         out = subprocess.run(
@@ -324,7 +329,7 @@ def test_a_forced_avx2_run_gives_torchs_gemm_libraries_an_avx2_only_machines_ins
 
     caps, ratio = run(BATCHQ_CPU_ISA="avx2")
     assert caps == "[('MKL_ENABLE_INSTRUCTIONS', 'AVX2'), ('ONEDNN_MAX_CPU_ISA', 'AVX2')]"
-    assert ratio < device.BF16_MIN_SPEEDUP  # what an AVX2-only CPU measures: bf16 never pays there
+    assert ratio < probes.BF16_MIN_SPEEDUP  # what an AVX2-only CPU measures: bf16 never pays there
     # an operator's own setting is kept; native caps nothing
     assert run(BATCHQ_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="SSE4_2")[0] == (
         "[('MKL_ENABLE_INSTRUCTIONS', 'SSE4_2'), ('ONEDNN_MAX_CPU_ISA', 'AVX2')]"

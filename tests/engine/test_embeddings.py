@@ -16,11 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.pooling import model_pooling
 from worker.engine.request import EmbeddingInputs, EngineRequest, EngineResult
+from worker.engine_config import EngineConfig
 
 TOL = 1e-5
 TEXTS = ["the cat sat on the mat", "a", "labels for a dataset, " * 6, "ünïcödé ✓ text"]

@@ -12,10 +12,10 @@ import pytest
 
 from tests.tiny_models import build_tiny_checkpoint
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
+from worker.engine_config import EngineConfig
 
 BLOCK = 4
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK  # 2 x layers x kv_heads x head_dim x float32 bytes x tokens

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 from worker.models.resolve import gguf_checkpoint, smollm2_gguf_path
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ import torch
 
 from tests.tiny_models import build_tiny_checkpoint
 from worker.engine import kv_pool
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.kv_pool import concurrency_blocks, kv_bytes_per_token, size_kv_pool
+from worker.engine_config import EngineConfig
 from worker.models.loader import LoadedModel, load_model
 
 CPU = torch.device("cpu")

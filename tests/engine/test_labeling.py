@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import Constraint, GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
+from worker.engine_config import EngineConfig
 
 TOL = 1e-4
 LABELS = ("positive", "negative", "neutral", "pos", "mixed feelings")  # "pos" shares a prefix with "positive"

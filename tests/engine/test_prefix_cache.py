@@ -9,10 +9,10 @@ import pytest
 
 from tests.engine.test_engine import run_checked
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 from worker.kernels import native_attention
 from worker.kernels.cascade import MIN_SHARED_TOKENS
 

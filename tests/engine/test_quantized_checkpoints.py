@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.quant_checkpoints import quantise_checkpoint
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 
 PROMPTS = [[5, 6, 7], list(range(10, 60)), [200, 100] * 30, [42], list(range(3, 100, 2))]
 MAX_NEW = 16

@@ -29,10 +29,10 @@ from tests.tiny_models import (
     think_tokenizer,
 )
 from worker.engine import engine as engine_module
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import Constraint, GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
+from worker.engine_config import EngineConfig
 
 LABELS = ("positive", "negative", "neutral")
 

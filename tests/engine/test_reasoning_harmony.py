@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.engine.test_reasoning_markers import HARMONY_SPECIALS, harmony_tokenizer
 from tests.tiny_models import EOS_ID, VOCAB_SIZE, build_tiny_checkpoint, hf_greedy
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 
 TEMPLATE = (
     "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"

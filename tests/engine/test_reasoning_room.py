@@ -14,11 +14,11 @@ import pytest
 
 from producer.wire.contract import BUILTIN_DEFAULTS
 from tests.tiny_models import OPEN, THINK_ASK, build_think_checkpoint, think_prompt_ids, think_tokenizer
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.reasoning import ReasoningMarkers
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 
 LABELS = ("positive", "negative", "neutral")  # the longest is 8 tokens (bytes)
 CONTEXT = 256

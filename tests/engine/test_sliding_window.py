@@ -18,10 +18,10 @@ from greedy_parity import check_greedy, hf_greedy
 from transformers import AutoModelForCausalLM
 
 from tests.tiny_models import build_tiny_checkpoint, hf_reference, tiny_config
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest, EngineResult
+from worker.engine_config import EngineConfig
 from worker.models.spec import UnsupportedLayers, sliding_windows
 
 WINDOW = 16

@@ -15,11 +15,11 @@ import torch
 from greedy_parity import check_greedy, hf_greedy
 
 from tests.tiny_models import build_tiny_checkpoint, build_tiny_gemma3_image_text, hf_reference
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
+from worker.engine_config import EngineConfig
 from worker.models.transformers_model import TransformersModel
 
 LLAMA3_ROPE = {

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 from worker.kernels import native_linear
 
 pytestmark = pytest.mark.skipif(native_linear.library() is None, reason="no C compiler here")

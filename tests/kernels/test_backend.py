@@ -3,19 +3,20 @@ preparing a model for it (use_backend) does to its layers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
+from worker.engine_config import EngineConfig
 from worker.kernels import native_linear, native_stack
 from worker.kernels.backend import BF16_GEMM_ROWS, TORCH_LINEAR, select_backend
 from worker.models.layers import RMSNorm
 from worker.models.llama import Attention
 from worker.models.loader import load_model
+from worker.platform import cpu as cpu_platform
+from worker.platform.cpu import CpuPlatform
 
 CPU = torch.device("cpu")
 needs_c = pytest.mark.skipif(native_stack.library() is None, reason="no C compiler here")
@@ -48,26 +49,30 @@ def test_bfloat16_compute_keeps_c_attention_only() -> None:
     assert backend.rmsnorm is None and backend.rotary_ is None and not backend.decode_stack
 
 
-def fast_probe() -> tuple[list[bool], Callable[[], bool]]:
-    """A probe that answers "faster" and records each time it is asked."""
+@pytest.fixture
+def bf16_probe(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The platform's bf16 GEMM probe answering "faster", each time it is asked recorded."""
     asked: list[bool] = []
 
-    def fast() -> bool:
+    def speedup(cpu_kernels: str) -> float:
         asked.append(True)
-        return True
+        return 2.0
 
-    return asked, fast
+    monkeypatch.setattr(cpu_platform, "cpu_bf16_gemm_speedup", speedup)
+    return asked
 
 
 @needs_c
-def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() -> None:
-    asked, fast = fast_probe()
+def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms(bf16_probe: list[bool]) -> None:
     fastest = EngineConfig(batch_invariant=False)
-    assert select_backend(fastest, CPU, torch.float32, torch.float32, fast).bf16_gemm_rows == 0
-    assert not asked  # the probe runs only for bfloat16 weights
-    backend = select_backend(fastest, CPU, torch.float32, torch.bfloat16, fast)
-    assert backend.bf16_gemm_rows == BF16_GEMM_ROWS and asked
-    assert select_backend(fastest, CPU, torch.float32, torch.bfloat16, lambda: False).bf16_gemm_rows == 0
+    platform = CpuPlatform()
+    assert not platform.fast_bf16_gemm(fastest, torch.float32)
+    assert select_backend(fastest, CPU, torch.float32, torch.float32, True).bf16_gemm_rows == 0
+    assert not bf16_probe  # the probe runs only for bfloat16 weights
+    assert platform.fast_bf16_gemm(fastest, torch.bfloat16) and bf16_probe
+    backend = select_backend(fastest, CPU, torch.float32, torch.bfloat16, True)
+    assert backend.bf16_gemm_rows == BF16_GEMM_ROWS
+    assert select_backend(fastest, CPU, torch.float32, torch.bfloat16, False).bf16_gemm_rows == 0
     # a step of that many rows runs layer by layer (oneDNN's GEMM), a smaller one may take the stack
     tables = torch.zeros(BF16_GEMM_ROWS, 1, dtype=torch.int32)
     lens = torch.ones(BF16_GEMM_ROWS, dtype=torch.int32)
@@ -75,12 +80,12 @@ def test_the_bf16_gemm_threshold_needs_bfloat16_weights_and_fast_bf16_gemms() ->
 
 
 @needs_c
-def test_batch_invariance_never_switches_kernels_by_a_steps_rows() -> None:
+def test_batch_invariance_never_switches_kernels_by_a_steps_rows(bf16_probe: list[bool]) -> None:
     # oneDNN's bf16 GEMM from BF16_GEMM_ROWS rows up would give a row other bits in a prompt-sized step
     # than in a decode-sized one: under batch_invariant (the default) bfloat16 weights stay on linear.c
-    asked, fast = fast_probe()
-    backend = select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, fast)
-    assert backend.bf16_gemm_rows == 0 and not asked and backend.linear.name == "c"
+    assert not CpuPlatform().fast_bf16_gemm(EngineConfig(), torch.bfloat16) and not bf16_probe
+    backend = select_backend(EngineConfig(), CPU, torch.float32, torch.bfloat16, True)
+    assert backend.bf16_gemm_rows == 0 and backend.linear.name == "c"
 
 
 def test_torch_kernels_build_nothing_and_run_torch_everywhere() -> None:

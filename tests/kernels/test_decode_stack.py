@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
+from worker.engine_config import EngineConfig
 from worker.kernels import native_stack
 from worker.kernels.linear_methods import PackedLinear
 

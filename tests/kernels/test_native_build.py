@@ -13,7 +13,7 @@ import torch
 
 from tests.kernels.paged_cases import GRID, assert_close, build_cache, random_queries
 from tests.kernels.test_cpu_attention import cpu_layout
-from worker.engine.config import EngineConfig
+from worker.engine_config import EngineConfig
 from worker.kernels import native_attention, native_build, reference
 from worker.kernels.backend import select_backend
 from worker.kernels.torch_attention import TorchAttention

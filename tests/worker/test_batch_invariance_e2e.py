@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.worker.conftest import assert_consistent, results_count, submit, wait_until, write_jsonl
-from worker.engine.device import pick_dtype
+from worker.platform.cpu import cpu_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +89,7 @@ def answer(server: Any, workers: Any, tmp_path: Path, lines: list[dict[str, Any]
 
 @pytest.mark.parametrize("dtype", ["default", "other"])
 def test_a_line_answers_the_same_in_two_differently_composed_batches(server, workers, tmp_path, dtype):
-    default = str(pick_dtype("auto", torch.device("cpu"), "auto", invariant=True)).removeprefix("torch.")
+    default = str(cpu_dtype("auto", "auto", invariant=True)).removeprefix("torch.")
     want = default if dtype == "default" else "float32" if default == "bfloat16" else "bfloat16"
     args = [] if dtype == "default" else ["--dtype", want]
     a = answer(server, workers, tmp_path, BATCH_A, "a", *WORKER_A, *args)

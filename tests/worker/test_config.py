@@ -10,7 +10,7 @@ import pytest
 
 from worker.cli import build_parser
 from worker.config import ConfigError, WorkerConfig, load_config
-from worker.engine.config import EngineConfig
+from worker.engine_config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "worker.toml"

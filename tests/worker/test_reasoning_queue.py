@@ -17,10 +17,10 @@ import pytest
 from tests.tiny_models import OPEN, THINK_ASK, build_think_checkpoint
 from tests.worker.conftest import ROOT, Worker, assert_consistent, submit
 from worker.embedded_redis import RedisServer
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from producer.wire.workers import QueueServing
 from tests.tiny_models import build_think_checkpoint
 from tests.worker.conftest import ROOT, results_count, wait_until, write_jsonl
 from worker.adapter import engine_request, to_result
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine_config import EngineConfig
 
 ASK = [{"role": "user", "content": "Is the food good?"}]
 LINES: dict[str, dict[str, Any]] = {

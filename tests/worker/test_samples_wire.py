@@ -13,8 +13,8 @@ from producer.wire.contract import Request, Result
 from producer.wire.result_cache import CachedAnswer, cacheable
 from tests.tiny_models import build_tiny_checkpoint
 from worker.adapter import engine_request, to_result
-from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine_config import EngineConfig
 
 N1_KEYS = {"id", "text", "finish_reason", "usage", "timing", "error", "metadata", "cached", "model"}
 

@@ -5,9 +5,9 @@ import no torch; `worker.engine.engine.Engine` (sync) and `worker.engine.async_e
 load the model.
 """
 
-from worker.engine.config import EngineConfig
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineError, EngineRequest, EngineResult, EngineStats, FinishReason
+from worker.engine_config import EngineConfig
 
 __all__ = [
     "EngineConfig",

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from worker.engine.config import EngineConfig
-from worker.engine.cpu_tuning import one_malloc_arena
 from worker.engine.engine import Engine
 from worker.engine.request import EngineError, EngineRequest, EngineResult
+from worker.engine_config import EngineConfig
+from worker.platform.cpu_settings import one_malloc_arena
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,7 +55,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_set_result, loaded, self)
             self._run()
 
-        one_malloc_arena()  # before the thread's first allocation (cpu_tuning says why)
+        one_malloc_arena()  # before the thread's first allocation (cpu_settings says why)
         threading.Thread(target=run, name="batchq-engine", daemon=True).start()
         return await loaded
 

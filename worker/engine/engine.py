@@ -20,24 +20,18 @@ from typing import Any
 
 import torch
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.config import EngineConfig
-from worker.engine.cpu_tuning import CpuShare, bound_onednn_caches, cpu_budget, keep_freed_memory
-from worker.engine.detokenizer import IncrementalDetokenizer, detokenizer_plan
-from worker.engine.device import (
-    BF16_MIN_SPEEDUP,
-    cpu_bf16_gemm_speedup,
-    invariant_cpu_storage,
-    pick_device,
-    pick_dtype,
-    pick_kv_dtype,
-    pick_weight_dtype,
-    tune_cpu_linear,
+from worker.engine.assembly import (
+    batch_invariant_here,
+    engine_fingerprint_of,
+    kv_cache_dtype,
+    log_windows,
+    store_weights,
 )
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer, detokenizer_plan
 from worker.engine.embedding import EmbeddingRequests
-from worker.engine.fingerprint import engine_fingerprint, tokenizer_digest, weights_digest
 from worker.engine.grammar import Grammars
-from worker.engine.kv_pool import CALIBRATION_TEXT, calibrate_kv_scales, size_kv_pool
+from worker.engine.kv_pool import size_kv_pool
 from worker.engine.kv_window import SlidingWindow
 from worker.engine.model_runner import DecodeDone, ModelRunner, ScoredLabels, StepOutput
 from worker.engine.outputs import TokenTexts, label_scores, pick_label
@@ -58,61 +52,15 @@ from worker.engine.samples import SampleGroup, combine, plan_samples, sample_see
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
-from worker.kernels.backend import Backend, c_linear_available, select_backend
-from worker.kernels.native_build import cap_libraries
+from worker.engine_config import EngineConfig
+from worker.kernels.backend import select_backend
 from worker.models.loader import LoadedModel, load_model
+from worker.platform import Dtypes, load_platform
+from worker.platform.threads import CpuShare
 
 log = logging.getLogger(__name__)
 _FAST = operator.attrgetter("fast")
 _PREFILLED = operator.attrgetter("prefilled")
-
-
-def batch_invariant_here(backend: Backend, loaded: LoadedModel) -> bool:
-    """Whether the kernels chosen hold batch invariance (cfg.batch_invariant asks for it); the load log
-    says why where they cannot."""
-    why = None
-    if loaded.implementation != "native":
-        why = "the model runs Hugging Face's own layers (the transformers fallback), whose GEMMs pick kernels by row count"
-    elif backend.name == "triton" and not getattr(backend.linear, "invariant", False):
-        why = "its linear layers run cuBLAS (F.linear), which picks kernels by row count"
-    elif backend.name != "triton" and backend.linear.name != "c":
-        why = "its linear layers run torch's GEMMs (no C kernels here), which pick kernels by row count"
-    if why is not None:
-        log.warning("batch_invariant: not held by this engine: %s; a request's numbers may depend on what "
-                    "shares its step", why)  # fmt: skip
-    return why is None
-
-
-def store_weights(
-    cfg: EngineConfig,
-    loaded: LoadedModel,
-    backend: Backend,
-    dtype: torch.dtype,
-    weight_dtype: torch.dtype,
-    narrow_auto: bool,
-) -> None:
-    """The linear weights stored as weight_dtype where it differs from the compute dtype (linear.c reads
-    them), a quantised checkpoint's dequantised where no kernel here runs it as stored. narrow_auto: the
-    narrow storage came from weight_dtype auto (invariant_cpu_storage), and is dropped quietly where it
-    cannot apply (a quantised checkpoint, Hugging Face's layers)."""
-    quantised = loaded.model.quantised_linears()
-    if narrow_auto and cfg.weight_dtype == "auto" and (quantised or loaded.implementation != "native"):
-        weight_dtype = dtype
-    if weight_dtype != dtype:
-        if loaded.implementation == "transformers":
-            loaded.model.quantize_weights(weight_dtype)  # raises: it has no narrower weights
-        if backend.linear.name != "c":
-            why = "cpu_kernels = 'torch'" if cfg.cpu_kernels == "torch" else "the warning above says why"
-            raise ValueError(
-                f"weight_dtype {cfg.weight_dtype} needs the C linear kernel, unavailable here ({why}): use "
-                "weight_dtype = 'auto'"
-            )
-        loaded.model.quantize_weights(weight_dtype)
-        log.info("linear weights stored as %s", weight_dtype)
-    if quantised and backend.linear.name == "torch":
-        loaded.model.dequantize_weights(dtype)  # torch's F.linear would dequantise them every step
-        log.info("%d quantised linear layers dequantised to %s (no kernel here runs them as stored)",
-                 len(quantised), str(dtype).removeprefix("torch."))  # fmt: skip
 
 
 class Engine:
@@ -124,13 +72,14 @@ class Engine:
         num_blocks: int,
         max_model_len: int,
         batch_invariant: bool = False,
-        compute_dtype: torch.dtype = torch.float32,
-        dtype_name: str | None = None,
+        dtypes: Dtypes | None = None,
+        cpu_share: CpuShare | None = None,
     ) -> None:
         self.cfg = cfg
-        # the dtype as asked (or auto's choice), which results name: a CPU's invariant bfloat16 computes in
-        # float32 outside its bf16 storage and products, and is still the bfloat16 engine
-        self.dtype_name = dtype_name or str(compute_dtype).removeprefix("torch.")
+        kv_dtype = model_runner.kv_caches[0][0].dtype
+        dtypes = dtypes or Dtypes(kv_dtype, kv_dtype)
+        compute_dtype = dtypes.compute
+        self.dtype_name = dtypes.name  # the dtype as asked (or auto's choice), which results name
         # whether a request's numbers are independent of what shares its step (batch_invariant_here)
         self.batch_invariant = batch_invariant
         self.model_name = loaded.name
@@ -140,7 +89,6 @@ class Engine:
         self.max_model_len = max_model_len
         self.model_runner = model_runner
         # The prefix cache's chain hashes are salted with what else decides K/V: model, weights, dtype.
-        kv_dtype = model_runner.kv_caches[0][0].dtype
         salt = f"{loaded.name}\0{loaded.checkpoint_dir}\0{kv_dtype}".encode()
         windows = loaded.model.layer_windows
         window = SlidingWindow.of_layers(windows, cfg.max_num_batched_tokens)
@@ -150,7 +98,7 @@ class Engine:
         # the windowed layers no longer read (what per-layer tables would free in them).
         windowed = [w for w in windows if w is not None]
         self.idle_window = max(windowed) if windowed and window is None else None
-        _log_windows(windows, window, self.block_manager)
+        log_windows(windows, window, self.block_manager)
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
@@ -179,32 +127,10 @@ class Engine:
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
         # the detokenizer's table of the vocabulary, built here rather than at the first request
         log.info("detokenizer: %s", detokenizer_plan(self.tokenizer).describe())
-        self.fingerprint = engine_fingerprint(
-            weights_digest(loaded.model),
-            tokenizer=tokenizer_digest(self.tokenizer),
-            kv_dtype=str(kv_dtype),
-            device=model_runner.device.type,
-            attention=model_runner.backend.name,
-            native_decode=model_runner.backend.c_decode,
-            native_linear=loaded.model.uses_c_linear,
-            native_stack=model_runner.backend.decode_stack,
-            bf16_gemm_rows=model_runner.backend.bf16_gemm_rows,
-            # the compute dtype apart from the weights' and the KV cache's (a CPU's invariant bfloat16
-            # stores narrow and computes in float32), and whether the kernels follow the batch
-            compute_dtype=str(compute_dtype),
-            batch_invariant=batch_invariant,
-            # bfloat16 products (linear_bf16dot.c) round x where float32 arithmetic on bf16 weights does not;
-            # only such engines add the key
-            **({"bf16_products": True} if model_runner.backend.linear.bf16_dot else {}),
-            eos=sorted(self.eos_token_ids),
-            repetition=[cfg.repetition_window, cfg.repetition_repeats],
-            max_model_len=max_model_len,
-            # Hugging Face's layers round differently from ours; only the fallback adds the key, so native
-            # engines keep the fingerprints (and cached results) they had
-            **({"implementation": loaded.implementation} if loaded.implementation != "native" else {}),
-            # results of a reasoning model carry the split; engines without a parser keep their fingerprints
-            **({"reasoning": self.reasoning.kind} if self.reasoning is not None else {}),
-        )
+        self.fingerprint = engine_fingerprint_of(
+            loaded, model_runner, cfg, self.eos_token_ids, max_model_len, compute_dtype, batch_invariant,
+            self.reasoning,
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._inbox: list[tuple[EngineRequest, float]] = []
         self._cancelled: set[str] = set()
@@ -221,56 +147,35 @@ class Engine:
         self._groups: dict[str, SampleGroup] = {}  # n > 1: by request id, until every sample has ended
         self.embeddings = EmbeddingRequests(self.scheduler, self._seqs)  # their inputs are in _seqs too
         self.counters = EngineCounters()
-        # An explicit num_threads is the operator's; otherwise the thread count follows the cores other
-        # processes leave free (cpu_tuning.CpuShare).
-        adaptive = model_runner.device.type == "cpu" and cfg.num_threads is None
-        self.cpu_share = CpuShare(torch.get_num_threads()) if adaptive else None
+        self.cpu_share = cpu_share  # the platform's co-tenant watch: the thread count follows free cores
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> Engine:
-        device = pick_device(cfg.device)
-        if device.type == "cpu":
-            cap_libraries()  # BATCHQ_CPU_ISA=avx2: torch's GEMMs as an AVX2-only CPU's, before any matmul
-            bound_onednn_caches()  # before the dtype probe's matmuls
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
-        elif device.type == "cpu" and torch.get_num_threads() > (budget := cpu_budget()):
-            torch.set_num_threads(budget)  # a thread per core of the node would outrun the cgroup's quota
-        if device.type == "cpu" and cfg.cpu_kernels == "auto":
-            tune_cpu_linear()  # before the dtype and GEMM probes, which time linear.c
-        requested = pick_dtype(cfg.dtype, device, cfg.cpu_kernels, cfg.batch_invariant)
-        dtype, storage = invariant_cpu_storage(
-            requested, device, cfg.batch_invariant, c_linear_available(cfg, device)
-        )
+        """The engine composed from its parts: the platform (the machine's settings and the dtypes), the
+        model, the backend (every kernel choice), the KV pool and the model runner."""
+        platform = load_platform(cfg.device)
+        platform.prepare(cfg)  # before any matmul: the dtype probes' included
+        dtypes = platform.dtypes(cfg)
+        device = platform.device
         t0 = time.monotonic()
         # Hugging Face's layers (the fallback) are not batch-invariant in any dtype: they compute in the one asked
-        loaded = load_model(cfg.model, dtype, device, cfg.model_impl, fallback_dtype=requested)
-        if loaded.implementation != "native":
-            dtype, storage = requested, None
-        weight_dtype = pick_weight_dtype(cfg.weight_dtype, dtype, device, storage)
-        if device.type == "cpu":
-            keep_freed_memory()  # after loading, so what the load freed (staging buffers) went back to the OS
+        loaded = load_model(
+            cfg.model, dtypes.compute, device, cfg.model_impl, fallback_dtype=dtypes.requested
+        )
+        dtypes = dtypes.for_model(loaded.implementation)
+        weight_dtype = dtypes.weights(cfg.weight_dtype, device)
+        platform.after_load()
         backend = select_backend(
             cfg,
             device,
-            dtype,
+            dtypes.compute,
             weight_dtype,
-            lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
-            bf16_dot=storage == torch.bfloat16,
+            fast_bf16_gemm=platform.fast_bf16_gemm(cfg, weight_dtype),
+            bf16_dot=dtypes.storage == torch.bfloat16,
         ).for_model(loaded.model)
-        store_weights(cfg, loaded, backend, dtype, weight_dtype, narrow_auto=storage is not None)
+        store_weights(cfg, loaded, backend, dtypes, weight_dtype)
         loaded.model.use_backend(backend)
-        kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, storage or dtype)
-        invariant = cfg.batch_invariant and batch_invariant_here(backend, loaded)
-        if backend.name == "triton" and kv_dtype != dtype:
-            raise ValueError(
-                f"kv_cache_dtype {cfg.kv_cache_dtype} with {dtype} compute: the Triton kernels read a cache "
-                "of the compute dtype only; use kv_cache_dtype = 'auto' or attention_backend = 'torch'"
-            )
-        if kv_dtype == torch.float8_e4m3fn:
-            ids = loaded.tokenizer(CALIBRATION_TEXT, add_special_tokens=False).input_ids
-            scales = calibrate_kv_scales(loaded.model, ids, device)
-            log.info("FP8 KV cache: K/V scales per layer %s", [f"{k:.3g}/{v:.3g}" for k, v in scales])
+        kv_dtype = kv_cache_dtype(cfg, loaded, backend, dtypes, device)
         num_blocks = size_kv_pool(cfg, loaded.model, kv_dtype, device)
         max_model_len = cfg.context_len(loaded.max_model_len)
         runner = ModelRunner(
@@ -288,29 +193,20 @@ class Engine:
         reset = getattr(loaded.model, "reset_expert_tokens", None)
         if reset is not None:  # the scratch passes above (pool sizing, calibration) routed tokens too
             reset()
+        invariant = cfg.batch_invariant and batch_invariant_here(backend, loaded)
         log.info(
-            "loaded %s in %.1fs: %s%s %s, %s%s, %d KV blocks of %d tokens (%s)",
+            "loaded %s in %.1fs: %s %s, %s%s, %d KV blocks of %d tokens (%s)",
             cfg.model,
             time.monotonic() - t0,
-            device,
-            f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else "",
-            dtype,
+            platform.describe(),
+            dtypes.compute,
             backend.summary,
             ", batch-invariant" if invariant else "",
             num_blocks,
             cfg.block_size,
             kv_dtype,
         )
-        return cls(
-            cfg,
-            loaded,
-            runner,
-            num_blocks,
-            max_model_len,
-            invariant,
-            dtype,
-            str(requested).removeprefix("torch."),
-        )
+        return cls(cfg, loaded, runner, num_blocks, max_model_len, invariant, dtypes, platform.cpu_share(cfg))
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -748,22 +644,6 @@ class Engine:
                 rows = rows[:-1]
             logprobs = self.token_texts.entries(rows)
         return seq.to_result(now, logprobs=logprobs, label_scores=scores, error=error)
-
-
-def _log_windows(windows: tuple[int | None, ...], window: SlidingWindow | None, bm: BlockManager) -> None:
-    """What the model's sliding windows do to the KV pool, at load."""
-    windowed = [w for w in windows if w is not None]
-    if window is not None:
-        log.info(
-            "sliding window %d in every layer: a sequence's blocks before it go back to the pool as it "
-            "advances; one holds at most %d blocks at once", window.tokens, window.held_blocks(bm.block_size),
-        )  # fmt: skip
-    elif windowed:
-        log.info(
-            "sliding windows in %d of %d layers: their blocks stay while the full-attention layers read them "
-            "(one block table for every layer); per-layer tables would free %d/%d of an idle block's bytes",
-            len(windowed), len(windows), len(windowed), len(windows),
-        )  # fmt: skip
 
 
 def _unstarted(

@@ -7,8 +7,8 @@ import logging
 import psutil
 import torch
 
-from worker.engine.config import EngineConfig
 from worker.engine.kv_window import SlidingWindow
+from worker.engine_config import EngineConfig
 from worker.kernels.backend import torch_backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.transformers_model import AnyModel
@@ -71,7 +71,7 @@ def _rss_bytes() -> int:
 @torch.inference_mode()
 def _cpu_step_bytes(cfg: EngineConfig, model: AnyModel) -> int:
     """The working memory of the largest step on the CPU, measured: the resident memory a dummy prefill
-    of PROBE_TOKENS adds (freed step memory stays in the heap, see cpu_tuning.keep_freed_memory, so it
+    of PROBE_TOKENS adds (freed step memory stays in the heap, see platform.cpu_settings.keep_freed_memory, so it
     shows in RSS), scaled to the token budget."""
     t = min(cfg.max_num_batched_tokens, PROBE_TOKENS, model.max_positions)
     caches, meta = _scratch_prefill(model, t, cfg.block_size, torch.device("cpu"))

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.engine.config import Pooling
 from worker.engine.sequence import Sequence
+from worker.engine_config import Pooling
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.engine.block_manager import BlockManager
-from worker.engine.config import Pooling
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.embedding import input_id
 from worker.engine.params import Constraint
 from worker.engine.reasoning import ReasoningMarkers, ReasoningState
 from worker.engine.request import EngineRequest, RequestError
 from worker.engine.sequence import Sequence
+from worker.engine_config import Pooling
 
 MAX_LABEL_TOKENS = 64  # a `choices` label longer than this (tokenised alone) is refused
 

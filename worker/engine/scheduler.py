@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 from typing import Literal, overload
 
 from worker.engine.block_manager import BlockHash, BlockManager, TableRows
-from worker.engine.config import Admission, SchedulePolicy
 from worker.engine.kv_window import PrefixHit
 from worker.engine.sequence import Sequence
+from worker.engine_config import Admission, SchedulePolicy
 
 _FORKS = operator.attrgetter("forks")  # a step's seat count reads every running sequence's: in C
 _REQUEST_ID = operator.attrgetter("request_id")

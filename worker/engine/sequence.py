@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from worker.engine.block_manager import BlockHash
-from worker.engine.config import Pooling
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.params import GenerationParams
 from worker.engine.reasoning import ReasoningState
 from worker.engine.request import EngineError, EngineResult, FinishReason, LabelScore, TokenLogprob
+from worker.engine_config import Pooling
 
 SequenceStatus = Literal["waiting", "running", "finished", "pending"]  # pending: a sample not yet forked
 

@@ -288,23 +288,18 @@ class KernelSettings(Protocol):
     def batch_invariant(self) -> bool: ...
 
 
-def c_linear_available(settings: KernelSettings, device: torch.device) -> bool:
-    """Whether linear.c would run the linear layers of a float32 model here (built now if it must be)."""
-    return device.type == "cpu" and settings.cpu_kernels == "auto" and native_linear.library() is not None
-
-
 def select_backend(
     settings: KernelSettings,
     device: torch.device,
     dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
-    fast_bf16_gemm: Callable[[], bool] | None = None,
+    fast_bf16_gemm: bool = False,
     bf16_dot: bool = False,
 ) -> Backend:
     """The backend for a model computing in `dtype` on `device`, its linear weights stored as weight_dtype
     (None: dtype). The C kernels it uses are built (or found cached) now, not in the first step; one that
     cannot be built leaves its torch path, with one warning. fast_bf16_gemm: whether this CPU's bf16 GEMMs
-    are fast enough for prompt-sized steps of bfloat16 weights (asked only then). float32 weights stay on
+    are fast enough for prompt-sized steps of bfloat16 weights (the platform's measurement). float32 weights stay on
     linear.c at every row count, however fast torch's float32 GEMM is here: MKL sums a row differently at
     different row counts, so a request's answer would depend on the rows that share its step. Under
     settings.batch_invariant nothing is chosen by a step's rows: no bf16 GEMM threshold, and decode
@@ -326,7 +321,7 @@ def select_backend(
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
     rows = 0
-    if not invariant and weight_dtype == torch.bfloat16 and fast_bf16_gemm is not None and fast_bf16_gemm():
+    if not invariant and weight_dtype == torch.bfloat16 and fast_bf16_gemm:
         rows = BF16_GEMM_ROWS
     stack = (
         settings.decode_stack

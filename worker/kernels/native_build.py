@@ -49,27 +49,6 @@ X86_FLAGS = ["-mprefer-vector-width=512"]  # where AVX-512 exists, use all of it
 CPU_ISAS = {"native": [], "avx2": ["-march=x86-64-v3", "-mno-avx512f", "-mtune=native"]}
 
 
-# What an AVX2-only CPU's copies of torch's own GEMM libraries would run, for BATCHQ_CPU_ISA=avx2: oneDNN
-# (bfloat16 matmuls: on a CPU without AVX-512 bf16 they are far slower than float32, so the engine's bf16
-# probe must not find AVX-512's) and MKL (float32 matmuls, which on Intel parts would otherwise keep
-# AVX-512). Each library reads its setting once, at its first GEMM in the process (`cap_libraries`).
-LIBRARY_CAPS: dict[str, dict[str, str]] = {
-    "native": {},
-    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-}
-
-
-def cap_libraries() -> dict[str, str]:
-    """Caps torch's oneDNN and MKL to the kernels' instruction set ($BATCHQ_CPU_ISA) where it is not native,
-    so that a forced AVX2 run measures and chooses as an AVX2-only machine does. Call it before the
-    process's first matmul; a setting already in the environment is the operator's and is kept. Returns
-    the settings in force."""
-    caps = LIBRARY_CAPS[cpu_isa()]
-    for key, value in caps.items():
-        os.environ.setdefault(key, value)
-    return {key: os.environ[key] for key in caps}
-
-
 def cpu_isa() -> str:
     """The instruction set the kernels are built for: $BATCHQ_CPU_ISA, or native."""
     isa = os.environ.get("BATCHQ_CPU_ISA", "native") or "native"

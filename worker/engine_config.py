@@ -1,7 +1,8 @@
 """Engine configuration: which model, where it runs, how much KV memory, how big a step may be.
 
 One pydantic model, validated once when it is built (from code, or nested in the worker's config that
-`worker.config` reads from TOML and flags). Every setting and its default is defined here only.
+`worker.config` reads from TOML and flags). Every setting and its default is defined here only. It lies
+below the engine and everything the engine composes (platform, kernels, models), which all read it.
 """
 
 from __future__ import annotations
