@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from worker.kernels import native_linear, native_moe
-    from worker.kernels.moe_methods import ExpertActivation, PackedMoE, experts_reference
+    from worker.kernels.experts import ExpertActivation, Experts
+    from worker.kernels.moe_methods import PackedMoE, experts_reference
     from worker.kernels.native_build import cpu_isa
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.moe_layers):
         gate_up = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
         down = torch.randn(e, h, i, generator=gen) / i**0.5
-        layers.append((gate_up, down, method.store(gate_up), method.store(down)))
+        layers.append((Experts(gate_up, down, act), Experts(method.store(gate_up), method.store(down), act)))
     print(
         f"{'M':>3} {'active':>6} | {'moe.c ms':>8} {'GB/s':>6} | {'bound ms':>8} {'x bound':>7} | "
         f"{'linear.c ms':>11} | {'torch ms':>8} {'speed-up':>8}"
@@ -86,25 +87,25 @@ def run(args: argparse.Namespace) -> int:
         active = int(ids.unique().numel())
 
         def c_pass(x: torch.Tensor = x, ids: torch.Tensor = ids, w: torch.Tensor = w) -> None:
-            for _, _, gu, dn in layers:
-                method.apply(x, ids, w, gu, dn, None, None, i, act)
+            for _, packed in layers:
+                method.apply(x, ids, w, packed)
 
         def torch_pass(x: torch.Tensor = x, ids: torch.Tensor = ids, w: torch.Tensor = w) -> None:
-            for gu, dn, _, _ in layers:
-                experts_reference(x, ids, w, gu, dn, None, None, act)
+            for experts, _ in layers:
+                experts_reference(x, ids, w, experts)
 
         picked = [(e_, int((ids == e_).sum())) for e_ in ids.unique().tolist()]
 
         def linears_pass(x: torch.Tensor = x, picked: list[tuple[int, int]] = picked) -> None:
             # the active experts' products one by one through linear.c: the rate moe.c builds on
-            for _, _, gu, dn in layers:
+            for _, packed in layers:
                 for e_, rows in picked:
-                    native_linear.linear(x[:rows], gu[e_], None, None, 2 * i)
-                    native_linear.linear(x[:rows, :i].contiguous(), dn[e_], None, None, h)
+                    native_linear.linear(x[:rows], packed.gate_up[e_], None, None, 2 * i)
+                    native_linear.linear(x[:rows, :i].contiguous(), packed.down[e_], None, None, h)
 
-        for gu, dn, pgu, pdn in layers[:1]:  # the two agree before they are timed
-            got = method.apply(x, ids, w, pgu, pdn, None, None, i, act)
-            torch.testing.assert_close(got, experts_reference(x, ids, w, gu, dn, None, None, act))
+        for experts, packed in layers[:1]:  # the two agree before they are timed
+            got = method.apply(x, ids, w, packed)
+            torch.testing.assert_close(got, experts_reference(x, ids, w, experts))
         c = _best_ms(c_pass, args.passes) / args.moe_layers
         t = _best_ms(torch_pass, args.passes) / args.moe_layers
         lin = _best_ms(linears_pass, args.passes) / args.moe_layers

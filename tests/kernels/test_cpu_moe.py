@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from worker.kernels import native_moe
-from worker.kernels.moe_methods import ExpertActivation, PackedMoE, experts_reference
+from worker.kernels.experts import ExpertActivation, Experts
+from worker.kernels.moe_methods import PackedMoE, experts_reference
 
 pytestmark = pytest.mark.skipif(native_moe.library() is None, reason="no C compiler here")
 SILU = ExpertActivation("silu")
@@ -33,10 +34,10 @@ def test_grouped_experts_match_the_torch_reference(t: int, e: int, k: int, h: in
     biased = (t + k) % 2 == 0
     gu_bias = torch.randn(e, 2 * inter, generator=gen) if biased else None
     d_bias = torch.randn(e, h, generator=gen) if biased else None
-    act = SWIGLU if biased else SILU
+    experts = Experts(gate_up, down, SWIGLU if biased else SILU, gu_bias, d_bias)
     method = PackedMoE()
-    ours = method.apply(x, ids, w, method.store(gate_up), method.store(down), gu_bias, d_bias, inter, act)
-    ref = experts_reference(x, ids, w, gate_up, down, gu_bias, d_bias, act)
+    ours = method.apply(x, ids, w, experts._replace(gate_up=method.store(gate_up), down=method.store(down)))
+    ref = experts_reference(x, ids, w, experts)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -48,8 +49,8 @@ def test_bfloat16_experts_widen_as_they_are_read() -> None:
     down = (torch.randn(e, h, inter, generator=gen) / inter**0.5).bfloat16()
     ids, w = routed(gen, t, e, k)
     method = PackedMoE()
-    ours = method.apply(x, ids, w, method.store(gate_up), method.store(down), None, None, inter, SILU)
-    ref = experts_reference(x, ids, w, gate_up.float(), down.float(), None, None, SILU)
+    ours = method.apply(x, ids, w, Experts(method.store(gate_up), method.store(down), SILU))
+    ref = experts_reference(x, ids, w, Experts(gate_up.float(), down.float(), SILU))
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -60,7 +61,7 @@ def test_packed_experts_unpack_to_themselves() -> None:
 
 def test_an_expert_index_out_of_range_is_refused() -> None:
     method = PackedMoE()
-    gate_up, down = method.store(torch.randn(4, 16, 8)), method.store(torch.randn(4, 8, 8))
+    experts = Experts(method.store(torch.randn(4, 16, 8)), method.store(torch.randn(4, 8, 8)), SILU)
     ids = torch.tensor([[0, 4]])
     with pytest.raises(AssertionError, match="expert id out of range"):
-        method.apply(torch.randn(1, 8), ids, torch.ones(1, 2), gate_up, down, None, None, 8, SILU)
+        method.apply(torch.randn(1, 8), ids, torch.ones(1, 2), experts)

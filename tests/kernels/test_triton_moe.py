@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.kernels.conftest import ON_GPU
-from worker.kernels.moe_methods import ExpertActivation, experts_reference
+from worker.kernels.experts import ExpertActivation, Experts
+from worker.kernels.moe_methods import experts_reference
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,16 @@ def test_grouped_gemms_match_the_torch_reference(
     biased = act == "clamped_swiglu"
     gu_bias = torch.randn(e, 2 * inter, generator=gen) if biased else None
     d_bias = torch.randn(e, h, generator=gen) if biased else None
-    a = ExpertActivation(act, 1.702, 1.5)
-    want = experts_reference(x, ids, w, gate_up, down, gu_bias, d_bias, a)
-    on = [None if v is None else v.to(device) for v in (x, ids, w, gate_up, down, gu_bias, d_bias)]
-    got = tm.moe_experts(*on, act, a.alpha, a.limit)
+    experts = Experts(gate_up, down, ExpertActivation(act, 1.702, 1.5), gu_bias, d_bias)
+    want = experts_reference(x, ids, w, experts)
+    on = Experts(
+        gate_up.to(device),
+        down.to(device),
+        experts.activation,
+        None if gu_bias is None else gu_bias.to(device),
+        None if d_bias is None else d_bias.to(device),
+    )
+    got = tm.moe_experts(x.to(device), ids.to(device), w.to(device), on)
     # tl.dot's float32 runs TF32 on a GPU
     tol = 2e-2 if ON_GPU else 1e-5
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
@@ -72,12 +79,13 @@ def test_a_tokens_experts_output_has_the_same_bits_in_any_step(tm: ModuleType, d
     e, k, h, inter, t = 8, 2, 64, 32, 40
     gate_up = (torch.randn(e, 2 * inter, h, generator=gen) * 0.1).to(torch.bfloat16).to(device)
     down = (torch.randn(e, h, inter, generator=gen) * 0.1).to(torch.bfloat16).to(device)
+    experts = Experts(gate_up, down, ExpertActivation("silu"))
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(device)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(device)
     weights = torch.softmax(torch.randn(t, k, generator=gen), dim=-1).to(device)
 
     def run(rows: slice) -> torch.Tensor:
-        return tm.moe_experts(x[rows], ids[rows], weights[rows], gate_up, down, None, None, "silu")
+        return tm.moe_experts(x[rows], ids[rows], weights[rows], experts)
 
     full = run(slice(0, t))
     for rows in (slice(0, 1), slice(3, 4), slice(0, 5), slice(10, 27)):

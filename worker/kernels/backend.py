@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from worker.kernels import native_attention, native_linear, native_stack
+from worker.kernels.experts import ExpertActivation, Experts
 from worker.kernels.linear_methods import (
     TORCH_LINEAR,
     Groups,
@@ -50,7 +51,7 @@ from worker.kernels.linear_methods import (
     dequantized,
     dequantized_groups,
 )
-from worker.kernels.moe_methods import TORCH_MOE, ExpertActivation, MoEMethod, PackedMoE, TritonMoE
+from worker.kernels.moe_methods import TORCH_MOE, MoEMethod, PackedMoE, TritonMoE
 from worker.kernels.native_stack import DecodeStack, StackLayer, StackLinear
 from worker.kernels.torch_attention import TorchAttention
 
@@ -61,6 +62,7 @@ __all__ = [
     "Backend",
     "DecodeStack",
     "ExpertActivation",
+    "Experts",
     "Groups",
     "LinearMethod",
     "MoEMethod",

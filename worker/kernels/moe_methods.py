@@ -8,28 +8,21 @@ the backend picks one method at load, and the experts' weights live in its layou
 - TritonMoE: two grouped GEMMs over the rows sorted by expert on CUDA (triton_moe.py), wherever the
   backend runs Triton's attention.
 
-Every method takes the experts as [E, 2I, H] gate_up (gate outputs first, then up) and [E, H, I] down, in
-torch's layout before `store`, and the router's picks: ids [T, k] int64, weights [T, k] float32.
+Every method takes the experts as one `Experts` (experts.py: [E, 2I, H] gate_up, gate outputs first, then
+up, and [E, H, I] down, in torch's layout before `store`; their biases and activation) and the router's
+picks: ids [T, k] int64, weights [T, k] float32.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from worker.kernels import native_moe
-
-
-class ExpertActivation(NamedTuple):
-    """silu: silu(gate) * up; clamped_swiglu (gpt-oss): gate clamped above at `limit`, up to [-limit, limit],
-    (up + 1) * gate * sigmoid(alpha * gate)."""
-
-    kind: str
-    alpha: float = 0.0
-    limit: float = 0.0
+from worker.kernels.experts import ExpertActivation, Experts
 
 
 def activate(gate_up: Tensor, inter: int, act: ExpertActivation) -> Tensor:
@@ -41,19 +34,12 @@ def activate(gate_up: Tensor, inter: int, act: ExpertActivation) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
 
 
-def experts_reference(
-    x: Tensor,
-    ids: Tensor,
-    weights: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    gate_up_bias: Tensor | None,
-    down_bias: Tensor | None,
-    act: ExpertActivation,
-) -> Tensor:
-    """x: [T, H]; ids, weights: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I]; biases [E, 2I], [E, H] or
-    None. -> [T, H] in x's dtype: each token's picks weighted and added in increasing expert order."""
-    num_experts, k, inter = gate_up.shape[0], ids.shape[1], down.shape[2]
+def experts_reference(x: Tensor, ids: Tensor, weights: Tensor, experts: Experts) -> Tensor:
+    """x: [T, H]; ids, weights: [T, k]; experts in torch's layout. -> [T, H] in x's dtype: each token's
+    picks weighted and added in increasing expert order."""
+    gate_up, down, act = experts.gate_up, experts.down, experts.activation
+    gate_up_bias, down_bias = experts.gate_up_bias, experts.down_bias
+    num_experts, k, inter = gate_up.shape[0], ids.shape[1], experts.inter
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the (token, pick) slots grouped by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()
@@ -87,18 +73,7 @@ class MoEMethod(Protocol):
         """store's inverse: -> [E, n, K]."""
         ...
 
-    def apply(
-        self,
-        x: Tensor,
-        ids: Tensor,
-        weights: Tensor,
-        gate_up: Tensor,
-        down: Tensor,
-        gate_up_bias: Tensor | None,
-        down_bias: Tensor | None,
-        inter: int,
-        act: ExpertActivation,
-    ) -> Tensor:
+    def apply(self, x: Tensor, ids: Tensor, weights: Tensor, experts: Experts) -> Tensor:
         """The experts' output [T, H] (experts_reference's), the weights in this method's layout."""
         ...
 
@@ -115,20 +90,8 @@ class TorchMoE:
     def unpack(self, stored: Tensor, n: int) -> Tensor:
         return stored
 
-    def apply(
-        self,
-        x: Tensor,
-        ids: Tensor,
-        weights: Tensor,
-        gate_up: Tensor,
-        down: Tensor,
-        gate_up_bias: Tensor | None,
-        down_bias: Tensor | None,
-        inter: int,
-        act: ExpertActivation,
-    ) -> Tensor:
-        return experts_reference(x, ids, weights, gate_up.to(x.dtype), down.to(x.dtype), gate_up_bias,
-                                 down_bias, act)  # fmt: skip
+    def apply(self, x: Tensor, ids: Tensor, weights: Tensor, experts: Experts) -> Tensor:
+        return experts_reference(x, ids, weights, experts.weights_as(x.dtype))
 
 
 class PackedMoE:
@@ -148,21 +111,8 @@ class PackedMoE:
     def unpack(self, stored: Tensor, n: int) -> Tensor:
         return native_moe.unpack_experts(stored, n)
 
-    def apply(
-        self,
-        x: Tensor,
-        ids: Tensor,
-        weights: Tensor,
-        gate_up: Tensor,
-        down: Tensor,
-        gate_up_bias: Tensor | None,
-        down_bias: Tensor | None,
-        inter: int,
-        act: ExpertActivation,
-    ) -> Tensor:
-        return native_moe.experts(
-            x, ids, weights, gate_up, down, gate_up_bias, down_bias, inter, act.kind, act.alpha, act.limit
-        )
+    def apply(self, x: Tensor, ids: Tensor, weights: Tensor, experts: Experts) -> Tensor:
+        return native_moe.experts(x, ids, weights, experts)
 
 
 TORCH_MOE = TorchMoE()
@@ -177,21 +127,7 @@ class TritonMoE(TorchMoE):
     def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
         return weight.device.type == "cuda"
 
-    def apply(
-        self,
-        x: Tensor,
-        ids: Tensor,
-        weights: Tensor,
-        gate_up: Tensor,
-        down: Tensor,
-        gate_up_bias: Tensor | None,
-        down_bias: Tensor | None,
-        inter: int,
-        act: ExpertActivation,
-    ) -> Tensor:
+    def apply(self, x: Tensor, ids: Tensor, weights: Tensor, experts: Experts) -> Tensor:
         from worker.kernels import triton_moe
 
-        return triton_moe.moe_experts(
-            x, ids, weights, gate_up.to(x.dtype), down.to(x.dtype), gate_up_bias, down_bias, act.kind,
-            act.alpha, act.limit,
-        )  # fmt: skip
+        return triton_moe.moe_experts(x, ids, weights, experts.weights_as(x.dtype))

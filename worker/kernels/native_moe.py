@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from worker.kernels import native_linear
+from worker.kernels.experts import Experts
 from worker.kernels.native_build import KERNELS, Signature, cached, load
 
 SOURCES = (KERNELS / "moe.c", *native_linear.SOURCES)
@@ -40,28 +41,19 @@ def unpack_experts(packed: Tensor, n: int) -> Tensor:
     return torch.stack([native_linear.unpack(e, n) for e in packed])
 
 
-def experts(
-    x: Tensor,
-    ids: Tensor,
-    weights: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    gate_up_bias: Tensor | None,
-    down_bias: Tensor | None,
-    inter: int,
-    activation: str,
-    alpha: float = 0.0,
-    limit: float = 0.0,
-) -> Tensor:
-    """x: [T, H] float32; ids: [T, k] int64; weights: [T, k] float32; gate_up: [E, panels, H, PANEL] and
-    down: [E, panels, I, PANEL] (pack_experts, float32 or bfloat16); biases [E, 2I], [E, H] float32 or
+def experts(x: Tensor, ids: Tensor, weights: Tensor, experts: Experts) -> Tensor:
+    """x: [T, H] float32; ids: [T, k] int64; weights: [T, k] float32; experts' gate_up [E, panels, H, PANEL]
+    and down [E, panels, I, PANEL] (pack_experts, float32 or bfloat16), biases [E, 2I], [E, H] float32 or
     None. -> [T, H] float32 (moe.c says how)."""
     lib = library()
     assert lib is not None
+    gate_up, down = experts.gate_up, experts.down
+    gate_up_bias, down_bias = experts.gate_up_bias, experts.down_bias
+    activation, alpha, limit = experts.activation
     t, h = x.shape
-    e, k = gate_up.shape[0], ids.shape[1]
+    e, k, inter = gate_up.shape[0], ids.shape[1], experts.inter
     assert gate_up.dtype == down.dtype and gate_up.dtype in (torch.float32, torch.bfloat16)
-    assert down.shape[0] == e and down.shape[2] == inter and gate_up.shape[2] == h and k <= MAX_TOP_K
+    assert down.shape[0] == e and gate_up.shape[2] == h and k <= MAX_TOP_K
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.float().contiguous()
     out = torch.empty(t, h, dtype=torch.float32)
     rc = lib.batchq_moe(

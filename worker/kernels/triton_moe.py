@@ -23,6 +23,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from worker.kernels import triton_checks as checks
+from worker.kernels.experts import Experts
 
 SILU, CLAMPED_SWIGLU = 0, 1  # the kernel's ACT
 BLOCK_M = 16
@@ -131,23 +132,13 @@ def expert_blocks(ids: Tensor, num_experts: int, block_m: int = BLOCK_M) -> tupl
     return slots, block_expert
 
 
-def moe_experts(
-    x: Tensor,
-    ids: Tensor,
-    weights: Tensor,
-    gate_up: Tensor,
-    down: Tensor,
-    gate_up_bias: Tensor | None,
-    down_bias: Tensor | None,
-    activation: str,
-    alpha: float = 0.0,
-    limit: float = 0.0,
-) -> Tensor:
-    """x: [T, H]; ids: [T, k] int64; weights: [T, k] float32; gate_up: [E, 2I, H]; down: [E, H, INTER] (x's
-    dtype); biases [E, 2I], [E, H] or None. -> [T, H] in x's dtype (moe_methods.experts_reference's)."""
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, experts: Experts) -> Tensor:
+    """x: [T, H]; ids: [T, k] int64; weights: [T, k] float32; experts in torch's layout, gate_up and down in
+    x's dtype. -> [T, H] in x's dtype (moe_methods.experts_reference's)."""
+    gate_up_bias, down_bias, act = experts.gate_up_bias, experts.down_bias, experts.activation
     t, h = x.shape
-    e, k, inter = gate_up.shape[0], ids.shape[1], down.shape[2]
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    e, k, inter = experts.gate_up.shape[0], ids.shape[1], experts.inter
+    x, gate_up, down = x.contiguous(), experts.gate_up.contiguous(), experts.down.contiguous()
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]
     checks.check_device(x, ids, weights, gate_up, down, *biases, cpu_ok=interpreted())
     precision = checks.dot_precision(x.dtype)
@@ -160,8 +151,9 @@ def moe_experts(
     block_n, block_k = 32, 32
     gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, gate_up, gate_up_bias if gate_up_bias is not None else dummy, hidden, slots, block_expert, h, inter,
-        k, alpha, limit, ACT=SILU if activation == "silu" else CLAMPED_SWIGLU, HAS_BIAS=gate_up_bias is not None,
-        DOT_PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        k, act.alpha, act.limit, ACT=SILU if act.kind == "silu" else CLAMPED_SWIGLU,
+        HAS_BIAS=gate_up_bias is not None, DOT_PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )  # fmt: skip
     down_kernel[(blocks, triton.cdiv(h, block_n))](
         hidden, down, down_bias if down_bias is not None else dummy, rw, out, slots, block_expert, h, inter,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from worker.kernels.backend import TORCH_MOE, ExpertActivation, MoEMethod
+from worker.kernels.backend import TORCH_MOE, ExpertActivation, Experts, MoEMethod
 from worker.models.layers import Linear
 from worker.models.mlp import MLP
 from worker.models.spec import DecoderSpec, MoESpec
@@ -88,9 +88,7 @@ class MoE(nn.Module):
         e = self.moe.num_experts
         gu_bias = None if self.gate_up_bias is None else self.gate_up_bias.view(e, -1)
         d_bias = None if self.down_bias is None else self.down_bias.view(e, -1)
-        y = self.method.apply(
-            x, ids, weights, gate_up, down, gu_bias, d_bias, self.moe.intermediate_size, self.act
-        )
+        y = self.method.apply(x, ids, weights, Experts(gate_up, down, self.act, gu_bias, d_bias))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
