@@ -22,7 +22,7 @@ from redis.asyncio import ConnectionPool, Redis
 
 from producer.client.submit import SubmitReport, create_batch, enqueue_spool, validate_to_spool
 from producer.wire import keys, serde
-from producer.wire.contract import SamplingParams
+from producer.wire.request_params import SamplingParams
 from worker.embedded_redis import RedisServer
 
 

@@ -306,3 +306,12 @@ def test_the_wire_loads_nothing_of_the_other_rooms() -> None:
     assert len(wire) >= 8
     loaded = loaded_by(", ".join(wire), ("producer",))
     assert [m for m in loaded if not within(m, "producer.wire") and m != "producer"] == []
+
+
+def test_the_contract_modules_depend_one_way() -> None:
+    """Input lines build on the request parameters; results stand alone, so reading a result never loads
+    the parsing of input lines."""
+    g = graph()
+    assert "producer.wire.request_params" in g["producer.wire.input_lines"]
+    assert "producer.wire.input_lines" not in g["producer.wire.request_params"]
+    assert g["producer.wire.results"] & {"producer.wire.request_params", "producer.wire.input_lines"} == set()

@@ -1,4 +1,5 @@
-"""The one place where the wire contract (producer/wire/contract.py) and the engine's own types meet.
+"""The one place where the wire contract (producer/wire/request_params.py, results.py) and the engine's own
+types meet.
 
 A queued Request becomes an EngineRequest with fully resolved GenerationParams; an EngineResult becomes
 the stored Result. Fields a request leaves unset take the engine's defaults (GenerationParams);
@@ -15,20 +16,18 @@ from typing import Any
 
 import orjson
 
-from producer.wire.contract import (
-    CHOICES_TEMPERATURE,
+from producer.wire.request_params import CHOICES_TEMPERATURE, Request, SamplingParams
+from producer.wire.results import (
     ChoiceLogprobs,
     Completion,
     ErrorInfo,
     LabelScore,
-    Request,
     Result,
-    SamplingParams,
     Timing,
     TopLogprob,
     Usage,
 )
-from producer.wire.contract import TokenLogprob as ContractTokenLogprob
+from producer.wire.results import TokenLogprob as ContractTokenLogprob
 from worker.engine.params import NO_CONSTRAINT, Constraint, GenerationParams
 from worker.engine.request import EmbeddingInputs, EngineRequest, EngineResult, TokenLogprob
 

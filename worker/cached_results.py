@@ -11,9 +11,10 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from producer.wire import keys
-from producer.wire.contract import Request, Result
 from producer.wire.lua import done
+from producer.wire.request_params import Request
 from producer.wire.result_cache import CachedAnswer, cacheable, request_key
+from producer.wire.results import Result
 from producer.wire.workers import QueueServing
 
 

@@ -25,10 +25,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.wire import keys, store
-from producer.wire.contract import Request, Result, Timing
 from producer.wire.jobs import Claimed, Finished, finish_jobs, hand_back
 from producer.wire.lua import done
+from producer.wire.request_params import Request
 from producer.wire.result_cache import CachedAnswer, cacheable
+from producer.wire.results import Result, Timing
 from worker.adapter import cancelled_result, engine_request, error_result, to_result
 from worker.cached_results import ResultCache, key_of
 from worker.config import WorkerConfig

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from producer.wire import keys
-from producer.wire.contract import FinishReason, Result
+from producer.wire.results import FinishReason, Result
 from producer.wire.workers import queue_label
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine

@@ -23,7 +23,8 @@ import redis
 from pydantic import ValidationError
 
 from producer.wire import keys
-from producer.wire.contract import EMBEDDINGS_URL, OpenAIBatchLine, PromptLine, defaults_base
+from producer.wire.input_lines import EMBEDDINGS_URL, OpenAIBatchLine, PromptLine
+from producer.wire.request_params import defaults_base
 from producer.wire.serde import mask_url
 from worker.embedded_redis import RedisServer
 

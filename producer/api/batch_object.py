@@ -13,7 +13,8 @@ from producer.api.common import ApiError
 from producer.api.files import INPUT_PURPOSE, FileRecord
 from producer.client.submit import InputError
 from producer.wire import keys
-from producer.wire.contract import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, BatchStatus
+from producer.wire.input_lines import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
+from producer.wire.results import BatchStatus
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 _WINDOW = re.compile(r"^([1-9][0-9]{0,2})h$")

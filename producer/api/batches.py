@@ -33,8 +33,8 @@ from producer.client.batchq_client import BatchqClient
 from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
 from producer.client.submit import InputError
 from producer.wire import keys
-from producer.wire.contract import BatchStatus
 from producer.wire.lua import done
+from producer.wire.results import BatchStatus
 from producer.wire.store import BatchNotFound
 
 log = logging.getLogger("batchq.server")

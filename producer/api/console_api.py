@@ -28,8 +28,8 @@ from producer.api.console_report import BatchReport, least_confident, shared_sta
 from producer.client.batchq_client import BatchqClient
 from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
 from producer.wire import keys
-from producer.wire.contract import BatchStatus
 from producer.wire.owner import OPEN_OWNER
+from producer.wire.results import BatchStatus
 from producer.wire.store import BatchNotFound
 from producer.wire.workers import queue_label
 

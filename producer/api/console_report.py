@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.wire.contract import Result
+from producer.wire.results import Result
 
 MAX_ERRORS = 200  # failed requests listed on the batch page (the error file has all of them)
 CHART_BINS = 40

@@ -29,8 +29,9 @@ from producer.client.live_workers import NoWorkerWarning
 from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
 from producer.client.submit import InputError, SubmitReport, new_batch_id
 from producer.wire import keys
-from producer.wire.contract import BatchStatus, SamplingParams, defaults_base
 from producer.wire.owner import owner_from_env
+from producer.wire.request_params import SamplingParams, defaults_base
+from producer.wire.results import BatchStatus
 from producer.wire.serde import mask_url
 from producer.wire.store import BatchNotFound, counter_for
 

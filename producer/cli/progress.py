@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, TaskID, TextColumn
 from rich.progress import Progress as RichProgress
 
-from producer.wire.contract import BatchStatus
+from producer.wire.results import BatchStatus
 
 
 def eta_text(seconds: float | None, unknown: str = "--:--") -> str:

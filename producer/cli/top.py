@@ -20,7 +20,7 @@ from rich.text import Text
 
 from producer.cli.progress import BatchRate, RateWindow, eta_text
 from producer.client.batchq_client import BatchqClient
-from producer.wire.contract import BatchStatus
+from producer.wire.results import BatchStatus
 from producer.wire.workers import Heartbeat, queue_label
 
 ACTIVE = ("queued", "running")

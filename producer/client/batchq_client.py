@@ -23,8 +23,9 @@ from producer.client.live_workers import live_workers
 from producer.client.retry import RetryReport, Selection, finish_reasons, retry_batch
 from producer.client.submit import InputError, SubmitReport, submit_stream
 from producer.wire import keys, store
-from producer.wire.contract import BatchStatus, Result, SamplingParams
 from producer.wire.redis_url import connect
+from producer.wire.request_params import SamplingParams
+from producer.wire.results import BatchStatus, Result
 from producer.wire.workers import Heartbeat
 
 ProgressFn = Callable[[BatchStatus], Awaitable[None] | None]

@@ -15,7 +15,7 @@ from typing import IO, Any, get_args
 import orjson
 from pydantic import AliasChoices, BaseModel, ValidationError
 
-from producer.wire.contract import (
+from producer.wire.input_lines import (
     CHAT_URL,
     EMBEDDINGS_URL,
     EmbeddingFields,
@@ -24,10 +24,8 @@ from producer.wire.contract import (
     OpenAIBody,
     OpenAIEmbeddingLine,
     PromptLine,
-    SamplingParams,
-    check_samples,
-    defaults_base,
 )
+from producer.wire.request_params import SamplingParams, check_samples, defaults_base
 
 # A line longer than this is refused without being held in memory: generous for long-context prompts
 # (a 10 MB prompt is accepted), small enough that a file with no newlines cannot exhaust memory.

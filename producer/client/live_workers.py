@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from producer.wire import keys
-from producer.wire.contract import BatchStatus
+from producer.wire.results import BatchStatus
 from producer.wire.workers import Heartbeat, QueueServing, queue_label
 
 STALE_MEMBER_S = 60.0  # a `batchq:workers` member this long without a heartbeat key is dropped

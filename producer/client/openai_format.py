@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from producer.wire import keys
-from producer.wire.contract import Completion, Result, TokenLogprob
+from producer.wire.results import Completion, Result, TokenLogprob
 
 # OpenAI knows only "stop" and "length": a timeout or a repetition cut truncates output like a length limit.
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "repetition": "length"}

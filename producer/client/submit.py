@@ -35,9 +35,10 @@ from producer.client.live_workers import (
     sets_reasoning,
 )
 from producer.wire import keys
-from producer.wire.contract import ErrorInfo, Result, SamplingParams, Timing, defaults_base
 from producer.wire.lua import LuaScript, done
+from producer.wire.request_params import SamplingParams, defaults_base
 from producer.wire.result_cache import CachedAnswer, request_key
+from producer.wire.results import ErrorInfo, Result, Timing
 from producer.wire.store import ENQUEUED, EXCERPTS_PER_FIELD, write_result
 from producer.wire.workers import QueueServing
 

@@ -29,8 +29,8 @@ from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_pref
 from redis.asyncio import Redis
 
 from producer.wire import keys
-from producer.wire.contract import Result
 from producer.wire.lua import LuaScript
+from producer.wire.results import Result
 from producer.wire.store import START_MANY, WRITE_FIELDS, WRITE_MANY, write_values
 
 # Batch keys from a job id (`<batch>:<index>` or `<batch>:<index>.<attempt>`, keys.job_id), as batch_keys

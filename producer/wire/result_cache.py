@@ -29,15 +29,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from producer.wire import keys
-from producer.wire.contract import (
-    ChoiceLogprobs,
-    Completion,
-    FinishReason,
-    LabelScore,
-    Result,
-    Timing,
-    Usage,
-)
+from producer.wire.results import ChoiceLogprobs, Completion, FinishReason, LabelScore, Result, Timing, Usage
 
 _NEVER = frozenset({"timeout_s"})  # parameters that cannot change the output
 _GREEDY_IGNORES = frozenset({"seed", "top_p", "top_k", "min_p"})  # greedy takes the argmax before them

@@ -17,8 +17,8 @@ from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_pref
 from redis.asyncio import Redis
 
 from producer.wire import keys
-from producer.wire.contract import BatchState, BatchStatus, ErrorInfo, Result
 from producer.wire.lua import LuaScript, done
+from producer.wire.results import BatchState, BatchStatus, ErrorInfo, Result
 
 CHUNK = 500
 DONE_FIELDS = ("completed", "failed", "cancelled")

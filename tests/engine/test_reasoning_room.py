@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.wire.contract import BUILTIN_DEFAULTS
+from producer.wire.request_params import BUILTIN_DEFAULTS
 from tests.tiny_models import OPEN, THINK_ASK, build_think_checkpoint, think_prompt_ids, think_tokenizer
 from worker.engine.engine import Engine
 from worker.engine.params import GenerationParams

@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from producer.client.batchq_client import BatchqClient
 from producer.client.submit import submit_stream
 from producer.wire import keys, serde
-from producer.wire.contract import Request
+from producer.wire.request_params import Request
 
 LINES = b'{"id": "a", "prompt": "one", "max_new_tokens": 5}\n{"id": "b", "messages": [{"role": "user", "content": "two"}]}\n'
 ENVELOPE = ("f", "a", "k", "t", "et")  # what serialize_job writes besides the arguments' contents

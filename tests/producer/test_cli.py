@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from producer.wire import keys, store
-from producer.wire.contract import ErrorInfo, Result, Usage
+from producer.wire.results import ErrorInfo, Result, Usage
 
 PRODUCER = Path(sys.executable).with_name("producer")
 pytestmark = pytest.mark.skipif(not PRODUCER.exists(), reason="run `pip install -e .` for the console script")

@@ -7,7 +7,7 @@ import pytest
 
 from producer.api.console_report import BatchReport, LabelRow, least_confident, shared_start
 from producer.client.submit import EXCERPT_CHARS, excerpt
-from producer.wire.contract import ErrorInfo, LabelScore, Result, Timing, Usage
+from producer.wire.results import ErrorInfo, LabelScore, Result, Timing, Usage
 
 
 def labeled(index: int, probs: dict[str, float], answer: str | None = None) -> Result:

@@ -23,8 +23,8 @@ from redis.asyncio import Redis
 from producer.client.retry import FINISH_REASONS, finish_reasons, retry_batch
 from producer.client.submit import submit_stream
 from producer.wire import keys, store
-from producer.wire.contract import ErrorInfo, Result, Usage
 from producer.wire.jobs import Finished, claim_jobs, finish_jobs, hand_back
+from producer.wire.results import ErrorInfo, Result, Usage
 
 BID = "prop"
 REASONS = ["eos", "stop", "length", "timeout", "repetition", "error", "cancelled"]

@@ -16,7 +16,9 @@ from openai.types import CreateEmbeddingResponse
 
 from producer.client.openai_format import openai_line
 from producer.client.submit import JSON_AT, SubmitReport, validate_to_spool
-from producer.wire.contract import MAX_EMBEDDING_INPUTS, Request, Result, SamplingParams, Usage
+from producer.wire.input_lines import MAX_EMBEDDING_INPUTS
+from producer.wire.request_params import Request, SamplingParams
+from producer.wire.results import Result, Usage
 
 PRODUCER = Path(sys.executable).with_name("producer")
 

@@ -7,7 +7,7 @@ import itertools
 import time
 
 from producer.cli.progress import Progress, RateWindow
-from producer.wire.contract import BatchStatus
+from producer.wire.results import BatchStatus
 
 
 def status(

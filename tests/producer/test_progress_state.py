@@ -19,7 +19,7 @@ from arq.constants import job_key_prefix
 from redis.asyncio import Redis
 
 from producer.wire import keys, store
-from producer.wire.contract import Result, Usage
+from producer.wire.results import Result, Usage
 from worker.embedded_redis import RedisServer
 
 PRODUCER = Path(sys.executable).with_name("producer")

@@ -10,7 +10,8 @@ import pytest
 from producer.cli.commands import InputError, _defaults
 from producer.cli.parser import build_parser
 from producer.client.openai_format import openai_line
-from producer.wire.contract import Request, Result, SamplingParams, Usage
+from producer.wire.request_params import Request, SamplingParams
+from producer.wire.results import Result, Usage
 from tests.producer.test_validation import errors, requests
 from worker.adapter import engine_request, template_kwargs
 

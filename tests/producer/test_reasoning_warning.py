@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from producer.client.submit import submit_stream
 from producer.wire import keys
-from producer.wire.contract import SamplingParams
+from producer.wire.request_params import SamplingParams
 from producer.wire.workers import Heartbeat, QueueServing
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import pytest
 
 from producer.client.batchq_client import BatchqClient
 from producer.wire import store
-from producer.wire.contract import Result
+from producer.wire.results import Result
 from tests.worker.conftest import ROOT, assert_consistent
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from producer.client.batchq_client import BatchqClient, WaitTimeout
 from producer.client.submit import submit_stream
 from producer.wire import keys, store
-from producer.wire.contract import BatchStatus, ErrorInfo, Result, Usage
+from producer.wire.results import BatchStatus, ErrorInfo, Result, Usage
 
 
 def lines(n: int) -> bytes:

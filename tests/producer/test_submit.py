@@ -17,7 +17,8 @@ from producer.client import submit as submit_module
 from producer.client.batchq_client import BatchqClient
 from producer.client.submit import InputError, submit_stream
 from producer.wire import keys, serde, store
-from producer.wire.contract import Request, Result, SamplingParams
+from producer.wire.request_params import Request, SamplingParams
+from producer.wire.results import Result
 from producer.wire.workers import Heartbeat, QueueServing
 
 GOOD = b'{"id": "a", "prompt": "one"}\n{"id": "b", "messages": [{"role": "user", "content": "two"}]}\n'
@@ -365,7 +366,7 @@ async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_
     chat_key = request_key(fp, None, [{"role": "user", "content": "hi"}], params)
     text_key = request_key(fp, "two", None, {"max_new_tokens": 256, "temperature": 0.5, "seed": 9})
     assert chat_key and text_key
-    from producer.wire.contract import LabelScore
+    from producer.wire.results import LabelScore
 
     scores = [
         LabelScore(label="hello", logprob=-0.1, prob=0.9),

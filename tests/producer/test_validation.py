@@ -9,7 +9,7 @@ import pytest
 
 from producer.client.jsonl import MAX_LINE_BYTES
 from producer.client.submit import JSON_AT, SubmitChecks, SubmitReport, validate_to_spool
-from producer.wire.contract import Request, SamplingParams
+from producer.wire.request_params import Request, SamplingParams
 
 
 def validate(

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from producer.wire.contract import BUILTIN_DEFAULTS, Request, SamplingParams
+from producer.wire.request_params import BUILTIN_DEFAULTS, Request, SamplingParams
 from worker.adapter import engine_request, generation_params
 from worker.engine.params import GenerationParams
 

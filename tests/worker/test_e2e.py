@@ -21,7 +21,7 @@ EXAMPLES = ROOT / "configs" / "examples" / "prompts.jsonl"
 
 
 def test_two_workers_complete_a_batch_with_exact_usage_and_engine_identical_text(server, workers, tmp_path):
-    from producer.wire.contract import SamplingParams
+    from producer.wire.request_params import SamplingParams
     from worker.adapter import generation_params
     from worker.engine.engine import Engine
     from worker.engine.request import EngineRequest

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from producer.wire import store
-from producer.wire.contract import BatchStatus
+from producer.wire.results import BatchStatus
 from tests.worker.conftest import ROOT, Worker, batch_state, submit, wait_until, write_jsonl
 from worker.embedded_redis import RedisServer
 

@@ -13,8 +13,8 @@ from arq.constants import in_progress_key_prefix, job_key_prefix
 
 from producer.client.batchq_client import BatchqClient
 from producer.wire import keys, store
-from producer.wire.contract import Result, Usage
 from producer.wire.jobs import Finished, claim_jobs, finish_jobs
+from producer.wire.results import Result, Usage
 from worker.config import STAND_IN_MODEL, WorkerConfig
 from worker.embedded_redis import RedisServer
 from worker.engine.async_engine import AsyncEngine

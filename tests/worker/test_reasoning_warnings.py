@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from producer.wire import keys
-from producer.wire.contract import Request
+from producer.wire.request_params import Request
 from producer.wire.workers import QueueServing
 from tests.tiny_models import build_think_checkpoint
 from tests.worker.conftest import ROOT, results_count, wait_until, write_jsonl

@@ -16,7 +16,7 @@ import torch
 
 from producer.client.submit import JSON_AT, SubmitReport, validate_to_spool
 from producer.wire import keys
-from producer.wire.contract import Request, SamplingParams
+from producer.wire.request_params import Request, SamplingParams
 from producer.wire.result_cache import request_key
 from tests.tiny_models import build_tiny_checkpoint, byte_tokenizer
 from tests.worker.conftest import ROOT, assert_consistent, results_count, wait_until, write_jsonl

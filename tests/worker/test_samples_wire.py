@@ -9,8 +9,9 @@ import orjson
 import pytest
 
 from producer.client.openai_format import openai_line
-from producer.wire.contract import Request, Result
+from producer.wire.request_params import Request
 from producer.wire.result_cache import CachedAnswer, cacheable
+from producer.wire.results import Result
 from tests.tiny_models import build_tiny_checkpoint
 from worker.adapter import engine_request, to_result
 from worker.engine.engine import Engine
