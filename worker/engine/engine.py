@@ -8,14 +8,10 @@ Redis, arq or the JSONL contract.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import operator
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,8 +29,9 @@ from worker.engine.embedding import EmbeddingRequests
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import size_kv_pool
 from worker.engine.kv_window import SlidingWindow
-from worker.engine.model_runner import DecodeDone, ModelRunner, ScoredLabels, StepOutput
-from worker.engine.outputs import TokenTexts, label_scores, pick_label
+from worker.engine.model_runner import ModelRunner, ScoredLabels, StepOutput
+from worker.engine.outputs import TokenTexts, label_scores, pick_label, sequence_result
+from worker.engine.overlap import InFlight, may_overlap
 from worker.engine.pooling import model_pooling
 from worker.engine.prompts import PromptBuilder
 from worker.engine.reasoning import ReasoningMarkers
@@ -59,8 +56,6 @@ from worker.platform import Dtypes, load_platform
 from worker.platform.threads import CpuShare
 
 log = logging.getLogger(__name__)
-_FAST = operator.attrgetter("fast")
-_PREFILLED = operator.attrgetter("prefilled")
 
 
 class Engine:
@@ -136,10 +131,7 @@ class Engine:
         self._cancelled: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
         self._next_deadline = math.inf  # the earliest Sequence.deadline of those held, or before it
-        # overlap: the decode steps launched on the device thread and not yet taken (oldest first), each with
-        # the count of sequences finished when it was launched
-        self._inflight: deque[tuple[ScheduledBatch, Future[DecodeDone], int]] = deque()
-        self._device: ThreadPoolExecutor | None = None
+        self._inflight = InFlight(model_runner)  # async scheduling's decode steps on the device thread
         if cfg.async_scheduling and model_runner.graphs is not None:  # (set, and not applied: said at load)
             log.info("async_scheduling: decode steps run serially here: CUDA graphs take their inputs as host "
                      "lists, not the step in flight's tokens (cuda_graphs = false overlaps them)")  # fmt: skip
@@ -279,44 +271,21 @@ class Engine:
     # ---- overlap (async scheduling) ---------------------------------------------------------------
 
     def _can_overlap(self) -> bool:
-        """Whether the next step may be launched before the one in flight is taken: every running sequence
-        prefilled and plain (Sequence.fast: nothing of its next step but the input token depends on this
-        one's), none waiting that could be admitted, and no CUDA graphs (their inputs are lists)."""
-        sched = self.scheduler
-        return (
-            self.cfg.async_scheduling
-            and self.model_runner.graphs is None
-            and bool(sched.running)
-            and all(map(_FAST, sched.running))
-            and all(map(_PREFILLED, sched.running))
-            and sched.admission_closed()
-        )
+        """Whether the next step may be launched before the one in flight is taken (overlap.may_overlap),
+        where async_scheduling is on and no CUDA graphs run (their inputs are host lists)."""
+        graphs = self.model_runner.graphs
+        return self.cfg.async_scheduling and graphs is None and may_overlap(self.scheduler)
 
     def _launch(self, batch: ScheduledBatch) -> None:
-        """Launch a decode step of plain sequences on the device thread, behind the one in flight (if any)."""
-        if self._device is None:
-            self._device = ThreadPoolExecutor(1, thread_name_prefix="batchq-device")
-        previous = self._inflight[-1][1] if self._inflight else None
-        work = self.model_runner.launch_decode(batch, previous)
-        for i, seq in enumerate(batch.seqs):
-            seq.inflight += 1
-            seq.inflight_row = i
-        self._inflight.append((batch, self._device.submit(work), self._finished))
-        self.counters.overlapped_steps += previous is not None
+        self.counters.overlapped_steps += self._inflight.launch(batch, self._finished)
 
     def _take_launched(self) -> list[EngineResult]:
         """Take the oldest launched step's tokens: its sequences' K/V is computed, its tokens go through the
         stop rules. A sequence that ended since it was launched (a stop rule a step before, a timeout, a
         cancel) has its token discarded; one preempted since takes it (it is its next token either way)."""
-        batch, future, finished = self._inflight.popleft()
-        try:
-            done = future.result()
-        finally:
-            for seq in batch.seqs:
-                seq.inflight -= 1
-        tokens: list[int] = done.tokens.tolist()
+        batch, tokens, seconds, finished = self._inflight.take()
         now = time.monotonic()
-        self._account(batch, done.seconds)
+        self._account(batch, seconds)
         if finished != self._finished:  # some sequence ended since: keep the others
             keep = [i for i, s in enumerate(batch.seqs) if s.status != "finished"]
             seqs = [batch.seqs[i] for i in keep]
@@ -334,15 +303,6 @@ class Engine:
         while self._inflight:
             results += self._take_launched()
         return results
-
-    def _drain(self) -> None:
-        """Wait for the launched steps and forget them, their tokens unseen (abort_all)."""
-        while self._inflight:
-            batch, future, _ = self._inflight.popleft()
-            with contextlib.suppress(Exception):  # (the caller is failing everything already)
-                future.result()
-            for seq in batch.seqs:
-                seq.inflight -= 1
 
     def _expire(self, now: float) -> list[EngineResult]:
         """End the sequences past their timeout (an embedding request's inputs end together: the first to
@@ -469,7 +429,7 @@ class Engine:
 
     def abort_all(self, error: EngineError) -> list[EngineResult]:
         """Fail every request the engine holds (used after an unexpected internal error)."""
-        self._drain()
+        self._inflight.drain()
         now = time.monotonic()
         with self._lock:
             pending, self._inbox = self._inbox, []
@@ -588,7 +548,7 @@ class Engine:
             seq.text = p.choices[picks[i]]
             seq.first_token_at = now
             if i:
-                samples.append(self._result(seq, "eos", now, scores))
+                samples.append(sequence_result(self.token_texts, seq, "eos", now, scores))
         res = self._finish(seq, "eos", now, scores)
         assert res is not None  # a choices request is no group
         if p.samples == 1:
@@ -612,7 +572,7 @@ class Engine:
         self.scheduler.finish(seq)
         self._finished += 1
         del self._seqs[seq.request_id]
-        res = self._result(seq, reason, now, scores, error)
+        res = sequence_result(self.token_texts, seq, reason, now, scores, error)
         if seq.group is None:
             return res
         pending, seq.forks = seq.forks, []
@@ -622,28 +582,6 @@ class Engine:
         for f in pending:
             out = self._finish(f, reason, now, error=error) or out
         return out
-
-    def _result(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        now: float,
-        scores: list[LabelScore] | None = None,
-        error: EngineError | None = None,
-    ) -> EngineResult:
-        seq.finish_reason = reason
-        seq.settle_text()
-        logprobs = None
-        if seq.params.logprobs and error is None:
-            rows = seq.token_logprobs
-            last = seq.output_ids[-1] if seq.output_ids else None
-            ended = reason == "eos" or (reason == "stop" and last in seq.params.stop_token_ids)
-            if rows and ended and seq.labels is None and seq.in_answer:
-                # A generated final EOS / stop token is counted, never shown; a label's EOS is shown, as
-                # a term of the label's score.
-                rows = rows[:-1]
-            logprobs = self.token_texts.entries(rows)
-        return seq.to_result(now, logprobs=logprobs, label_scores=scores, error=error)
 
 
 def _unstarted(

@@ -9,9 +9,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from worker.engine.request import LabelScore, TokenChoice, TokenLogprob
+from worker.engine.request import (
+    EngineError,
+    EngineResult,
+    FinishReason,
+    LabelScore,
+    TokenChoice,
+    TokenLogprob,
+)
 from worker.engine.sampler import splitmix64_uniform
-from worker.engine.sequence import RowLogprobs
+from worker.engine.sequence import RowLogprobs, Sequence
 
 
 def label_scores(choices: tuple[str, ...], logprobs: list[float]) -> list[LabelScore]:
@@ -59,3 +66,27 @@ class TokenTexts:
             top = [TokenChoice(*self(t), lp) for t, lp in zip(r.top_ids, r.top_logprobs, strict=True)]
             out.append(TokenLogprob(text, raw, r.logprob, top))
         return out
+
+
+def sequence_result(
+    token_texts: TokenTexts,
+    seq: Sequence,
+    reason: FinishReason,
+    now: float,
+    scores: list[LabelScore] | None = None,
+    error: EngineError | None = None,
+) -> EngineResult:
+    """A sequence's result as it ends for `reason`: its text settled, its answer's logprobs with their texts."""
+    seq.finish_reason = reason
+    seq.settle_text()
+    logprobs = None
+    if seq.params.logprobs and error is None:
+        rows = seq.token_logprobs
+        last = seq.output_ids[-1] if seq.output_ids else None
+        ended = reason == "eos" or (reason == "stop" and last in seq.params.stop_token_ids)
+        if rows and ended and seq.labels is None and seq.in_answer:
+            # A generated final EOS / stop token is counted, never shown; a label's EOS is shown, as
+            # a term of the label's score.
+            rows = rows[:-1]
+        logprobs = token_texts.entries(rows)
+    return seq.to_result(now, logprobs=logprobs, label_scores=scores, error=error)
