@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/queue_bench.py [--workers 1] [--requests 2000] [--batches 1]
         [--kill 0] [--profile] [--latency 50] [--max-num-seqs 256]
 
-Starts its own Redis and N `worker --model stand-in --engine-stand-in` processes (worker/stand_in.py:
+Starts its own Redis and N `worker --model stand-in --engine-stand-in` processes (worker/queue/stand_in.py:
 every request answered at once, one token), submits the requests (one-token labeling-style lines, unique
 per run so the result cache never answers them), and waits for every result. Prints end-to-end
 requests/s, worker CPU per request (every worker process's user + system time), Redis commands and Redis

@@ -132,7 +132,7 @@ def _serve(cfg: WorkerConfig) -> int:
 
 async def _check(cfg: WorkerConfig, worker_id: str | None) -> int:
     from producer.wire.redis_url import connect
-    from worker.health import check
+    from worker.queue.health import check
 
     redis = connect(cfg.redis_url, socket_connect_timeout=3)
     try:

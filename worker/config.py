@@ -24,7 +24,7 @@ class ConfigError(ValueError):
     pass
 
 
-STAND_IN_MODEL = "stand-in"  # the model name a stand-in worker serves (worker/stand_in.py)
+STAND_IN_MODEL = "stand-in"  # the model name a stand-in worker serves (worker/queue/stand_in.py)
 
 
 def _default_worker_id() -> str:
@@ -81,7 +81,7 @@ class WorkerConfig(BaseModel):
     engine_stand_in: bool = Field(
         default=False,
         description="benchmarks and tests only: answer every request at once without a model "
-        "(worker/stand_in.py), to measure the queue path alone; needs --model stand-in",
+        "(worker/queue/stand_in.py), to measure the queue path alone; needs --model stand-in",
     )
 
     @model_validator(mode="after")

@@ -15,12 +15,12 @@ from redis.backoff import ExponentialBackoff
 
 from producer.wire import keys
 from producer.wire.redis_url import pool_from_url
-from worker import health
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
-from worker.job_handler import REDIS_ERRORS, JobHandler, retrying
-from worker.metrics import REDIS_ERRORS_SEEN
-from worker.queue_worker import QueueWorker
+from worker.queue import health
+from worker.queue.job_handler import REDIS_ERRORS, JobHandler, retrying
+from worker.queue.loop import QueueWorker
+from worker.queue.metrics import REDIS_ERRORS_SEEN
 
 log = logging.getLogger("batchq.worker")
 
@@ -88,7 +88,7 @@ async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) ->
 async def serve(cfg: WorkerConfig) -> int:
     t0 = time.monotonic()
     if cfg.engine_stand_in:
-        from worker.stand_in import InstantEngine
+        from worker.queue.stand_in import InstantEngine
 
         aengine = await AsyncEngine.load(cfg.engine, loader=InstantEngine.load)  # type: ignore[arg-type]
     else:

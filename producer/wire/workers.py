@@ -1,5 +1,5 @@
 """What workers publish about themselves, read by both sides: the heartbeat snapshot each worker writes
-(worker/health.py) and what serves a queue (worker/cached_results.py).
+(worker/queue/health.py) and what serves a queue (worker/queue/cached_results.py).
 
 Fields added later get defaults, and unknown fields are ignored, so producers and workers of different
 versions read each other's records. Reading them back (live workers, the no-worker warning, submit's

@@ -108,8 +108,8 @@ def test_stats_and_metrics_count_tokens_per_expert_per_layer(tmp_path: Path) -> 
     from prometheus_client.exposition import generate_latest
 
     from worker.engine.async_engine import AsyncEngine
-    from worker.health import EngineFacts
-    from worker.metrics import WorkerCollector
+    from worker.queue.health import EngineFacts
+    from worker.queue.metrics import WorkerCollector
 
     arch, overrides = ARCHS["qwen3_moe"]  # experts in layers 1 and 3, 8 experts top 4
     path = build_tiny_checkpoint(tmp_path, arch, seed=2, **overrides)

@@ -58,7 +58,7 @@ class BatchCounts(RuleBasedStateMachine):
     @rule(n=st.integers(1, 3))
     def a_worker_claims_jobs(self, n: int) -> None:
         """The worker's bulk claim (producer/wire/jobs.py); a job of a cancelled batch ends cancelled at
-        once, as worker/job_handler.py ends it."""
+        once, as worker/queue/job_handler.py ends it."""
         jobs, _ = self.run(claim_jobs(self.redis, keys.DEFAULT_QUEUE, n, lease_s=60))
         for job in jobs:
             req = orjson.loads(job.payload)["a"][0]
@@ -73,7 +73,7 @@ class BatchCounts(RuleBasedStateMachine):
             return
         jid = sorted(self.held)[pick % len(self.held)]
         req = self.held.pop(jid)
-        if reported:  # tokens reported while it ran (worker/job_handler.py report_generated)
+        if reported:  # tokens reported while it ran (worker/queue/job_handler.py report_generated)
             self.run(store.add_generated(self.redis, {BID: reported}))
         self._finish(jid, req, reason, generated=max(0, 2 - reported))
 

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from tests.producer.test_validation import errors, requests
-from worker.adapter import generation_params
+from worker.queue.adapter import generation_params
 
 # From OpenAI's Batch API guide and vLLM's offline batch example (the shapes their users keep in files),
 # then lines carrying the chat API's other fields.

@@ -13,7 +13,7 @@ from producer.client.openai_format import openai_line
 from producer.wire.request_params import Request, SamplingParams
 from producer.wire.results import Result, Usage
 from tests.producer.test_validation import errors, requests
-from worker.adapter import engine_request, template_kwargs
+from worker.queue.adapter import engine_request, template_kwargs
 
 CHAT = b'"messages": [{"role": "user", "content": "hi"}]'
 

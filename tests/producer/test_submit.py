@@ -264,7 +264,7 @@ async def publish_serving(redis: Redis, queue: str, fp: str, model: str = "smoll
 
 
 async def beat(redis: Redis, queue: str, model: str) -> None:
-    """A live worker's heartbeat (worker/health.py)."""
+    """A live worker's heartbeat (worker/queue/health.py)."""
     hb = Heartbeat(
         worker_id="w1", host="h", queue=keys.queue_name(queue), model=model, ts=time.time(), running=0,
         waiting=0, kv_blocks_used=0, kv_blocks_total=1, tokens_generated=0, progress_age_s=0.0, stall_s=60.0,

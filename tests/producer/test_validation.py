@@ -63,7 +63,7 @@ def test_three_input_shapes_become_requests_with_resolved_params() -> None:
     assert r4.prompt == "abc" and r4.params.max_new_tokens == 7 and r4.params.seed == 3
     assert all(
         r.params.top_p is None for r in reqs
-    )  # unset: the engine's default applies (worker/adapter.py)
+    )  # unset: the engine's default applies (worker/queue/adapter.py)
 
 
 def test_openai_body_model_is_recorded_in_the_batch() -> None:

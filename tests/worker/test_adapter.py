@@ -1,4 +1,4 @@
-"""The translation between the wire contract and the engine's own types (worker/adapter.py)."""
+"""The translation between the wire contract and the engine's own types (worker/queue/adapter.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 
 from producer.wire.request_params import BUILTIN_DEFAULTS, Request, SamplingParams
-from worker.adapter import engine_request, generation_params
 from worker.engine.params import GenerationParams
+from worker.queue.adapter import engine_request, generation_params
 
 
 def test_every_contract_parameter_has_an_engine_field() -> None:
@@ -102,8 +102,8 @@ def test_an_embedding_request_reaches_the_engine_and_its_vectors_come_back_as_as
     import base64
     import struct
 
-    from worker.adapter import to_result
     from worker.engine.request import EmbeddingInputs, EngineResult
+    from worker.queue.adapter import to_result
 
     for fmt in ("float", "base64"):
         req = Request.model_validate({

@@ -22,10 +22,10 @@ EXAMPLES = ROOT / "configs" / "examples" / "prompts.jsonl"
 
 def test_two_workers_complete_a_batch_with_exact_usage_and_engine_identical_text(server, workers, tmp_path):
     from producer.wire.request_params import SamplingParams
-    from worker.adapter import generation_params
     from worker.engine.engine import Engine
     from worker.engine.request import EngineRequest
     from worker.engine_config import EngineConfig
+    from worker.queue.adapter import generation_params
 
     lines = [orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines() if x.strip()]
     by_id = {x.get("id") or x.get("custom_id"): x for x in lines}

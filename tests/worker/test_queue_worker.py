@@ -1,4 +1,4 @@
-"""The worker's queue loop in-process, on the engine stand-in (worker/stand_in.py: every request answered at
+"""The worker's queue loop in-process, on the engine stand-in (worker/queue/stand_in.py: every request answered at
 once), against a real Redis that tests kill and restart: claims in bulk, leases, outages, exactly-once."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from producer.wire.results import Result, Usage
 from worker.config import STAND_IN_MODEL, WorkerConfig
 from worker.embedded_redis import RedisServer
 from worker.engine.async_engine import AsyncEngine
-from worker.job_handler import JobHandler
-from worker.queue_worker import QueueWorker
+from worker.queue.job_handler import JobHandler
+from worker.queue.loop import QueueWorker
+from worker.queue.stand_in import InstantEngine
 from worker.service import connect
-from worker.stand_in import InstantEngine
 
 QUEUE = keys.queue_name("default")
 

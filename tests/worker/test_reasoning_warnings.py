@@ -1,5 +1,5 @@
 """Reasoning fields on a model without reasoning markers are said to be ignored, never dropped silently
-(issue 58, item 8): each such chat request's result carries a `warnings` entry naming them (worker/adapter.py),
+(issue 58, item 8): each such chat request's result carries a `warnings` entry naming them (worker/queue/adapter.py),
 the worker publishes that its model has no markers (QueueServing.reasoning), and `producer submit` warns
 once per batch while a live worker says so."""
 
@@ -19,9 +19,9 @@ from producer.wire.request_params import Request
 from producer.wire.workers import QueueServing
 from tests.tiny_models import build_think_checkpoint
 from tests.worker.conftest import ROOT, results_count, wait_until, write_jsonl
-from worker.adapter import engine_request, to_result
 from worker.engine.engine import Engine
 from worker.engine_config import EngineConfig
+from worker.queue.adapter import engine_request, to_result
 
 ASK = [{"role": "user", "content": "Is the food good?"}]
 LINES: dict[str, dict[str, Any]] = {

@@ -20,9 +20,9 @@ from producer.wire.request_params import Request, SamplingParams
 from producer.wire.result_cache import request_key
 from tests.tiny_models import build_tiny_checkpoint, byte_tokenizer
 from tests.worker.conftest import ROOT, assert_consistent, results_count, wait_until, write_jsonl
-from worker.cached_results import key_of
 from worker.engine.fingerprint import NUMERICS_VERSION, engine_fingerprint, tokenizer_digest, weights_digest
 from worker.models.loader import load_model
+from worker.queue.cached_results import key_of
 
 FP = "f" * 32
 PROMPT = "Label this: fine"

@@ -1,5 +1,5 @@
 """n > 1 across the wire: queued request -> engine -> stored result, its JSONL line, its OpenAI line and its
-result-cache answer, on a tiny random Llama with the byte tokenizer (worker/adapter.py and the contract)."""
+result-cache answer, on a tiny random Llama with the byte tokenizer (worker/queue/adapter.py and the contract)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from producer.wire.request_params import Request
 from producer.wire.result_cache import CachedAnswer, cacheable
 from producer.wire.results import Result
 from tests.tiny_models import build_tiny_checkpoint
-from worker.adapter import engine_request, to_result
 from worker.engine.engine import Engine
 from worker.engine_config import EngineConfig
+from worker.queue.adapter import engine_request, to_result
 
 N1_KEYS = {"id", "text", "finish_reason", "usage", "timing", "error", "metadata", "cached", "model"}
 

@@ -1,7 +1,7 @@
 """What one request asks of the engine: fully resolved generation parameters, no "unset" values.
 
 The engine's own type: it knows nothing of the JSONL contract. The worker translates a wire request
-into these in one place (worker/adapter.py); a library caller builds them directly. The defaults are
+into these in one place (worker/queue/adapter.py); a library caller builds them directly. The defaults are
 the neutral values (no filtering, no penalty, no stop strings, no timeout); only max_new_tokens must
 always be given.
 """

@@ -30,12 +30,12 @@ from producer.wire.lua import done
 from producer.wire.request_params import Request
 from producer.wire.result_cache import CachedAnswer, cacheable
 from producer.wire.results import Result, Timing
-from worker.adapter import cancelled_result, engine_request, error_result, to_result
-from worker.cached_results import ResultCache, key_of
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.request import EngineRequest, EngineResult
-from worker.metrics import REDIS_ERRORS_SEEN, WorkerMetrics
+from worker.queue.adapter import cancelled_result, engine_request, error_result, to_result
+from worker.queue.cached_results import ResultCache, key_of
+from worker.queue.metrics import REDIS_ERRORS_SEEN, WorkerMetrics
 
 log = logging.getLogger("batchq.worker")
 

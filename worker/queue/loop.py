@@ -25,8 +25,8 @@ import logging
 from redis.asyncio import Redis
 
 from producer.wire.jobs import claim_jobs, renew_leases
-from worker.job_handler import REDIS_ERRORS, JobHandler
-from worker.metrics import REDIS_ERRORS_SEEN
+from worker.queue.job_handler import REDIS_ERRORS, JobHandler
+from worker.queue.metrics import REDIS_ERRORS_SEEN
 
 log = logging.getLogger("batchq.worker")
 

@@ -36,7 +36,7 @@ from producer.wire.results import FinishReason, Result
 from producer.wire.workers import queue_label
 from worker.config import WorkerConfig
 from worker.engine.async_engine import AsyncEngine
-from worker.health import VERSION, EngineFacts
+from worker.queue.health import VERSION, EngineFacts
 
 LABELS = ("model", "queue", "worker")
 # Where the worker catches a Redis error, and what it does then. Every series exists from the start.
