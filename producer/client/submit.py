@@ -273,104 +273,14 @@ def _join(errors: list[LineError]) -> LineError:
     return LineError(first.line_no, first.field, f"{first.reason}; {rest}", first.id)
 
 
-# KEYS: meta, batches index, content digests. ARGV: total, created_at, batch id, content digest, the
-# requests' digests (DIGEST_BYTES each, in index order), then field/value pairs. Creates the batch once;
-# returns {0} when it created it, else {the total already recorded, its content digest} (a resubmission).
-_CREATE = LuaScript("""
-local existing = redis.call('HMGET', KEYS[1], 'total', 'digest')
-if existing[1] then return {tonumber(existing[1]), existing[2] or ''} end
-redis.call('HSET', KEYS[1], 'total', ARGV[1], 'created_at', ARGV[2], 'digest', ARGV[4], unpack(ARGV, 6))
-redis.call('SET', KEYS[3], ARGV[5])
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
-return {0}
-""")
-
-
-# KEYS: queue, results hash, chat bitmap, batch meta. ARGV: job id prefix ("<batch id>:"), first index, enqueue time
-# (ms), kinds (one byte per job: c chat, p prompt, e embeddings), orders (3 hex digits of queue_order per job), fresh
-# ("1" when this submit created the batch), then one payload per job for consecutive indices.
-#
-# One argument per job: redis-py packs each argument in Python, and five per job cost more than the script.
-# A fresh batch has no results and no job keys but those this submit wrote (a chunk's indices are its
-# own), so one MSETNX writes the chunk's jobs; should it find a key after all (another submit of the same
-# batch id racing this one), it writes nothing and the checked path runs. The checked path, always taken
-# when resubmitting, skips a job whose result exists, whose arq result exists, or whose job key exists.
-# Scores are enqueue ms + order/4096: exact in a double until 2039, printed with %.17g so that Redis
-# parses back the same double. The jobs written are added to the meta's store.ENQUEUED count while the
-# batch has one (an unfinished submit's: see enqueue_spool).
-_ENQUEUE = LuaScript(
-    """
-local prefix, first, et = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local kinds, orders, n = ARGV[4], ARGV[5], #ARGV - 6
-local members, bits, scores = {}, {}, {}
-local function score(j)
-  local o = string.sub(orders, 3 * j + 1, 3 * j + 3)
-  local s = scores[o]
-  if not s then
-    s = string.format('%.17g', et + tonumber(o, 16) / """
-    + str(ORDER_LEVELS)
-    + """)
-    scores[o] = s
-  end
-  return s
-end
-for j = 0, n - 1 do
-  if string.byte(kinds, j + 1) == 99 then
-    local m = #bits
-    bits[m + 1], bits[m + 2], bits[m + 3], bits[m + 4] = 'SET', 'u1', first + j, 1
-  end
-end
--- unpack() stops at Lua's C stack (8000 values): BITFIELD and ZADD take 4000 arguments at a time.
-for i = 1, #bits, 4000 do redis.call('BITFIELD', KEYS[3], unpack(bits, i, math.min(i + 3999, #bits))) end
-local written = false
-if ARGV[6] == '1' and n <= 3000 then
-  local kv = {}
-  for j = 0, n - 1 do
-    local jid = prefix .. (first + j)
-    kv[2 * j + 1], kv[2 * j + 2] = '"""
-    + job_key_prefix
-    + """' .. jid, ARGV[j + 7]
-    members[2 * j + 1], members[2 * j + 2] = score(j), jid
-  end
-  written = redis.call('MSETNX', unpack(kv)) == 1
-  if not written then members = {} end
-end
-if not written then
-  for j = 0, n - 1 do
-    local idx = first + j
-    local jid = prefix .. idx
-    if redis.call('HEXISTS', KEYS[2], idx) == 0 and redis.call('EXISTS', '"""
-    + result_key_prefix
-    + """' .. jid) == 0
-       and redis.call('SET', '"""
-    + job_key_prefix
-    + """' .. jid, ARGV[j + 7], 'NX') then
-      local m = #members
-      members[m + 1], members[m + 2] = score(j), jid
-    end
-  end
-end
-for i = 1, #members, 4000 do redis.call('ZADD', KEYS[1], unpack(members, i, math.min(i + 3999, #members))) end
-if #members > 0 and redis.call('HEXISTS', KEYS[4], '"""
-    + ENQUEUED
-    + """') == 1 then
-  redis.call('HINCRBY', KEYS[4], '"""
-    + ENQUEUED
-    + """', #members / 2)
-end
-return #members / 2
-"""
-)
-
-# KEYS: batch meta. ARGV: n. Adds n (results submit wrote: invalid lines, result-cache answers) to an
-# unfinished submit's store.ENQUEUED count; nothing once the submit finished.
-_ADD_ENQUEUED = LuaScript(
-    "if redis.call('HEXISTS', KEYS[1], '"
-    + ENQUEUED
-    + "') == 1 then redis.call('HINCRBY', KEYS[1], '"
-    + ENQUEUED
-    + "', ARGV[1]) end"
-)
+# The scripts, in producer/wire/lua/ (each file's head gives its KEYS and ARGV).
+_CREATE = LuaScript.load("create_batch.lua")
+_ENQUEUE = LuaScript.load(
+    "enqueue.lua", JOB_KEY=job_key_prefix, RESULT_KEY=result_key_prefix, ENQUEUED=ENQUEUED,
+    ORDER_LEVELS=ORDER_LEVELS,
+)  # fmt: skip
+_ADD_ENQUEUED = LuaScript.load("add_enqueued.lua", ENQUEUED=ENQUEUED)
+_CLAIM_MS = LuaScript.load("claim_ms.lua")  # a submit's enqueue millisecond: see the file
 
 
 async def create_batch(
@@ -474,19 +384,6 @@ class _Chunk:
     def args(self, prefix: bytes, et: bytes, fresh: bool) -> list[bytes | int]:
         kinds, orders = b"".join(self.kinds), b"".join(self.orders)
         return [prefix, self.first, et, kinds, orders, int(fresh), *self.payloads]
-
-
-# A submit's enqueue millisecond, from Redis's clock and strictly after the last one handed out on this
-# queue. Requests of a batch are ordered by fractions of that millisecond (queue_order), so two batches
-# enqueued within one millisecond, or by producers whose clocks disagree, would otherwise interleave.
-_CLAIM_MS = LuaScript("""
-local t = redis.call('TIME')
-local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local last = tonumber(redis.call('GET', KEYS[1]) or '0')
-if ms <= last then ms = last + 1 end
-redis.call('SET', KEYS[1], ms)
-return ms
-""")
 
 
 def _groups(records: Iterator[tuple[int, bytes]], size: int) -> Iterator[list[tuple[int, bytes]]]:
