@@ -25,7 +25,7 @@ DONE_FIELDS = ("completed", "failed", "cancelled")
 CANCEL_FLAG = "cancel_requested"
 # The meta field of an unfinished submit: how many requests it has put into Redis (as jobs or results).
 # Submit creates it at 0, adds what each chunk writes and deletes it once every request is in
-# (producer/client/submit.py, enqueue_spool); BatchStatus.enqueued.
+# (producer/client/enqueue.py, enqueue_spool); BatchStatus.enqueued.
 ENQUEUED = "enqueued"
 EXCERPTS_PER_FIELD = 500  # input excerpts per field of keys.batch_inputs (get_excerpts)
 

@@ -1,5 +1,5 @@
 -- Submit counts results it wrote itself (invalid lines, result-cache answers) in an unfinished submit's
--- ENQUEUED count (submit.enqueue_spool); nothing once the submit finished (the field is gone).
+-- ENQUEUED count (enqueue.enqueue_spool); nothing once the submit finished (the field is gone).
 -- KEYS: batch meta.
 -- ARGV: n.
 -- Returns nothing.

@@ -1,6 +1,6 @@
 -- A submit's enqueue millisecond, from Redis's clock and strictly after the last one handed out on this
--- queue (submit.enqueue_spool). Requests of a batch are ordered by fractions of that millisecond
--- (submit.queue_order), so two batches enqueued within one millisecond, or by producers whose clocks
+-- queue (enqueue.enqueue_spool). Requests of a batch are ordered by fractions of that millisecond
+-- (validate.queue_order), so two batches enqueued within one millisecond, or by producers whose clocks
 -- disagree, would otherwise interleave.
 -- KEYS: the queue's clock (keys.queue_clock).
 -- ARGV: none.

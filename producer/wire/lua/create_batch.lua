@@ -1,4 +1,4 @@
--- Submit creates a batch once (submit.create_batch).
+-- Submit creates a batch once (enqueue.create_batch).
 -- KEYS: meta, batches index, content digests.
 -- ARGV: total, created_at, batch id, content digest, the requests' digests (DIGEST_BYTES each, in index
 -- order), then the meta's field/value pairs.

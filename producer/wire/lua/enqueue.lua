@@ -1,7 +1,7 @@
--- Submit enqueues a chunk of consecutive requests as arq jobs (submit.enqueue_spool).
+-- Submit enqueues a chunk of consecutive requests as arq jobs (enqueue.enqueue_spool).
 -- KEYS: queue, results hash, chat bitmap, batch meta.
 -- ARGV: job id prefix ("<batch id>:"), first index, enqueue time (ms), kinds (one byte per job: c chat,
--- p prompt, e embeddings), orders (3 hex digits of submit.queue_order per job), fresh ("1" when this
+-- p prompt, e embeddings), orders (3 hex digits of validate.queue_order per job), fresh ("1" when this
 -- submit created the batch), then one payload per job for consecutive indices.
 -- Returns the number of jobs written (a resubmission skips those already there).
 --
@@ -15,7 +15,7 @@
 -- while the batch has one (an unfinished submit's: see enqueue_spool).
 
 -- arq's key prefixes (arq.constants), the meta field of an unfinished submit's count (store.ENQUEUED),
--- and the orders a millisecond of queue score holds (submit.ORDER_LEVELS)
+-- and the orders a millisecond of queue score holds (validate.ORDER_LEVELS)
 local JOB_KEY = 'arq:job:'
 local RESULT_KEY = 'arq:result:'
 local ENQUEUED = 'enqueued'
