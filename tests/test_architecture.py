@@ -36,6 +36,7 @@ WORKER_ONLY = ("torch", "transformers", "accelerate", "gguf", "sentencepiece", "
 # BatchqClient's paths: a front-end that called these itself would go beside the client, not through it.
 CLIENT_PATHS = {
     "producer.client.submit": {"submit_stream", "create_batch", "enqueue_spool"},
+    "producer.client.enqueue": {"create_batch", "enqueue_spool"},  # submit.py re-exports them from here
     "producer.client.retry": {"retry_batch"},
     "producer.wire.store": {"get_status", "get_meta", "iter_results", "cancel_batch", "list_batches"},
 }

@@ -29,168 +29,22 @@ from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_pref
 from redis.asyncio import Redis
 
 from producer.wire import keys
-from producer.wire.lua import LuaScript
+from producer.wire.lua import LuaScript, LuaValue
 from producer.wire.results import Result
-from producer.wire.store import START_MANY, WRITE_FIELDS, WRITE_MANY, write_values
+from producer.wire.store import WRITE_FIELDS, WRITE_MANY_CONSTANTS, write_values
 
-# Batch keys from a job id (`<batch>:<index>` or `<batch>:<index>.<attempt>`, keys.job_id), as batch_keys
-# names them: meta, results, running, chat, attempts, requests, digests, inputs.
-_BATCH_KEYS = (
-    """
-local known_batches = {}
-local function batch_keys(bid)
-  local k = known_batches[bid]
-  if not k then
-    local m = '"""
-    + keys.batch_meta("")
-    + """' .. bid
-    k = {m, m .. ':results', m .. ':running', m .. ':chat', m .. ':attempts', m .. ':requests', m .. ':digests',
-         m .. ':inputs'}
-    known_batches[bid] = k
-  end
-  return k
-end
-local function split_job_id(jid)
-  local bid, idx, att = string.match(jid, '^(.*):(%d+)%.?(%d*)$')
-  return bid, idx, tonumber(att) or 0
-end
-local function drop_jobs(queue, jids)
-  for j = 1, #jids, 1000 do
-    local last, dels = math.min(j + 999, #jids), {}
-    for i = j, last do
-      local jid = jids[i]
-      dels[#dels + 1] = '"""
-    + job_key_prefix
-    + """' .. jid
-      dels[#dels + 1] = '"""
-    + in_progress_key_prefix
-    + """' .. jid
-      dels[#dels + 1] = '"""
-    + retry_key_prefix
-    + """' .. jid
-    end
-    redis.call('DEL', unpack(dels))
-    redis.call('ZREM', queue, unpack(jids, j, last))
-  end
-end
-"""
-)
-
-# KEYS: queue. ARGV: now ms, lease ms, most jobs to claim. Returns job id, payload, try, start code
-# (1 run, 2 batch cancelled) per claimed job, then the number of jobs dropped for having nothing to run.
-# A lease is taken with SET NX: a due job whose lease is still alive belongs to a worker whose renewal is
-# late, and is left to it.
-_CLAIM = LuaScript(
-    START_MANY
-    + _BATCH_KEYS
-    + """
-local now, lease, want = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local picked, starts, dropped, offset = {}, {}, 0, 0
-while #picked < want do
-  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', offset, want - #picked)
-  if #ids == 0 then break end
-  local gone, leased = {}, {}
-  for _, jid in ipairs(ids) do
-    local bid, idx, att = split_job_id(jid)
-    local payload = redis.call('GET', '"""
-    + job_key_prefix
-    + """' .. jid)
-    if not payload or not bid then
-      gone[#gone + 1] = jid  -- its job key is gone (finished, cancelled) or the id is not a batchq job's
-    elseif redis.call('SET', '"""
-    + in_progress_key_prefix
-    + """' .. jid, '1', 'NX', 'PX', lease) then
-      picked[#picked + 1] = {jid, payload}
-      starts[#starts + 1] = {batch_keys(bid), idx, att}
-      leased[#leased + 1] = now + lease
-      leased[#leased + 1] = jid
-    else
-      offset = offset + 1
-    end
-  end
-  if #gone > 0 then redis.call('ZREM', KEYS[1], unpack(gone)) end
-  if #leased > 0 then redis.call('ZADD', KEYS[1], 'XX', unpack(leased)) end
-end
-local codes, again = start_many(starts)
-local out, drop = {}, {}
-for i, p in ipairs(picked) do
-  local jid = p[1]
-  if codes[i] == 0 then
-    drop[#drop + 1] = jid
-  else
-    local try = 1
-    if again[i] then
-      try = 1 + redis.call('INCR', '"""
-    + retry_key_prefix
-    + """' .. jid)
-    end
-    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = jid, p[2], try, codes[i]
-  end
-end
-drop_jobs(KEYS[1], drop)
-out[#out + 1] = #drop
-return out
-"""
-)
-
-# KEYS: queue. ARGV: now (s), fallback ttl, result-cache ttl, then per result: job id, cache key ('' for
-# none), cached answer, then write_many's values. Returns 1 (written) or 0 per result, in order.
-_FINISH = LuaScript(
-    WRITE_MANY
-    + _BATCH_KEYS
-    + """
-local per = 3 + """
-    + str(WRITE_FIELDS)
-    + """
-local entries, jids = {}, {}
-for i = 4, #ARGV, per do
-  local jid = ARGV[i]
-  local bid = split_job_id(jid)
-  local a = {}
-  for j = 1, """
-    + str(WRITE_FIELDS)
-    + """ do a[j] = ARGV[i + 2 + j] end
-  entries[#entries + 1] = {batch_keys(bid), a}
-  jids[#jids + 1] = jid
-  if ARGV[i + 1] ~= '' then redis.call('SET', ARGV[i + 1], ARGV[i + 2], 'EX', ARGV[3]) end
-end
-local out = write_many(entries, ARGV[1], ARGV[2])
-drop_jobs(KEYS[1], jids)
-return out
-"""
-)
-
-# KEYS: queue. ARGV: now ms, lease ms, job ids. Renews the leases this worker holds.
-_RENEW = LuaScript(
-    """
-local now, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
-for i = 3, #ARGV do
-  redis.call('SET', '"""
-    + in_progress_key_prefix
-    + """' .. ARGV[i], '1', 'PX', lease)
-  redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[i])
-end
-return #ARGV - 2
-"""
-)
-
-# KEYS: queue. ARGV: now ms, then job ids. SIGTERM hand-back: the jobs are due again at once, their leases
-# released, their requests no longer running (so the next claim counts no failed try).
-_HAND_BACK = LuaScript(
-    _BATCH_KEYS
-    + """
-for i = 2, #ARGV do
-  local jid = ARGV[i]
-  local bid, idx = split_job_id(jid)
-  redis.call('DEL', '"""
-    + in_progress_key_prefix
-    + """' .. jid)
-  redis.call('ZADD', KEYS[1], 'XX', tonumber(ARGV[1]), jid)
-  if bid then redis.call('SREM', batch_keys(bid)[3], idx) end
-end
-return #ARGV - 1
-"""
-)
+# The scripts, in lua/. job_keys.lua (batch keys from a job id, dropping jobs) hard-codes these key
+# prefixes; store's write_many.lua and start_many.lua are the single calls' functions, run here in bulk.
+_JOB_KEYS: dict[str, LuaValue] = {
+    "BATCH_KEY": keys.batch_meta(""),
+    "JOB_KEY": job_key_prefix,
+    "IN_PROGRESS_KEY": in_progress_key_prefix,
+    "RETRY_KEY": retry_key_prefix,
+}
+_CLAIM = LuaScript.load("claim_jobs.lua", **_JOB_KEYS)
+_FINISH = LuaScript.load("finish_jobs.lua", **_JOB_KEYS, **WRITE_MANY_CONSTANTS, WRITE_FIELDS=WRITE_FIELDS)
+_RENEW = LuaScript.load("renew_leases.lua", IN_PROGRESS_KEY=in_progress_key_prefix)
+_HAND_BACK = LuaScript.load("hand_back.lua", **_JOB_KEYS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,7 +102,7 @@ def queue_model(queue: str) -> str:
 
 
 def queue_clock(queue: str) -> str:
-    """string: the last enqueue millisecond handed to a submit on this queue (see submit._CLAIM_MS)."""
+    """string: the last enqueue millisecond handed to a submit on this queue (see producer/wire/lua/claim_ms.lua)."""
     return f"{PREFIX}queue-clock:{queue}"
 
 

@@ -17,7 +17,7 @@ from arq.constants import in_progress_key_prefix, job_key_prefix, retry_key_pref
 from redis.asyncio import Redis
 
 from producer.wire import keys
-from producer.wire.lua import LuaScript, done
+from producer.wire.lua import LuaScript, LuaValue, done
 from producer.wire.results import BatchState, BatchStatus, ErrorInfo, Result
 
 CHUNK = 500
@@ -25,7 +25,7 @@ DONE_FIELDS = ("completed", "failed", "cancelled")
 CANCEL_FLAG = "cancel_requested"
 # The meta field of an unfinished submit: how many requests it has put into Redis (as jobs or results).
 # Submit creates it at 0, adds what each chunk writes and deletes it once every request is in
-# (producer/client/submit.py, enqueue_spool); BatchStatus.enqueued.
+# (producer/client/enqueue.py, enqueue_spool); BatchStatus.enqueued.
 ENQUEUED = "enqueued"
 EXCERPTS_PER_FIELD = 500  # input excerpts per field of keys.batch_inputs (get_excerpts)
 
@@ -55,187 +55,18 @@ REASON_COUNTERS = {
     "repetition": "repetition",
 }
 
-# The result write, as a Lua function that scripts share (this module's _WRITE_RESULT for one result, the
-# worker's bulk finish in producer/wire/jobs.py for many). Each entry: {k, a}, k the batch's keys
-# (batch_keys), a: index, result json, counter, prompt_tokens, completion_tokens, cached prompt tokens, 1 if
-# answered from the result cache, attempt, request payload to keep for a retry ('' for none), finish reason,
-# tokens to add to `tokens_generated`, reasoning tokens (of completion_tokens). Returns 1 (stored) or 0 per
-# entry.
-#
-# Only the request's current attempt (attempts hash, absent: 0) may write, once: a late result of an attempt
-# a retry superseded is refused (and leaves the running set alone: the current attempt may be running), and
-# so is a second result of the same attempt (which takes a duplicate run's running mark out). A retry took
-# the older attempt's result out of the counters when it claimed the new attempt (producer/client/retry.py),
-# so the counters count each request by its current attempt: queued + running + completed + failed +
-# cancelled == total at every moment. `eos`, `stop`, `timed_out`, `length` and `repetition` count the
-# completed results by finish reason (REASON_COUNTERS). `tokens_generated` is a rate counter (tokens the
-# workers generated, reported while requests run; a result adds what was not reported yet): it never goes
-# down.
-# Counter increments and running-set removals are summed per batch and applied once per call; a batch whose
-# last result this is gets its finished_at and its keys' expiry (its own result_ttl_s, set at submit, wins
-# over the caller's fallback).
-WRITE_MANY = (
-    "local reason_counter = {"
-    + ", ".join(f"{reason} = '{field}'" for reason, field in REASON_COUNTERS.items())
-    + "}\n"
-    + """
-local function write_many(entries, now, fallback_ttl)
-  local groups, order, out = {}, {}, {}
-  for i, e in ipairs(entries) do
-    local k, a = e[1], e[2]
-    local g = groups[k[1]]
-    if not g then
-      g = {k = k, c = {}, srem = {}, retried = redis.call('EXISTS', k[5]) == 1}
-      groups[k[1]] = g
-      order[#order + 1] = k[1]
-    end
-    local idx, attempt = a[1], tonumber(a[8])
-    local current = 0
-    if g.retried then current = tonumber(redis.call('HGET', k[5], idx) or '0') end
-    local written = 0
-    if attempt == current then
-      if attempt == 0 then
-        written = redis.call('HSETNX', k[2], idx, a[2])
-      else
-        local old = redis.call('HGET', k[2], idx)
-        if not (old and attempt <= (tonumber(cjson.decode(old).attempt) or 0)) then
-          redis.call('HSET', k[2], idx, a[2])
-          g.c.retrying = (g.c.retrying or 0) - 1
-          written = 1
-        end
-      end
-      g.srem[#g.srem + 1] = idx
-    end
-    if written == 1 then
-      if a[9] ~= '' then redis.call('HSET', k[6], idx, a[9]) elseif attempt > 0 then redis.call('HDEL', k[6], idx) end
-      local c = g.c
-      c[a[3]] = (c[a[3]] or 0) + 1
-      local r = reason_counter[a[10]]
-      if r then c[r] = (c[r] or 0) + 1 end
-      c.prompt_tokens = (c.prompt_tokens or 0) + tonumber(a[4])
-      c.completion_tokens = (c.completion_tokens or 0) + tonumber(a[5])
-      c.cached_prompt_tokens = (c.cached_prompt_tokens or 0) + tonumber(a[6])
-      c.from_result_cache = (c.from_result_cache or 0) + tonumber(a[7])
-      c.tokens_generated = (c.tokens_generated or 0) + tonumber(a[11])
-      c.reasoning_tokens = (c.reasoning_tokens or 0) + tonumber(a[12])
-    end
-    out[i] = written
-  end
-  for _, meta in ipairs(order) do
-    local g = groups[meta]
-    local k = g.k
-    for f, n in pairs(g.c) do
-      if n ~= 0 then redis.call('HINCRBY', meta, f, n) end
-    end
-    for j = 1, #g.srem, 4000 do redis.call('SREM', k[3], unpack(g.srem, j, math.min(j + 3999, #g.srem))) end
-    local m = redis.call('HMGET', meta, 'total', 'completed', 'failed', 'cancelled', 'finished_at', 'result_ttl_s')
-    local ttl = tonumber(m[6]) or tonumber(fallback_ttl)
-    local total = tonumber(m[1])
-    local done = (tonumber(m[2]) or 0) + (tonumber(m[3]) or 0) + (tonumber(m[4]) or 0)
-    if total == nil or (done >= total and not m[5]) then
-      if total ~= nil then redis.call('HSET', meta, 'finished_at', now) end
-      for i = 1, #k do redis.call('EXPIRE', k[i], ttl) end
-    end
-  end
-  return out
-end
-"""
-)
-WRITE_FIELDS = 12  # the values write_many takes per result (`a` above)
-
-# KEYS: store.batch_keys. ARGV: now, fallback ttl, then write_many's values for one result.
-_WRITE_RESULT = LuaScript(
-    WRITE_MANY
-    + """
-local a = {}
-for i = 3, #ARGV do a[i - 2] = ARGV[i] end
-return write_many({{KEYS, a}}, ARGV[1], ARGV[2])[1]
-"""
-)
-
-# A worker starts running requests' attempts, as a Lua function (this module's _START for one, the worker's
-# bulk claim for many). Entries: {k (batch_keys), index, attempt}; per entry 0 when there is nothing to run
-# (that attempt has its result, or a retry superseded it), else 1, or 2 when its batch is cancelled. The
-# indices join their running sets in the same call, so a request is never counted as running and finished
-# at once. Second value: per started entry, whether its index was in the running set already: a worker
-# took it before and died with it (a hand-back takes the index out), which is what counts as a failed try.
-START_MANY = """
-local function start_many(entries)
-  local groups, order, out = {}, {}, {}
-  for i, e in ipairs(entries) do
-    local k, idx, attempt = e[1], e[2], e[3]
-    local g = groups[k[1]]
-    if not g then
-      g = {k = k, sadd = {}, at = {}, retried = redis.call('EXISTS', k[5]) == 1,
-           cancelled = redis.call('HGET', k[1], 'cancel_requested') == '1'}
-      groups[k[1]] = g
-      order[#order + 1] = k[1]
-    end
-    local current = 0
-    if g.retried then current = tonumber(redis.call('HGET', k[5], idx) or '0') end
-    local code = 0
-    if attempt == current then
-      if attempt == 0 then
-        if redis.call('HEXISTS', k[2], idx) == 0 then code = 1 end
-      else
-        local old = redis.call('HGET', k[2], idx)
-        if not (old and attempt <= (tonumber(cjson.decode(old).attempt) or 0)) then code = 1 end
-      end
-    end
-    if code == 1 then
-      g.sadd[#g.sadd + 1] = idx
-      g.at[#g.at + 1] = i
-      if g.cancelled then code = 2 end
-    end
-    out[i] = code
-  end
-  local again = {}
-  for _, meta in ipairs(order) do
-    local g = groups[meta]
-    for j = 1, #g.sadd, 4000 do
-      local last = math.min(j + 3999, #g.sadd)
-      local was = redis.call('SMISMEMBER', g.k[3], unpack(g.sadd, j, last))
-      for n = 1, #was do again[g.at[j + n - 1]] = was[n] == 1 end
-      redis.call('SADD', g.k[3], unpack(g.sadd, j, last))
-    end
-  end
-  return out, again
-end
-"""
-
-# KEYS: store.batch_keys. ARGV: index, attempt.
-_START = LuaScript(START_MANY + "return start_many({{KEYS, ARGV[1], tonumber(ARGV[2])}})[1]")
-
+WRITE_FIELDS = 12  # the values write_many takes per result (write_values; lua/write_many.lua)
 RETRYABLE = frozenset({"error", "cancelled", "timeout"})  # finish reasons `producer retry` can select
 
-# KEYS: queue, running. ARGV: job ids then indices (n each). Removes jobs no worker holds yet and
-# returns {index, payload} pairs so the caller can write their "cancelled" results.
-_DEQUEUE = LuaScript(
-    """
-local n = #ARGV / 2
-local out = {}
-for i = 1, n do
-  local jid, idx = ARGV[i], ARGV[n + i]
-  if redis.call('ZSCORE', KEYS[1], jid) and redis.call('EXISTS', '"""
-    + in_progress_key_prefix
-    + """' .. jid) == 0
-     and redis.call('SISMEMBER', KEYS[2], idx) == 0 then
-    local payload = redis.call('GET', '"""
-    + job_key_prefix
-    + """' .. jid)
-    redis.call('ZREM', KEYS[1], jid)
-    redis.call('DEL', '"""
-    + job_key_prefix
-    + """' .. jid, '"""
-    + retry_key_prefix
-    + """' .. jid)
-    out[#out + 1] = idx
-    out[#out + 1] = payload or ''
-  end
-end
-return out
-"""
+# The scripts, in lua/ (each file's head gives its KEYS and ARGV). write_many.lua and start_many.lua are Lua
+# functions that the worker's bulk claim and finish (producer/wire/jobs.py) share with the single calls here.
+WRITE_MANY_CONSTANTS: dict[str, LuaValue] = {"REASON_COUNTERS": REASON_COUNTERS}
+_WRITE_RESULT = LuaScript.load("write_result.lua", **WRITE_MANY_CONSTANTS)
+_START = LuaScript.load("start_attempt.lua")
+_DEQUEUE = LuaScript.load(
+    "dequeue.lua", JOB_KEY=job_key_prefix, IN_PROGRESS_KEY=in_progress_key_prefix, RETRY_KEY=retry_key_prefix
 )
+_READ_STATUS = LuaScript.load("read_status.lua")  # a script, not a MULTI: see the file
 
 
 def _str(v: Any) -> str:
@@ -376,12 +207,6 @@ def _status(batch_id: str, meta: dict[Any, Any], running: int) -> BatchStatus:
         model=_str(m["model"]) if m.get("model") else None,
         enqueued=None if enqueued is None else min(_int(enqueued), total),
     )
-
-
-# KEYS: meta, running set. The two read at one moment, by a script: Redis refuses every command of a
-# MULTI once it is at maxmemory, where a status is most wanted (a submit that Redis cut short), but runs a
-# script that only reads (a script without flags is refused only a write, in Redis 6 and 7 alike).
-_READ_STATUS = LuaScript("return {redis.call('HGETALL', KEYS[1]), redis.call('SCARD', KEYS[2])}")
 
 
 async def get_status(redis: Redis, batch_id: str) -> BatchStatus:

@@ -1,5 +1,5 @@
-"""The job bytes batchq writes by hand (submit's _ENQUEUE script, retry's _RETRY) are arq's own: arq's reader
-decodes them to what arq's writer would have written for the same job.
+"""The job bytes batchq writes by hand (producer/wire/lua/: enqueue.lua, retry.lua) are arq's own: arq's
+reader decodes them to what arq's writer would have written for the same job.
 
 arq does not promise its job format; pyproject pins arq to the minor version checked here, and a new arq
 that changes the format fails this test.

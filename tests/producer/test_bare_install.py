@@ -79,6 +79,7 @@ def test_a_bare_install_runs_the_producer_without_torch(tmp_path: Path) -> None:
     client = run(bin_ / "python", "-c", "from producer.client import BatchqClient; print(BatchqClient.__module__)",
                  cwd=tmp_path, env=env)  # fmt: skip
     assert client.returncode == 0 and client.stdout.strip() == "producer.client.batchq_client", client.stderr
+    # Importing the wire reads its Lua scripts (producer/wire/lua/*.lua): package data, like the console.
     every = run(bin_ / "python", "-c", IMPORT_ALL, cwd=tmp_path, env=env)
     assert every.returncode == 0, every.stderr[-3000:]
     count, where = every.stdout.split()

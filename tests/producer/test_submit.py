@@ -13,7 +13,7 @@ from arq.constants import job_key_prefix
 from arq.jobs import deserialize_job
 from redis.asyncio import Redis
 
-from producer.client import submit as submit_module
+from producer.client import enqueue as enqueue_module
 from producer.client.batchq_client import BatchqClient
 from producer.client.submit import InputError, submit_stream
 from producer.wire import keys, serde, store
@@ -189,7 +189,7 @@ async def test_chunks_split_at_invalid_lines_keep_indices_chat_bits_and_order(
 ) -> None:
     # Small chunks, and --skip-invalid lines between them: every valid line is enqueued under its own
     # index, with its chat bit and its queue order, and every invalid line becomes a failed result.
-    monkeypatch.setattr(submit_module, "CHUNK_JOBS", 3)
+    monkeypatch.setattr(enqueue_module, "CHUNK_JOBS", 3)
     lines, bad = [], {4, 5, 9}
     for i in range(12):
         if i in bad:
@@ -220,7 +220,7 @@ async def test_a_chunk_bigger_than_luas_unpack_limit_is_enqueued_whole(
 ) -> None:
     # The script collects ZADD members (2 per job) and BITFIELD ops (4 per chat job); Lua's unpack() stops
     # at 8000 values, so a chunk this big must be written in slices.
-    monkeypatch.setattr(submit_module, "CHUNK_JOBS", 5000)
+    monkeypatch.setattr(enqueue_module, "CHUNK_JOBS", 5000)
     n = 4500
     data = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}\n' * n
     report = await submit_stream(redis, io.BytesIO(data), batch_id="big")
@@ -404,7 +404,7 @@ async def test_requests_the_result_cache_holds_are_answered_at_submit_and_never_
 async def test_submit_keeps_each_inputs_excerpt_and_the_owner_for_the_console(redis: Redis) -> None:
     # 4,203 lines: three groups of CHUNK_JOBS, excerpt fields of 500 (store.EXCERPTS_PER_FIELD); line 700
     # is invalid (--skip-invalid: a failed result, no excerpt); chat lines give their last user message.
-    n = 2 * submit_module.CHUNK_JOBS + 203
+    n = 2 * enqueue_module.CHUNK_JOBS + 203
     lines = []
     for i in range(n):
         if i == 700:
@@ -422,7 +422,7 @@ async def test_submit_keeps_each_inputs_excerpt_and_the_owner_for_the_console(re
     assert set(got) == {0, 1, 499, 500, 2000, 4000, n - 1}
     assert got[0] == "prompt 0" and got[1] == "row 1 asks" and got[499] == "row 499 asks"
     assert got[500] == "prompt 500" and got[n - 1] == f"prompt {n - 1}"
-    assert len(got[4000]) == submit_module.EXCERPT_CHARS and "\u2026" in got[4000]
+    assert len(got[4000]) == enqueue_module.EXCERPT_CHARS and "\u2026" in got[4000]
     assert (await client.batch_meta("ex"))["owner"] == "team-a"
     assert [s.batch_id for s in await client.owned_batches("team-a", None)] == ["ex"]
     assert (
