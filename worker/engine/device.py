@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 import torch
 
 from worker.cache_dir import cache_dir
 from worker.engine.config import CpuKernels, Device, Dtype, KVCacheDtype, WeightDtype
+
+if TYPE_CHECKING:
+    from worker.kernels.native_linear import LinearTuning
 
 log = logging.getLogger(__name__)
 
@@ -50,30 +53,32 @@ def gemm_flops(dtype: torch.dtype, n: int = 1024, reps: int = 4) -> float:
     return 2 * n**3 / best
 
 
-def native_gemm_flops(n: int = 1024, reps: int = 4) -> float:
-    """FLOP/s of linear.c on an n x n x n product (0 where it is not available)."""
+def native_gemm_flops(n: int = 1024, reps: int = 4, tuning: LinearTuning | None = None) -> float:
+    """FLOP/s of linear.c on an n x n x n product under `tuning` (None: the default; 0 where it is not
+    available)."""
     from worker.kernels import native_linear
 
     if native_linear.library() is None:
         return 0.0
+    tuning = tuning or native_linear.DEFAULT_TUNING
     a, w = torch.randn(n, n), native_linear.pack(torch.randn(n, n))
-    native_linear.linear(a, w, None, None, n)
+    native_linear.linear(a, w, None, None, n, tuning)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        native_linear.linear(a, w, None, None, n)
+        native_linear.linear(a, w, None, None, n, tuning)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
 
-def measure_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
+def measure_bf16_gemm_speedup(cpu_kernels: CpuKernels, linear_tuning: LinearTuning | None = None) -> float:
     """bf16 GEMM FLOP/s over float32's on this CPU, measured now (float32's: the better of torch's and, with
-    cpu_kernels auto, linear.c's); 0 without oneDNN."""
+    cpu_kernels auto, linear.c's under linear_tuning); 0 without oneDNN."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0.0
     f32 = gemm_flops(torch.float32)
     if cpu_kernels == "auto":
-        f32 = max(f32, native_gemm_flops())
+        f32 = max(f32, native_gemm_flops(tuning=linear_tuning))
     bf16 = gemm_flops(torch.bfloat16)
     log.info("CPU matmul %.0f GFLOP/s float32, %.0f bfloat16", f32 / 1e9, bf16 / 1e9)
     return bf16 / f32
@@ -107,9 +112,20 @@ def _probe_path(name: str, cpu_kernels: CpuKernels) -> Path:
     return cache_dir() / "probes" / f"{name}-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
 
 
+_T = TypeVar("_T")
+
+
 def _kept(name: str, what: str, cpu_kernels: CpuKernels, measure: Callable[[], float]) -> float:
-    """The figure `measure` gives on this machine, measured by the first worker to start here and kept in
-    the cache directory for every later one (under a lock, so workers starting together share it).
+    """The figure `measure` gives on this machine, kept (`_kept_value`)."""
+    return _kept_value(name, what, cpu_kernels, measure, float)
+
+
+def _kept_value(
+    name: str, what: str, cpu_kernels: CpuKernels, measure: Callable[[], Any], read: Callable[[Any], _T]
+) -> _T:
+    """What `measure` gives on this machine (a JSON value; `read` makes it the answer, and refuses a kept one
+    it cannot read with ValueError, KeyError or TypeError), measured by the first worker to start here and
+    kept in the cache directory for every later one (under a lock, so workers starting together share it).
 
     Timings decide kernel choices, and so the answers and the result cache's fingerprint: measured at every
     start, a worker that starts while another process loads the cores can choose otherwise than its
@@ -122,90 +138,81 @@ def _kept(name: str, what: str, cpu_kernels: CpuKernels, measure: Callable[[], f
         lock = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:  # a read-only cache: measure, as every start would
         log.warning("cannot keep the %s probe in %s (%s): measured at each start", what, path.parent, exc)
-        return measure()
+        return read(measure())
+
+    def shown(value: Any) -> str:
+        return f"{value:.2f}x" if isinstance(value, float) else str(value)
+
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # workers starting together: one measures, the rest read its figure
         try:
-            speedup = float(orjson.loads(path.read_bytes())["speedup"])
-            log.info("%s %.2fx, measured on this machine earlier (%s)", what, speedup, path)
-            return speedup
+            value = orjson.loads(path.read_bytes())["value"]
+            answer = read(value)
+            log.info("%s %s, measured on this machine earlier (%s)", what, shown(value), path)
+            return answer
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        speedup = measure()
+        value = measure()
+        answer = read(value)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_bytes(orjson.dumps({"speedup": speedup, "measured_at": time.time()}))
+        tmp.write_bytes(orjson.dumps({"value": value, "measured_at": time.time()}))
         os.replace(tmp, path)
-        log.info("%s %.2fx measured, kept for later starts in %s", what, speedup, path)
-        return speedup
+        log.info("%s %s measured, kept for later starts in %s", what, shown(value), path)
+        return answer
     finally:
         os.close(lock)  # closing releases the lock
 
 
-def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
+def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels, linear_tuning: LinearTuning | None = None) -> float:
     """This machine's bf16-over-float32 GEMM speedup (measure_bf16_gemm_speedup), kept (`_kept`)."""
     return _kept(
-        "bf16-speedup", "bf16 GEMM speedup", cpu_kernels, lambda: measure_bf16_gemm_speedup(cpu_kernels)
+        "bf16-speedup",
+        "bf16 GEMM speedup",
+        cpu_kernels,
+        lambda: measure_bf16_gemm_speedup(cpu_kernels, linear_tuning),
     )
 
 
-def tune_cpu_linear() -> None:
-    """linear.c's choices for this machine, made once each and kept (`_kept`): its prefetch hint (on some
-    CPUs non-temporal prefetches stream the weights at a fraction of the bandwidth, on others they are
-    best), then, under that hint, whether decode steps also prefetch far ahead into L2 (AVX2 builds: it
-    keeps some CPUs' streams at the memory's rate and only costs on others), then whether decode steps of
-    1-3 rows take whole-panel tiles (AVX2 builds: which streams faster differs between CPUs), then whether
-    decode steps of fewer rows than a tile holds run paced (AVX2 builds: on some CPUs a few-row loop outruns
-    the stream and slows it, elsewhere the idle FMAs only cost). Made before
-    any probe that times linear.c. Results do not depend on them."""
+def tune_cpu_linear() -> LinearTuning:
+    """linear.c's tuning for this machine (native_linear.measure_tuning), measured once and kept (`_kept_value`:
+    the four knobs, and the speedups that chose them): its prefetch hint (non-temporal prefetches stream
+    the weights far slower on some CPUs and are best on others), then, under that hint, whether decode steps
+    also prefetch far ahead into L2, whether decode steps of 1-3 rows take whole-panel tiles and whether
+    decode steps of fewer rows than a tile holds run paced (AVX2 builds: which is faster differs between
+    CPUs). Made before any probe that times linear.c, which times it under this tuning. Results do not
+    depend on it."""
     from worker.kernels import native_linear
 
     if native_linear.library() is None:
-        return
-    t0 = _kept(
-        "linear-prefetch-t0",
-        "linear.c prefetcht0 over prefetchnta",
+        return native_linear.DEFAULT_TUNING
+
+    def measure() -> dict[str, dict[str, Any]]:
+        tuning, speedups = native_linear.measure_tuning()
+        return {"tuning": tuning.as_dict(), "speedups": speedups}
+
+    return _kept_value(
+        "linear-tuning",
+        "linear.c's tuning (each knob's speedup on over off)",
         "auto",
-        native_linear.measure_prefetch_t0_speedup,
+        measure,
+        lambda kept: native_linear.LinearTuning.from_dict(kept["tuning"]),
     )
-    native_linear.set_prefetch_t0(t0 > 1.0)
-    if native_linear.has_far_prefetch():
-        far = _kept(
-            "linear-far-prefetch",
-            "linear.c's far prefetch into L2 over none",
-            "auto",
-            native_linear.measure_far_prefetch_speedup,
-        )
-        native_linear.set_far_prefetch(far > 1.0)
-    if native_linear.has_wide_tiles():
-        speedup = _kept(
-            "linear-wide-tiles",
-            "linear.c whole-panel tiles over half-panel ones at 1-3 rows",
-            "auto",
-            native_linear.measure_wide_tile_speedup,
-        )
-        native_linear.set_wide_rows(native_linear.WIDE_ROWS if speedup > 1.0 else 0)
-    if native_linear.has_paced_tiles():
-        # the rows the half-panel tiles take, where pacing applies
-        rows = tuple(r for r in (1, 3, 5) if r > native_linear.wide_rows())
-        paced = _kept(
-            "linear-paced-tiles",
-            f"linear.c paced tiles over unpaced ones at {'/'.join(map(str, rows))} rows",
-            "auto",
-            functools.partial(native_linear.measure_pace_speedup, rows),
-        )
-        native_linear.set_pace_rows(native_linear.PACE_ROWS if paced > 1.0 else 0)
 
 
-def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:
+def cpu_auto_dtype(cpu_kernels: CpuKernels, linear_tuning: LinearTuning | None = None) -> torch.dtype:
     """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32's here, else float32."""
-    speedup = cpu_bf16_gemm_speedup(cpu_kernels)
+    speedup = cpu_bf16_gemm_speedup(cpu_kernels, linear_tuning)
     choice = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
     log.info("dtype auto -> %s (bf16 GEMMs %.2fx float32's)", str(choice).removeprefix("torch."), speedup)
     return choice
 
 
 def pick_dtype(
-    name: Dtype, device: torch.device, cpu_kernels: CpuKernels, invariant: bool = False
+    name: Dtype,
+    device: torch.device,
+    cpu_kernels: CpuKernels,
+    invariant: bool = False,
+    linear_tuning: LinearTuning | None = None,
 ) -> torch.dtype:
     """auto: bfloat16 on CUDA; on CPU under batch invariance bfloat16 where linear_bf16dot.c multiplies in
     bfloat16 (AVX-512 BF16), else float32; without it the faster of float32 and bfloat16 (cpu_auto_dtype)."""
@@ -226,7 +233,7 @@ def pick_dtype(
         log.info("dtype auto -> float32 (batch_invariant: no bf16 GEMM here sums a row the same at every "
                  "row count; batch_invariant = false lets oneDNN's in where it is faster)")  # fmt: skip
         return torch.float32
-    return cpu_auto_dtype(cpu_kernels)
+    return cpu_auto_dtype(cpu_kernels, linear_tuning)
 
 
 def invariant_cpu_storage(

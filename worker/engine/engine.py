@@ -60,6 +60,7 @@ from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
 from worker.kernels.backend import Backend, c_linear_available, select_backend
 from worker.kernels.native_build import cap_libraries
+from worker.kernels.native_linear import DEFAULT_TUNING
 from worker.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -236,9 +237,10 @@ class Engine:
             torch.set_num_threads(cfg.num_threads)
         elif device.type == "cpu" and torch.get_num_threads() > (budget := cpu_budget()):
             torch.set_num_threads(budget)  # a thread per core of the node would outrun the cgroup's quota
+        linear_tuning = DEFAULT_TUNING
         if device.type == "cpu" and cfg.cpu_kernels == "auto":
-            tune_cpu_linear()  # before the dtype and GEMM probes, which time linear.c
-        requested = pick_dtype(cfg.dtype, device, cfg.cpu_kernels, cfg.batch_invariant)
+            linear_tuning = tune_cpu_linear()  # before the dtype and GEMM probes, which time linear.c
+        requested = pick_dtype(cfg.dtype, device, cfg.cpu_kernels, cfg.batch_invariant, linear_tuning)
         dtype, storage = invariant_cpu_storage(
             requested, device, cfg.batch_invariant, c_linear_available(cfg, device)
         )
@@ -255,8 +257,9 @@ class Engine:
             device,
             dtype,
             weight_dtype,
-            lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP,
+            lambda: cpu_bf16_gemm_speedup(cfg.cpu_kernels, linear_tuning) >= BF16_MIN_SPEEDUP,
             bf16_dot=storage == torch.bfloat16,
+            linear_tuning=linear_tuning,
         ).for_model(loaded.model)
         store_weights(cfg, loaded, backend, dtype, weight_dtype, narrow_auto=storage is not None)
         loaded.model.use_backend(backend)

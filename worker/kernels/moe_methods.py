@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from worker.kernels import native_moe
+from worker.kernels.native_linear import DEFAULT_TUNING, LinearTuning
 
 
 class ExpertActivation(NamedTuple):
@@ -134,6 +135,9 @@ class TorchMoE:
 class PackedMoE:
     name, layout = "c", "packed"
 
+    def __init__(self, tuning: LinearTuning = DEFAULT_TUNING) -> None:
+        self.tuning = tuning  # linear.c's, for every expert's products
+
     def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
         return (
             x_dtype == torch.float32
@@ -161,8 +165,9 @@ class PackedMoE:
         act: ExpertActivation,
     ) -> Tensor:
         return native_moe.experts(
-            x, ids, weights, gate_up, down, gate_up_bias, down_bias, inter, act.kind, act.alpha, act.limit
-        )
+            x, ids, weights, gate_up, down, gate_up_bias, down_bias, inter, act.kind, act.alpha, act.limit,
+            tuning=self.tuning,
+        )  # fmt: skip
 
 
 TORCH_MOE = TorchMoE()
