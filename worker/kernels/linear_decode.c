@@ -1,7 +1,7 @@
 /* Decode-sized steps (M <= KB_ROWS rows) of the linear layers: each panel a K block at a time, the block
    reread from L1 by every tile of x rows (the K-block tiles, kb_tile), with 8-float vectors for every weight
    type and with 16-float ones for the weights dequantised first (FP8, Q4, Q8); grouped weights at a few
-   rows dequantised in registers as the tiles multiply (kbq_tile), a single row's in linear_q_row.
+   rows dequantised in registers as the tiles multiply (kbq_tile), a single row's in q_row.
    batchq_linear_part_w (linear.c) sends them here; linear_panel.h has the layout and the tiles' shapes. */
 #include <string.h>
 
@@ -256,6 +256,46 @@ static const kbq_fn KBQ_FNS[2][2][5] = {KQROW(4), KQROW(5)}; /* Q4, Q8; half; ro
 #endif
 #endif
 
+/* One x row against rows k0 .. k0 + kn - 1 of a Q4 or Q8 panel, the weights dequantised in registers (no
+   trip through dq: at one row, the store and reload would cost as much as the product), the block's
+   partial sums added to tot: what linear_dequantize and a tile would compute, in the same order. Static
+   here, beside its one caller, so that it inlines into linear_part_kb's loop over the K blocks. */
+static void q_row(const float *x, const LinearWeight *lw, const int K, const int panel, const int k0,
+                  const int kn, float *tot) {
+    const size_t rb = row_bytes(lw->elem);
+    const uint8_t *w = (const uint8_t *)lw->w + ((size_t)panel * K + k0) * rb;
+    vf acc[PANEL_VECS];
+    for (int j = 0; j < PANEL_VECS; j++) acc[j] = (vf){0};
+    for (int k = 0; k < kn;) {
+        const int end = group_end(lw, k0, k, kn);
+        const char *gp = group_at(lw, K, panel, (k0 + k) / lw->group);
+        vf s[PANEL_VECS], o[PANEL_VECS];
+        for (int j = 0; j < PANEL_VECS; j++) {
+            s[j] = group_vec(lw, gp, j);
+            o[j] = group_vec(lw, gp, PANEL_VECS + j);
+        }
+        for (; k < end; k++) {
+            const uint8_t *row = w + (size_t)k * rb;
+            const float xs = x[k0 + k];
+            if (lw->elem == Q4) {
+                for (int j = 0; j < PANEL_VECS / 2; j++) {
+                    const vu32 b = widen_u8(row + j * VL);
+                    const int hi = j + PANEL_VECS / 2;
+                    const vf lo_w = s[j] * u32_to_f32(b & 0xF) - o[j], hi_w = s[hi] * u32_to_f32(b >> 4) - o[hi];
+                    acc[j] += xs * lo_w;
+                    acc[hi] += xs * hi_w;
+                }
+            } else {
+                for (int j = 0; j < PANEL_VECS; j++) {
+                    const vf wv = s[j] * load_w((const char *)row + j * VL, I8) - o[j];
+                    acc[j] += xs * wv;
+                }
+            }
+        }
+    }
+    for (int j = 0; j < PANEL_VECS; j++) *(vf *)(tot + j * VL) += acc[j];
+}
+
 /* Decode-sized steps: a panel a KBLOCK of rows at a time. The block (8 KB in float32) comes from memory once
    and stays in L1 while every tile of x rows, and with 8-float vectors each half of the panel, uses it; each
    tile adds its partial sums over the block to the panel's totals, the sums the panel tiles would form, in
@@ -298,7 +338,7 @@ void linear_part_kb(const float *x, const LinearWeight *lw, float *y, const int 
             if (!direct) {
                 for (int l = 0; l < lines; l++) PREFETCH_NEAR_FAR(t0, far, wk + PREFETCH_BYTES + (size_t)l * 64);
                 if (M == 1 && elem != FP8) {
-                    linear_q_row(x, lw, K, p, k0, kn, tot);
+                    q_row(x, lw, K, p, k0, kn, tot);
                     continue;
                 }
 #if VL == 8

@@ -1,6 +1,6 @@
-/* The weights the tiles cannot read as they multiply (FP8, Q4, Q8), made float32 (a block of a panel at a
-   time, or one x row's products straight from the quantised bytes), and the store every path ends with: a
-   panel's sums times the scale per output, plus the bias, into y.
+/* The weights the tiles cannot read as they multiply (FP8, Q4, Q8) made float32, a block of a panel at a
+   time, and the store every path ends with: a panel's sums times the scale per output, plus the bias,
+   into y.
 
    Built into every library with the linear layers (native_linear.SOURCES); linear_panel.h has the layout. */
 #include <stdlib.h>
@@ -79,43 +79,4 @@ void linear_store_panel(const float *tot, const LinearWeight *lw, float *y, cons
 void batchq_linear_store_panel(const float *tot, const LinearWeight *lw, float *y, int M, int N, int n0,
                                int accumulate) {
     linear_store_panel(tot, lw, y, M, N, n0, accumulate);
-}
-
-/* One x row against rows k0 .. k0 + kn - 1 of a Q4 or Q8 panel, the weights dequantised in registers (no
-   trip through dq: at one row, the store and reload would cost as much as the product), the block's
-   partial sums added to tot: what dequantize and a tile would compute, in the same order. */
-void linear_q_row(const float *x, const LinearWeight *lw, const int K, const int panel, const int k0,
-                  const int kn, float *tot) {
-    const size_t rb = row_bytes(lw->elem);
-    const uint8_t *w = (const uint8_t *)lw->w + ((size_t)panel * K + k0) * rb;
-    vf acc[PANEL_VECS];
-    for (int j = 0; j < PANEL_VECS; j++) acc[j] = (vf){0};
-    for (int k = 0; k < kn;) {
-        const int end = group_end(lw, k0, k, kn);
-        const char *gp = group_at(lw, K, panel, (k0 + k) / lw->group);
-        vf s[PANEL_VECS], o[PANEL_VECS];
-        for (int j = 0; j < PANEL_VECS; j++) {
-            s[j] = group_vec(lw, gp, j);
-            o[j] = group_vec(lw, gp, PANEL_VECS + j);
-        }
-        for (; k < end; k++) {
-            const uint8_t *row = w + (size_t)k * rb;
-            const float xs = x[k0 + k];
-            if (lw->elem == Q4) {
-                for (int j = 0; j < PANEL_VECS / 2; j++) {
-                    const vu32 b = widen_u8(row + j * VL);
-                    const int hi = j + PANEL_VECS / 2;
-                    const vf lo_w = s[j] * u32_to_f32(b & 0xF) - o[j], hi_w = s[hi] * u32_to_f32(b >> 4) - o[hi];
-                    acc[j] += xs * lo_w;
-                    acc[hi] += xs * hi_w;
-                }
-            } else {
-                for (int j = 0; j < PANEL_VECS; j++) {
-                    const vf wv = s[j] * load_w((const char *)row + j * VL, I8) - o[j];
-                    acc[j] += xs * wv;
-                }
-            }
-        }
-    }
-    for (int j = 0; j < PANEL_VECS; j++) *(vf *)(tot + j * VL) += acc[j];
 }

@@ -204,8 +204,6 @@ static inline __attribute__((always_inline)) vf in_register(vf v) {
 #define LINEAR_HIDDEN __attribute__((visibility("hidden")))
 /* linear_dequant.c */
 LINEAR_HIDDEN void linear_dequantize(const LinearWeight *lw, int K, int panel, int k0, int kn, float *dq);
-LINEAR_HIDDEN void linear_q_row(const float *x, const LinearWeight *lw, int K, int panel, int k0, int kn,
-                                float *tot);
 LINEAR_HIDDEN void linear_store_panel(const float *tot, const LinearWeight *lw, float *y, int M, int N, int n0,
                                       int accumulate);
 /* linear_decode.c: decode-sized steps a K block at a time (M <= KB_ROWS) */
