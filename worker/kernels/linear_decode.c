@@ -14,14 +14,14 @@
    some CPUs the far hint then keeps the stream at the memory's rate, on others it only adds instructions
    or, where every hint fills L1, evicts the block in use. It changes when lines arrive, never a result.
    Only where every weight type's decode steps take those tiles (KB_DIRECT: 8-float vectors), so that a
-   probe streaming float32 weights measures what it sets. */
+   probe streaming float32 weights measures what it sets; elsewhere it compiles away. */
 #ifndef FAR_PREFETCH_BYTES
 #define FAR_PREFETCH_BYTES 32768
 #endif
-#define PREFETCH_NEAR_FAR(t0, far, p)                                                         \
-    do {                                                                                      \
-        PREFETCH(t0, p);                                                                      \
-        if (far) __builtin_prefetch((const char *)(p) + FAR_PREFETCH_BYTES, 0, 2);            \
+#define PREFETCH_NEAR_FAR(t0, far, p)                                                             \
+    do {                                                                                          \
+        PREFETCH(t0, p);                                                                          \
+        if (KB_DIRECT && (far)) __builtin_prefetch((const char *)(p) + FAR_PREFETCH_BYTES, 0, 2); \
     } while (0)
 
 /* The tiles of a decode-sized step go through each K block of weights they read as stored KB_SUB rows at
@@ -324,8 +324,9 @@ void linear_part_kb(const float *x, const LinearWeight *lw, float *y, const int 
     if (M <= tn->wide_rows) mr_max = WIDE_MR, tcols = PANEL, fns = KBW_FNS[direct ? elem : F32];
 #endif
     const int tiles = (M + mr_max - 1) / mr_max, halves = PANEL / tcols, calls = tiles * halves;
-    const int pace = tn->pace_rows, paced = direct && tcols == TCOLS && M < pace ? pace : 0; /* one tile */
-    const int t0 = tn->prefetch_t0, far = tn->far_prefetch;
+    /* the knobs a build lacks are constant 0 (in_force makes them so), and their code compiles away */
+    const int pace = KB_DIRECT ? tn->pace_rows : 0, paced = direct && tcols == TCOLS && M < pace ? pace : 0;
+    const int t0 = tn->prefetch_t0, far = KB_DIRECT && tn->far_prefetch;
     float tot[KB_ROWS * PANEL] __attribute__((aligned(64))), part[KB_ROWS * PANEL] __attribute__((aligned(64)));
     float dq[KBLOCK * PANEL] __attribute__((aligned(64)));
     for (int p = p0; p < p1; p++) {
