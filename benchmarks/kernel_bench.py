@@ -153,7 +153,8 @@ def _best_ms(fn: Callable[[], object], passes: int) -> float:
     return best * 1e3
 
 
-def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]]) -> None:
+def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]], tuning: Any) -> None:
+    """One pass of `kind` over the layers' weights; linear.c's under `tuning` (a LinearTuning)."""
     from worker.kernels import native_linear
 
     for w, wt, packed, bf16, int8, int8_scale, wb in layers:
@@ -162,20 +163,20 @@ def _linear_pass(kind: str, x: torch.Tensor, layers: list[tuple[torch.Tensor, ..
         elif kind == "torch x@W[in,out]":
             torch.mm(x, wt)
         elif kind == "C float32":
-            native_linear.linear(x, packed, None, None, w.shape[0])
+            native_linear.linear(x, packed, None, None, w.shape[0], tuning)
         elif kind == "C bfloat16":
-            native_linear.linear(x, bf16, None, None, w.shape[0])
+            native_linear.linear(x, bf16, None, None, w.shape[0], tuning)
         elif kind == "C bf16 products":
-            native_linear.linear_w(x, bf16, w.shape[0], bf16_dot=True)
+            native_linear.linear_w(x, bf16, w.shape[0], bf16_dot=True, tuning=tuning)
         elif kind == "oneDNN bf16":  # what batch_invariant = false runs for bf16 prompt steps
             torch.nn.functional.linear(x.bfloat16(), wb).float()
         else:
-            native_linear.linear(x, int8, int8_scale, None, w.shape[0])
+            native_linear.linear(x, int8, int8_scale, None, w.shape[0], tuning)
 
 
-def machine_bounds(passes: int = 20) -> tuple[float, float, float, float]:
+def machine_bounds(tuning: Any, passes: int = 20) -> tuple[float, float, float, float]:
     """(memory bandwidth in bytes/s; float32 FLOP/s of: the FMA peak of the ISA linear.c was built for,
-    MKL's 2048^3 matmul, linear.c's 1024 x 2048 x 2048 GEMM), measured here."""
+    MKL's 2048^3 matmul, linear.c's 1024 x 2048 x 2048 GEMM under `tuning`), measured here."""
     from worker.kernels import native_linear
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -185,7 +186,7 @@ def machine_bounds(passes: int = 20) -> tuple[float, float, float, float]:
     fma = native_linear.fma_peak(torch.get_num_threads())
     x, w = torch.randn(1024, 2048), torch.randn(2048, 2048)
     packed = native_linear.pack(w)
-    ms = _best_ms(lambda: native_linear.linear(x, packed, None, None, 2048), 5)
+    ms = _best_ms(lambda: native_linear.linear(x, packed, None, None, 2048, tuning), 5)
     ours = 2 * 1024 * 2048 * 2048 / (ms / 1e3)
     return bandwidth, fma, gemm_ceiling("float32"), ours
 
@@ -203,27 +204,25 @@ def cpu_linear(args: argparse.Namespace) -> int:
         return 1
     from worker.platform.probes import kept_linear_tuning
 
-    kept_linear_tuning()  # the machine's prefetch hint and tiling, as a worker runs them
+    tuning = kept_linear_tuning()  # the machine's prefetch hint and tiling, as a worker runs them
     m = machine()
     print(f"hardware: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; kernels built for: {cpu_isa()}")
     print(f"command: {' '.join(sys.argv)}")
-    hint = "prefetcht0" if native_linear.prefetch_t0() else "prefetchnta"
-    far = ", and far ahead into L2 in decode steps" if native_linear.far_prefetch() else ""
+    hint = "prefetcht0" if tuning.prefetch_t0 else "prefetchnta"
+    far = ", and far ahead into L2 in decode steps" if tuning.far_prefetch else ""
     print(f"weights prefetched with {hint}{far} (this machine's measured choices)")
-    if native_linear.has_wide_tiles():
+    if "wide_rows" in native_linear.tunable():
         print(
-            f"whole-panel tiles at 1-{native_linear.wide_rows()} rows"
-            if native_linear.wide_rows()
+            f"whole-panel tiles at 1-{tuning.wide_rows} rows"
+            if tuning.wide_rows
             else "half-panel tiles at every row count (this machine's measured choice)"
         )
-    if native_linear.pace_rows():
-        print(
-            f"steps of fewer than {native_linear.pace_rows()} rows paced by tiles of that many (measured choice)"
-        )
+    if tuning.pace_rows:
+        print(f"steps of fewer than {tuning.pace_rows} rows paced by tiles of that many (measured choice)")
     # The bounds are measured before the kernels' rows and again after, and the best of each counts, as the
     # best of the kernels' passes does: on a shared host a slow minute at the start would otherwise set the
     # bounds low and flatter every ratio.
-    before = machine_bounds()
+    before = machine_bounds(tuning)
     qkv = (args.heads + 2 * args.kv_heads) * args.head_dim
     shapes = [  # (name, K = in, N = out, copies per step)
         ("qkv", args.hidden, qkv, args.model_layers),
@@ -268,7 +267,7 @@ def cpu_linear(args: argparse.Namespace) -> int:
             )
         for r in rows:
             x = torch.randn(r, k, generator=gen)
-            fns = {kind: functools.partial(_linear_pass, kind, x, layers) for kind in kinds}
+            fns = {kind: functools.partial(_linear_pass, kind, x, layers, tuning) for kind in kinds}
             timed.append(
                 (
                     name,
@@ -280,7 +279,7 @@ def cpu_linear(args: argparse.Namespace) -> int:
                 )
             )
         del layers
-    after = machine_bounds()
+    after = machine_bounds(tuning)
     bandwidth, peak, mkl, ours = (max(pair) for pair in zip(before, after, strict=True))
     print(
         f"bounds: memory {bandwidth / 1e9:.1f} GB/s (512 MB sum); float32 FMA peak {peak / 1e9:.0f} GFLOP/s "

@@ -4,20 +4,22 @@
    figure from one run and one from another minutes later differ by more than most changes do; builds
    alternating within each round meet the same moments, and the medians compare.
 
-   Build it, and two or more linear.c builds to compare (a git revision's, or one with -D overrides):
+   Build it, and two or more builds of the linear layers to compare (a git revision's, or one with -D
+   overrides), each from linear.c and the files beside it (native_linear.SOURCES: linear*.c):
 
      cc -O2 benchmarks/linear_ab.c -o /tmp/linear_ab -ldl
      F="-O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math -ffp-contract=fast -shared -fPIC"
-     cc $F -Iworker/kernels worker/kernels/linear.c -o /tmp/new.so -lm
-     mkdir -p /tmp/old && git show HEAD~1:worker/kernels/linear.c > /tmp/old/linear.c \
-       && cp worker/kernels/linear.h /tmp/old/ && cc $F -I/tmp/old /tmp/old/linear.c -o /tmp/old.so -lm
+     cc $F -Iworker/kernels worker/kernels/linear*.c -o /tmp/new.so -lm
+     git worktree add /tmp/old HEAD~1 && cc $F -I/tmp/old/worker/kernels /tmp/old/worker/kernels/linear*.c \
+       -o /tmp/old.so -lm
      /tmp/linear_ab 15 16 /tmp/old.so /tmp/new.so                 # 15 rounds, 16 rows (a decode step)
      /tmp/linear_ab 5 2048 /tmp/old.so /tmp/new.so                 # a prompt step: the LM head takes 64
-     /tmp/linear_ab 15 16 /tmp/new.so:1:0:0:0 /tmp/far.so:1:1:0:0  # a build's settings: t0:far:wide:pace
+     /tmp/linear_ab 15 16 /tmp/new.so:1:0:0:0 /tmp/new.so:1:1:0:0  # a build under two tunings: t0:far:wide:pace
 
-   A build's settings (default 1:0:0:0) are linear.c's prefetch hint (1: prefetcht0), far prefetch,
-   whole-panel rows and paced rows, set through its setters (a build without a setter ignores it). A library
-   dlopened twice is one library with one set of settings: copy the .so to compare settings of one build.
+   A build's tuning (default 1:0:0:0) is linear.h's LinearTuning: the prefetch hint (1: prefetcht0), far
+   prefetch, whole-panel rows and paced rows, passed to every call (a build from before the LinearTuning
+   takes them through its batchq_linear_set_* setters, one set per library: copy its .so to compare
+   settings of one such build).
    Float32 weights, or with BATCHQ_AB_WEIGHT=q4 the default engine's: 4-bit in groups of 32 rows with float16
    scales and offsets (~150 MB, Q4_1's layout as gguf_weights.py keeps it); BATCHQ_AB_COPIES=c reuses c
    layers' weights (1: they stay in cache); 2 threads; prints the min and median ms of each build. Anything
@@ -31,7 +33,7 @@
 
 #include "../worker/kernels/linear.h"
 
-typedef int (*linear_fn)(const float *, const LinearWeight *, float *, int, int, int, int);
+typedef int (*linear_fn)(const float *, const LinearWeight *, float *, int, int, int, int, const LinearTuning *);
 typedef int (*setter_fn)(int);
 
 #define LAYERS 30
@@ -59,6 +61,7 @@ static int whole_number(const char *s, long lo, long hi, long *out) {
     return 1;
 }
 
+/* A build from before the LinearTuning: its settings through its setters (it ignores the tuning passed). */
 static void set(void *lib, const char *name, int value) {
     const setter_fn f = (setter_fn)dlsym(lib, name);
     if (f) f(value);
@@ -128,6 +131,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < rows * 1536; i++) x[i] = (float)(i % 97) / 97.0f;
 
     linear_fn fns[MAX_BUILDS];
+    LinearTuning tunings[MAX_BUILDS];
     for (int b = 0; b < builds; b++) {
         char *spec = argv[3 + b], *colon = strchr(spec, ':');
         int t0 = 1, far = 0, wide = 0, pace = 0;
@@ -149,16 +153,19 @@ int main(int argc, char **argv) {
         set(lib, "batchq_linear_set_far_prefetch", far);
         set(lib, "batchq_linear_set_wide_rows", wide);
         set(lib, "batchq_linear_set_pace_rows", pace);
+        tunings[b] = (LinearTuning){t0, far, wide, pace};
         printf("build %d: %s (t0 %d, far %d, wide %d, pace %d)\n", b, spec, t0, far, wide, pace);
     }
     double *ms = malloc(sizeof(double) * (size_t)rounds * (size_t)builds);
     if (!ms) return 1;
     for (int b = 0; b < builds; b++) /* a round untimed: page faults, the thread pool's start */
-        for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, i < 4 * LAYERS ? rows : head_rows, ks[i], ns[i], 2);
+        for (int i = 0; i < LINEARS; i++)
+            fns[b](x, &ws[i], y, i < 4 * LAYERS ? rows : head_rows, ks[i], ns[i], 2, &tunings[b]);
     for (int r = 0; r < rounds; r++)
         for (int b = 0; b < builds; b++) {
             const double t = now();
-            for (int i = 0; i < LINEARS; i++) fns[b](x, &ws[i], y, i < 4 * LAYERS ? rows : head_rows, ks[i], ns[i], 2);
+            for (int i = 0; i < LINEARS; i++)
+                fns[b](x, &ws[i], y, i < 4 * LAYERS ? rows : head_rows, ks[i], ns[i], 2, &tunings[b]);
             ms[(size_t)b * rounds + r] = (now() - t) * 1e3;
         }
     double flops = 0;

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.kernels import native_build, native_linear, native_moe
+from worker.kernels import native_build, native_linear
 from worker.platform import cpu_settings, probes
 from worker.platform.cpu import cpu_dtype, invariant_cpu_storage
 
@@ -139,67 +139,51 @@ def test_a_kept_figure_answers_only_for_the_linear_c_it_timed(
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")
-def test_linear_c_choices_are_measured_once_kept_and_reach_every_library_with_linear_c(
+def test_linear_c_tuning_is_measured_once_in_order_and_kept(
     monkeypatch: pytest.MonkeyPatch, own_cache_dir: Path
 ) -> None:
     # linear.c's prefetch hint, its far prefetch in decode steps, and in the AVX2 build (what AVX2-only
     # CPUs run) whole- or half-panel tiles for 1-3 rows and paced tiles for fewer rows than a tile holds,
-    # are chosen by speed.
+    # are chosen by speed, each under the knobs chosen before it, and kept for every later start.
     monkeypatch.setenv("BATCHQ_CPU_ISA", "avx2")
     native_build.clear_caches()
     try:
-        for real in (
-            native_linear.measure_prefetch_t0_speedup(megabytes=8, rounds=1),
-            native_linear.measure_far_prefetch_speedup(megabytes=8, rounds=1),
-            native_linear.measure_wide_tile_speedup(megabytes=8, rounds=1),
-            native_linear.measure_pace_speedup(megabytes=8, rounds=1),
-        ):
-            # both settings ran and were timed; how their rates compare is the machine's weather (a co-tenant
-            # can take either setting's one round), not the code's
-            assert math.isfinite(real) and real > 0
-        speedup = {"prefetch": 1.3, "far": 1.1, "tiles": 1.25, "pace": 1.2}
-        paced_rows: list[tuple[int, ...]] = []
-        monkeypatch.setattr(native_linear, "measure_prefetch_t0_speedup", lambda: speedup["prefetch"])
-        monkeypatch.setattr(native_linear, "measure_far_prefetch_speedup", lambda: speedup["far"])
-        monkeypatch.setattr(native_linear, "measure_wide_tile_speedup", lambda: speedup["tiles"])
-        monkeypatch.setattr(
-            native_linear, "measure_pace_speedup", lambda rows: paced_rows.append(rows) or speedup["pace"]
-        )
-        record = probes.kept_linear_tuning()
-        want = {"prefetch_t0": 1, "far_prefetch": 1, "wide_rows": native_linear.WIDE_ROWS,
-                "pace_rows": native_linear.PACE_ROWS}  # fmt: skip
-        assert record == want
-        assert native_linear.prefetch_t0() and native_linear.wide_rows() == native_linear.WIDE_ROWS
-        assert native_linear.far_prefetch() and native_linear.pace_rows() == native_linear.PACE_ROWS
-        assert paced_rows == [(5,)]  # whole-panel tiles take 1-3 rows: pacing is measured where it applies
-        moe = native_moe.library()  # loaded after the choices: given them on load
-        for lib in (native_linear.library(), moe):
-            assert lib is not None
-            assert lib.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS
-            assert lib.batchq_linear_set_prefetch_t0(-1) == 1
-            assert lib.batchq_linear_set_far_prefetch(-1) == 1
-            assert lib.batchq_linear_set_pace_rows(-1) == native_linear.PACE_ROWS
-        with pytest.raises(ValueError, match=r"wide rows 4: linear\.c has whole-panel tiles for 0 to 3 rows"):
-            native_linear.set_wide_rows(4)
-        native_linear.set_wide_rows(0)  # a later start, whose probes would measure otherwise, keeps the first
-        native_linear.set_prefetch_t0(False)
-        native_linear.set_far_prefetch(False)
-        native_linear.set_pace_rows(0)
-        assert moe.batchq_linear_set_prefetch_t0(-1) == 0
-        speedup.update(prefetch=0.7, far=0.9, tiles=0.8, pace=0.8)
-        assert probes.kept_linear_tuning() == want  # one record, kept: not measured again
-        assert moe.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS
-        assert moe.batchq_linear_set_prefetch_t0(-1) == 1
-        assert moe.batchq_linear_set_far_prefetch(-1) == 1
-        assert moe.batchq_linear_set_pace_rows(-1) == native_linear.PACE_ROWS
-        assert paced_rows == [(5,)]
-        assert len(list((own_cache_dir / "probes").glob("linear-tuning-*.json"))) == 1
+        _, real = native_linear.measure_tuning(megabytes=8, rounds=1)
+        assert set(real) == {"prefetch_t0", "far_prefetch", "wide_rows", "pace_rows"}
+        # every knob ran on and off and was timed; how their rates compare is the machine's weather (a
+        # co-tenant can take either setting's one round), not the code's
+        assert all(math.isfinite(s) and s > 0 for s in real.values())
+        speedup = {"prefetch_t0": 1.3, "far_prefetch": 1.1, "wide_rows": 1.25, "pace_rows": 1.2}
+        timed: list[tuple[str, dict[str, int], tuple[int, ...]]] = []
+
+        def fake_speedup(
+            base: native_linear.LinearTuning, candidate: native_linear.LinearTuning, rows: tuple[int, ...],
+            megabytes: int, rounds: int,
+        ) -> float:  # fmt: skip
+            knob = next(k for k, v in candidate.as_dict().items() if base.as_dict()[k] != v)
+            timed.append((knob, base.as_dict(), rows))
+            return speedup[knob]
+
+        monkeypatch.setattr(native_linear, "_speedup", fake_speedup)
+        everything = native_linear.LinearTuning(1, 1, native_linear.WIDE_ROWS, native_linear.PACE_ROWS)
+        assert probes.kept_linear_tuning() == everything
+        assert [knob for knob, _, _ in timed] == ["prefetch_t0", "far_prefetch", "wide_rows", "pace_rows"]
+        assert timed[1][1]["prefetch_t0"] == 1  # the far prefetch measured under the hint chosen
+        assert timed[3][2] == (5,)  # whole-panel tiles take 1-3 rows: pacing is measured where it applies
+        # a later start, whose probes would measure otherwise, keeps the first start's tuning
+        speedup.update(prefetch_t0=0.7, far_prefetch=0.9, wide_rows=0.8, pace_rows=0.8)
+        assert probes.kept_linear_tuning() == everything
+        assert len(timed) == 4  # kept: not measured again
+        assert len(list((own_cache_dir / "probes").glob("linear-tuning-*.json"))) == 1  # one record
     finally:
-        native_linear.set_wide_rows(0)
-        native_linear.set_prefetch_t0(False)
-        native_linear.set_far_prefetch(False)
-        native_linear.set_pace_rows(0)
         native_build.clear_caches()
+
+
+def test_a_build_without_linear_c_keeps_the_default_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_linear, "library", lambda: None)
+    assert native_linear.tunable() == frozenset()
+    assert probes.kept_linear_tuning() == native_linear.DEFAULT_TUNING
+    assert native_linear.measure_tuning() == (native_linear.DEFAULT_TUNING, {})
 
 
 def test_gemm_probe_measures_this_machine() -> None:

@@ -35,6 +35,16 @@ def test_float32_on_the_cpu_runs_every_kernel_in_c() -> None:
 
 
 @needs_c
+def test_the_machines_linear_tuning_goes_to_every_method_that_calls_linear_c() -> None:
+    tuning = native_linear.LinearTuning(1, 0, native_linear.WIDE_ROWS, 0)
+    backend = select_backend(EngineConfig(), CPU, torch.float32, linear_tuning=tuning)
+    assert backend.linear_tuning == tuning
+    assert backend.linear.tuning == tuning and backend.moe.tuning == tuning  # type: ignore[attr-defined]
+    default = select_backend(EngineConfig(), CPU, torch.float32)
+    assert default.linear_tuning == native_linear.DEFAULT_TUNING == default.moe.tuning  # type: ignore[attr-defined]
+
+
+@needs_c
 def test_the_decode_stack_setting_keeps_the_other_c_kernels() -> None:
     backend = select_backend(EngineConfig(decode_stack=False), CPU, torch.float32)
     assert not backend.decode_stack and backend.linear.name == "c" and backend.c_decode
@@ -54,7 +64,7 @@ def bf16_probe(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """The platform's bf16 GEMM probe answering "faster", each time it is asked recorded."""
     asked: list[bool] = []
 
-    def speedup(cpu_kernels: str) -> float:
+    def speedup(cpu_kernels: str, linear_tuning: object = None) -> float:
         asked.append(True)
         return 2.0
 

@@ -4,6 +4,7 @@ layer's methods (linear_methods.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import platform
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from worker.kernels import native_build, native_linear
 from worker.kernels.linear_methods import TORCH_LINEAR, PackedLinear
+from worker.kernels.native_linear import DEFAULT_TUNING, PACE_ROWS, WIDE_ROWS, LinearTuning
 from worker.models.layers import Linear, RMSNorm, RotaryTable, apply_rotary
 
 pytestmark = pytest.mark.skipif(native_linear.library() is None, reason="no C compiler here")
@@ -184,15 +186,22 @@ def _packed(k: int, n: int, dtype: torch.dtype, gen: torch.Generator, bias: bool
     return lin
 
 
-def _c_linear(lib: SimpleNamespace, x: Tensor, lin: Linear, out: Tensor | None = None) -> Tensor:
-    """lin(x) through `lib`'s batchq_linear on 2 threads, into `out` ([m, n], rows contiguous) if given."""
+def _c_linear(
+    lib: SimpleNamespace,
+    x: Tensor,
+    lin: Linear,
+    out: Tensor | None = None,
+    tuning: LinearTuning = DEFAULT_TUNING,
+) -> Tensor:
+    """lin(x) through `lib`'s batchq_linear on 2 threads under `tuning`, into `out` ([m, n], rows
+    contiguous) if given."""
     m, k = x.shape
     n = lin.out_features
     y = torch.empty(m, n) if out is None else out
     assert lib.batchq_linear(
         x.data_ptr(), lin.weight.data_ptr(), None if lin.scale is None else lin.scale.data_ptr(),
         None if lin.bias is None else lin.bias.data_ptr(), y.data_ptr(), m, k, n,
-        native_linear.WEIGHT_TYPES[lin.weight.dtype], 2,
+        native_linear.WEIGHT_TYPES[lin.weight.dtype], 2, ctypes.byref(tuning),
     ) == 0  # fmt: skip
     return y
 
@@ -238,13 +247,10 @@ def test_decode_steps_sum_each_k_block_the_same_whatever_rows_the_tiles_take_at_
     ):
         x = torch.randn(m, k, generator=gen)
         lin = _packed(k, 40, dtype, gen, bias=False)
-        ys = []
-        for lib, wide, pace in itertools.product(
-            (whole, pieces), (0, native_linear.WIDE_ROWS), (0, native_linear.PACE_ROWS)
-        ):
-            lib.batchq_linear_set_wide_rows(wide)
-            lib.batchq_linear_set_pace_rows(pace)
-            ys.append(_c_linear(lib, x, lin))
+        ys = [
+            _c_linear(lib, x, lin, tuning=LinearTuning(wide_rows=wide, pace_rows=pace))
+            for lib, wide, pace in itertools.product((whole, pieces), (0, WIDE_ROWS), (0, PACE_ROWS))
+        ]
         assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, k, dtype)
 
 
@@ -253,8 +259,8 @@ def test_the_prefetch_settings_change_no_answer(
     isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # prefetcht0 or prefetchnta, and the far prefetch into L2 of decode-sized steps, are each machine's
-    # choices by speed (set_prefetch_t0, set_far_prefetch): only when weights arrive may depend on them.
-    # Decode- and prompt-sized steps, every directly read weight type; the AVX2 build is the one whose
+    # choices by speed (LinearTuning's prefetch_t0, far_prefetch): only when weights arrive may depend on
+    # them. Decode- and prompt-sized steps, every directly read weight type; the AVX2 build is the one whose
     # decode steps of every weight type take the K-block tiles that prefetch far.
     if isa == "native":
         lib = native_linear.library()
@@ -264,26 +270,51 @@ def test_the_prefetch_settings_change_no_answer(
     else:
         monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
         lib = _load_for(("-march=x86-64-v3", "-mno-avx512f"))
-    try:
-        assert lib.batchq_linear_set_prefetch_t0(5) == 1  # any positive: t0
-        assert lib.batchq_linear_set_prefetch_t0(-1) == 1  # negative: a query
-        # the far prefetch exists where decode steps of every weight type take the K-block tiles
-        far_exists = isa == "avx2" or native_linear.has_far_prefetch()
-        assert lib.batchq_linear_set_far_prefetch(7) == far_exists
-        assert lib.batchq_linear_set_far_prefetch(-1) == far_exists
-        gen = torch.Generator().manual_seed(9)
-        for m, dtype in itertools.product((1, 5, 16, 96), (torch.float32, torch.bfloat16, torch.int8)):
-            x = torch.randn(m, 200, generator=gen)
-            lin = _packed(200, 70, dtype, gen, bias=True)
-            ys = []
-            for t0, far in itertools.product((0, 1), (0, 1)):
-                assert lib.batchq_linear_set_prefetch_t0(t0) == t0
-                assert lib.batchq_linear_set_far_prefetch(far) == (far and far_exists)
-                ys.append(_c_linear(lib, x, lin))
-            assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, dtype)
-    finally:
-        lib.batchq_linear_set_prefetch_t0(int(native_linear.prefetch_t0()))
-        lib.batchq_linear_set_far_prefetch(int(native_linear.far_prefetch()))
+    gen = torch.Generator().manual_seed(9)
+    for m, dtype in itertools.product((1, 5, 16, 96), (torch.float32, torch.bfloat16, torch.int8)):
+        x = torch.randn(m, 200, generator=gen)
+        lin = _packed(200, 70, dtype, gen, bias=True)
+        ys = [
+            _c_linear(lib, x, lin, tuning=LinearTuning(prefetch_t0=t0, far_prefetch=far))
+            for t0, far in itertools.product((0, 1), (0, 1))
+        ]
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, dtype)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_a_build_says_which_knobs_it_can_change(
+    isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The prefetch hint everywhere; the far prefetch, whole-panel and paced tiles only where a tile covers
+    # half a panel (8-float vectors: the AVX2 build, and native on a CPU without AVX-512).
+    if isa == "avx2":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("an x86 instruction set")
+        monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
+        monkeypatch.setattr(native_linear, "library", lambda: _load_for(("-march=x86-64-v3", "-mno-avx512f")))
+    native_isa = native_build.cpu_isa() == "native" and "avx512f" in native_build.cpu_features().split()
+    narrow = isa == "avx2" or not native_isa  # (BATCHQ_CPU_ISA=avx2 makes native_linear's build AVX2's)
+    every = {"prefetch_t0", "far_prefetch", "wide_rows", "pace_rows"}
+    assert native_linear.tunable() == (every if narrow else {"prefetch_t0"})
+
+
+def test_a_tuning_is_checked_by_name_and_fixed_once_made() -> None:
+    tuning = LinearTuning.from_dict({"prefetch_t0": 1, "wide_rows": WIDE_ROWS})
+    assert tuning.as_dict() == {"prefetch_t0": 1, "far_prefetch": 0, "wide_rows": WIDE_ROWS, "pace_rows": 0}
+    assert LinearTuning.from_dict(tuning.as_dict()) == tuning
+    assert LinearTuning.from_dict({}) == DEFAULT_TUNING == LinearTuning(0, 0, 0, 0)
+    refused = [
+        ({"wide_rows": WIDE_ROWS + 1}, "wide_rows 4"),  # no whole-panel tiles of 4 rows
+        ({"pace_rows": 3}, "pace_rows 3"),  # paced through a full tile or not at all
+        ({"far_prefetch": 2}, "far_prefetch 2"),
+        ({"prefetch_t0": 1.0}, "prefetch_t0 1.0"),
+        ({"prefetch": 1}, "no knob 'prefetch'"),
+    ]
+    for knobs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            LinearTuning.from_dict(knobs)
+    with pytest.raises(AttributeError, match="fixed once made"):
+        DEFAULT_TUNING.wide_rows = WIDE_ROWS  # the default every caller shares stays the default
 
 
 def test_bf16_weights_take_the_bf16_gemm_from_a_row_count_on() -> None:
@@ -310,27 +341,21 @@ def test_whole_half_and_paced_tiles_give_the_same_answers_bit_for_bit(
 ) -> None:
     # With 8-float vectors, decode steps of 1-3 rows take whole-panel tiles or two half-panel passes, and
     # steps of fewer rows than a tile holds may run through a full tile whose idle rows repeat row 0 (paced):
-    # each the machine's choice by speed (set_wide_rows, set_pace_rows). The answers, and so the result
-    # cache's, must not depend on them, and an idle row must never reach y. 70 outputs: two whole panels and
-    # a partial one; K not a multiple of the block.
+    # each the machine's choice by speed (LinearTuning's wide_rows, pace_rows). The answers, and so the
+    # result cache's, must not depend on them, and an idle row must never reach y. 70 outputs: two whole
+    # panels and a partial one; K not a multiple of the block. A tuning past the tiles the build has (made
+    # without from_dict's checks) is clamped to them, never read past its tables.
     monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
     lib = _load_for(("-march=x86-64-v3", "-mno-avx512f"))
-    assert lib.batchq_linear_set_wide_rows(9) == native_linear.WIDE_ROWS  # at most what it has tiles for
-    assert lib.batchq_linear_set_wide_rows(-1) == native_linear.WIDE_ROWS  # negative: a query
-    assert lib.batchq_linear_set_pace_rows(9) == native_linear.PACE_ROWS  # at most a tile's rows
-    assert lib.batchq_linear_set_pace_rows(1) == 0  # a tile of one row paces nothing: off
-    assert lib.batchq_linear_set_pace_rows(-1) == 0
     gen = torch.Generator().manual_seed(8)
     k, n = 200, 70
     for m, dtype in itertools.product((1, 2, 3, 4, 5, 6), (torch.float32, torch.bfloat16, torch.int8)):
         x = torch.randn(m, k, generator=gen)
         lin = _packed(k, n, dtype, gen, bias=True)
         ys = []
-        for wide, pace in itertools.product((0, native_linear.WIDE_ROWS), (0, native_linear.PACE_ROWS)):
-            assert lib.batchq_linear_set_wide_rows(wide) == wide
-            assert lib.batchq_linear_set_pace_rows(pace) == pace
+        for wide, pace in [*itertools.product((0, WIDE_ROWS), (0, PACE_ROWS)), (9, 1), (-1, 99)]:
             y = torch.full((m + 1, n), 7.0)  # a row past m: an idle row's sums written out would land there
-            ys.append(_c_linear(lib, x, lin, out=y[:m]))
+            ys.append(_c_linear(lib, x, lin, out=y[:m], tuning=LinearTuning(wide_rows=wide, pace_rows=pace)))
             assert torch.equal(y[m], torch.full((n,), 7.0)), (m, dtype, wide, pace)
         assert all(torch.equal(ys[0], y) for y in ys[1:]), (m, dtype)
         want = reference(x, lin.unpacked().float(), lin.scale, lin.bias)

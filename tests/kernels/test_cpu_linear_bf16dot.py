@@ -130,5 +130,5 @@ def test_groups_of_an_odd_number_of_rows_are_refused() -> None:
         spec = native_linear.LinearWeightStruct(
             q.data_ptr(), None, table.data_ptr(), None, native_linear.Q4, group, 0, 1
         )
-        rc = lib.batchq_linear_w(x.data_ptr(), ctypes.addressof(spec), y.data_ptr(), 2, 6, 32, 1)
+        rc = lib.batchq_linear_w(x.data_ptr(), ctypes.addressof(spec), y.data_ptr(), 2, 6, 32, 1, None)
         assert (rc != 0) == refused, group

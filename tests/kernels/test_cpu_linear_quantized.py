@@ -43,7 +43,7 @@ def _use_linear_c_built_with(
     flags: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> SimpleNamespace:
     """native_linear's calls go to linear.c built with `flags` (e.g. a narrower -march) for this test: the
-    library, returned, is this test's own (its settings reach no other)."""
+    library, returned, is this test's own."""
     monkeypatch.setenv("BATCHQ_CACHE_DIR", str(tmp_path))
     cc = native_build.compiler()
     assert cc is not None
@@ -139,7 +139,8 @@ def test_linear_w_refuses_what_it_cannot_read() -> None:
         spec = native_linear.LinearWeightStruct(
             q.data_ptr(), scale, None if groups is None else groups.data_ptr(), None, elem, group, 0
         )
-        assert lib.batchq_linear_w(x.data_ptr(), ctypes.addressof(spec), y.data_ptr(), 2, 64, 32, 1) != 0
+        rc = lib.batchq_linear_w(x.data_ptr(), ctypes.addressof(spec), y.data_ptr(), 2, 64, 32, 1, None)
+        assert rc != 0  # (None: the default tuning)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -234,7 +235,7 @@ def test_a_rows_answer_is_the_same_whatever_rows_share_its_step(
     # chunks and a remainder that is not a whole block (19 groups of 32); 1,100 outputs: more panels than a
     # group per thread, and a partial last panel, where int8 and FP8 outputs, times their scales, once went
     # out through other code than decode's.
-    lib = _use_linear_c_built_with(flags, tmp_path, monkeypatch)
+    _use_linear_c_built_with(flags, tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(21)
     k, n = 608, 1100
     x = torch.randn(200, k, generator=gen)
@@ -248,11 +249,10 @@ def test_a_rows_answer_is_the_same_whatever_rows_share_its_step(
                 # and with the AVX2 build's measured choices (no-ops elsewhere): few rows through paced
                 # 6-row tiles, or 1-3 rows through whole-panel ones
                 for pace, wide in ((0, 0), (native_linear.PACE_ROWS, 0), (0, native_linear.WIDE_ROWS)):
-                    lib.batchq_linear_set_pace_rows(pace)
-                    lib.batchq_linear_set_wide_rows(wide)
-                    rows = native_linear.linear_w(x[r0 : r0 + m], weight, n, scale=scale, bias=bias)
+                    tuning = native_linear.LinearTuning(wide_rows=wide, pace_rows=pace)
+                    rows = native_linear.linear_w(
+                        x[r0 : r0 + m], weight, n, scale=scale, bias=bias, tuning=tuning
+                    )
                     assert torch.equal(prompt[r0 : r0 + m], rows), (name, r0, m, pace, wide)
-                lib.batchq_linear_set_pace_rows(0)
-                lib.batchq_linear_set_wide_rows(0)
         want = x.double() @ ref.t() + bias.double()
         torch.testing.assert_close(prompt.double(), want, rtol=1e-5, atol=1e-4, msg=name)

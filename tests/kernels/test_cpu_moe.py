@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.kernels import native_moe
+from worker.kernels import native_linear, native_moe
 from worker.kernels.experts import ExpertActivation, Experts
 from worker.kernels.moe_methods import PackedMoE, experts_reference
 
@@ -52,6 +52,21 @@ def test_bfloat16_experts_widen_as_they_are_read() -> None:
     ours = method.apply(x, ids, w, Experts(method.store(gate_up), method.store(down), SILU))
     ref = experts_reference(x, ids, w, Experts(gate_up.float(), down.float(), SILU))
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_c_tuning_changes_no_experts_answer() -> None:
+    # PackedMoE passes the backend's tuning to moe.c's linear.c products: only their speed depends on it
+    gen = torch.Generator().manual_seed(6)
+    t, e, k, h, inter = 5, 4, 2, 64, 48
+    x = torch.randn(t, h, generator=gen)
+    gate_up, down = torch.randn(e, 2 * inter, h, generator=gen), torch.randn(e, h, inter, generator=gen)
+    ids, w = routed(gen, t, e, k)
+    tuning = native_linear.LinearTuning(1, 1, native_linear.WIDE_ROWS, native_linear.PACE_ROWS)
+    default, tuned = (
+        m.apply(x, ids, w, Experts(m.store(gate_up), m.store(down), SILU))
+        for m in (PackedMoE(), PackedMoE(tuning))
+    )
+    assert torch.equal(default, tuned)
 
 
 def test_packed_experts_unpack_to_themselves() -> None:

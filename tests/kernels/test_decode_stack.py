@@ -17,7 +17,7 @@ from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine_config import EngineConfig
-from worker.kernels import native_stack
+from worker.kernels import native_linear, native_stack
 from worker.kernels.linear_methods import PackedLinear
 
 pytestmark = pytest.mark.skipif(native_stack.library() is None, reason="no C compiler here")
@@ -257,6 +257,24 @@ def test_bf16_gemm_rows_take_the_torch_path(tmp_path: Path) -> None:
     model = engine.model_runner.model
     engine.model_runner.compute_logits(decode_batch(engine, PROMPTS[1:3]))
     assert model._stack is None
+
+
+def test_linear_c_tuning_reaches_the_stack_and_changes_no_answer(tmp_path: Path) -> None:
+    """The backend's tuning goes to every linear.c call of the stack; the step's logits are the same bits
+    under any tuning (in the AVX2 build every knob bites; elsewhere the prefetch hint)."""
+    engine = load(build_tiny_checkpoint(tmp_path / "llama", "llama"))
+    batch = decode_batch(engine, PROMPTS)
+    runner, model = engine.model_runner, engine.model_runner.model
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    default = runner.compute_logits(batch)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    tuning = native_linear.LinearTuning(1, 1, native_linear.WIDE_ROWS, native_linear.PACE_ROWS)
+    runner.backend = dataclasses.replace(runner.backend, linear_tuning=tuning)
+    model._stack = None  # built again, from the new backend
+    assert torch.equal(runner.compute_logits(batch), default)
+    assert model._stack is not None and model._stack[1] is not None and model._stack[1]._tuning == tuning
 
 
 WINDOWED = {

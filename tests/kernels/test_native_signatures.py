@@ -4,7 +4,7 @@ ctypes trusts what Python declares: an argument declared c_int where the C funct
 argument too few, is no exception but a corrupt call (a segfault at best). Each binding module declares
 the signature of every C function it calls, once (SIGNATURES); this test reads the exported `batchq_*`
 definitions from the C sources and checks each declaration's return type and arguments, kind and width,
-in order; and decode_stack.c's structs against their ctypes twins, field by field.
+in order; and every struct a binding declares (STRUCTS) against its C typedef, field by field.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SCALARS: dict[str, Any] = {
     "size_t": ctypes.c_size_t,
 }
 DEFINITION = re.compile(r"^(?!static\b)([A-Za-z_][\w \t\*]*?)\b(batchq_\w+)\s*\(([^)]*)\)\s*\{", re.MULTILINE)
-STRUCT = re.compile(r"typedef\s+struct\s*\{([^}]*)\}\s*(\w+)\s*;")
+STRUCT = re.compile(r"typedef\s+struct\s*(?:\w+\s*)?\{([^}]*)\}\s*(\w+)\s*;")  # with a tag or without
 
 
 def without_comments(source: str) -> str:
@@ -102,7 +102,9 @@ def test_the_parser_reads_every_exported_function() -> None:
     found: dict[str, tuple[Any, list[Any]]] = {}
     for path in sorted(native_build.KERNELS.glob("*.c")):
         found.update(prototypes(path.read_text()))
-    assert {"batchq_paged_decode", "batchq_linear", "batchq_decode_stack", "batchq_linear_part"} <= set(found)
+    assert {"batchq_paged_decode", "batchq_linear", "batchq_decode_stack", "batchq_linear_part_w"} <= set(
+        found
+    )
     assert found["batchq_rotary"] == (
         None,
         [ctypes.c_void_p, *[ctypes.c_int] * 2, *[ctypes.c_long] * 2, *[ctypes.c_void_p] * 2, ctypes.c_int],
@@ -154,22 +156,36 @@ def c_structs(source: str) -> dict[str, list[tuple[str, Any]]]:
     return out
 
 
-def test_the_stack_structs_match_decode_stack_c() -> None:
-    structs = c_structs((native_build.KERNELS / "decode_stack.c").read_text())
-    structs.update(c_structs((native_build.KERNELS / "linear.h").read_text()))
-    assert set(native_stack.STRUCTS) <= set(structs)
-    for name, cls in native_stack.STRUCTS.items():
+def headers_and(sources: tuple[Path, ...]) -> dict[str, list[tuple[str, Any]]]:
+    """The typedef'd structs of `sources` and of every header beside them (what they #include)."""
+    structs: dict[str, list[tuple[str, Any]]] = {}
+    for path in (*sources, *sorted(native_build.KERNELS.glob("*.h"))):
+        structs.update(c_structs(path.read_text()))
+    return structs
+
+
+@pytest.mark.parametrize("module", BINDINGS, ids=lambda m: m.__name__.rpartition(".")[2])
+def test_every_declared_struct_matches_its_c_typedef(module: ModuleType) -> None:
+    # a field in the wrong place or of the wrong width moves every field after it
+    declared_structs = getattr(module, "STRUCTS", {})
+    structs = headers_and(module.SOURCES)
+    assert set(declared_structs) <= set(structs), set(declared_structs) - set(structs)
+    for name, cls in declared_structs.items():
         declared = [
-            (field, next((n for n, c in native_stack.STRUCTS.items() if c is kind), kind))
+            (field, next((n for n, c in declared_structs.items() if c is kind), kind))
             for field, kind in cls._fields_
         ]
         assert declared == structs[name], name
 
 
-def test_the_linear_weight_struct_matches_linear_h() -> None:
-    structs = c_structs((native_build.KERNELS / "linear.h").read_text())
-    for name, cls in native_linear.STRUCTS.items():
-        assert list(cls._fields_) == structs[name], name
+def test_the_struct_parser_reads_tagged_and_nested_structs() -> None:
+    source = """typedef struct Tuned { int a; /* a comment } */ int b; } Tuned;
+                typedef struct { Tuned t; const float *p, *q; float f; } Outer;"""
+    assert c_structs(source) == {
+        "Tuned": [("a", ctypes.c_int), ("b", ctypes.c_int)],
+        "Outer": [("t", "Tuned"), ("p", ctypes.c_void_p), ("q", ctypes.c_void_p), ("f", ctypes.c_float)],
+    }
+    assert set(native_linear.STRUCTS) == {"LinearWeight", "LinearTuning"}  # both of linear.h's
 
 
 def test_a_bound_library_offers_its_declared_functions_only() -> None:
@@ -178,4 +194,4 @@ def test_a_bound_library_offers_its_declared_functions_only() -> None:
         pytest.skip("no C compiler here")
     assert lib.batchq_linear.argtypes == native_linear.SIGNATURES["batchq_linear"].argtypes
     with pytest.raises(AttributeError):
-        lib.batchq_linear_part  # noqa: B018 (exported, but not for Python: undeclared, unreachable)
+        lib.batchq_linear_part_w  # noqa: B018 (exported, but not for Python: undeclared, unreachable)

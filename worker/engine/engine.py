@@ -164,6 +164,7 @@ class Engine:
             weight_dtype,
             fast_bf16_gemm=platform.fast_bf16_gemm(cfg, weight_dtype),
             bf16_dot=dtypes.storage == torch.bfloat16,
+            linear_tuning=platform.linear_tuning,
         ).for_model(loaded.model)
         store_weights(cfg, loaded, backend, dtypes, weight_dtype)
         loaded.model.use_backend(backend)

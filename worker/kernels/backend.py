@@ -7,7 +7,9 @@ What a Backend decides:
 - attention (`AttentionBackend`): the Triton kernels on CUDA where they import, else torch ops
   (torch_attention.TorchAttention), whose decode runs paged_decode.c on the CPU where the C kernels are on;
 - each linear layer's method, and with it its weight's layout (linear_methods): linear.c over packed
-  panels on a CPU under float32 compute with the C kernels on, F.linear on [out, in] elsewhere;
+  panels on a CPU under float32 compute with the C kernels on, F.linear on [out, in] elsewhere; linear.c's
+  tuning for this machine (measured at load, platform.probes.kept_linear_tuning), which its linear and MoE methods
+  and the decode stack pass to every call;
 - RMSNorm and rotary rows in C (linear.c's) or in torch ops;
 - a mixture-of-experts layer's experts (moe_methods): moe.c where linear.c runs, Triton's grouped GEMMs
   where Triton's attention does, else the torch reference;
@@ -52,6 +54,7 @@ from worker.kernels.linear_methods import (
     dequantized_groups,
 )
 from worker.kernels.moe_methods import TORCH_MOE, MoEMethod, PackedMoE, TritonMoE
+from worker.kernels.native_linear import DEFAULT_TUNING, LinearTuning
 from worker.kernels.native_stack import DecodeStack, StackLayer, StackLinear
 from worker.kernels.torch_attention import TorchAttention
 
@@ -178,6 +181,9 @@ class Backend:
     # RMSNorm of rows in any dtype, one row per program: (x [..., D], weight, eps, offset=) (Triton's,
     # batch-invariant); None: torch (or rmsnorm above)
     norm_rows: Callable[..., Tensor] | None = None
+    # how linear.c streams the weights on this machine (platform.probes.kept_linear_tuning), in every C kernel call of
+    # the linear and MoE methods and the decode stack; only the speed depends on it
+    linear_tuning: LinearTuning = DEFAULT_TUNING
 
     @property
     def name(self) -> str:
@@ -259,7 +265,9 @@ class Backend:
             return None
         if final_norm.dtype != torch.float32:
             return None
-        return DecodeStack(layers, final_norm, heads, kv_heads, head_dim, eps, self.linear.bf16_dot)
+        return DecodeStack(
+            layers, final_norm, heads, kv_heads, head_dim, eps, self.linear.bf16_dot, self.linear_tuning
+        )
 
 
 def torch_backend() -> Backend:
@@ -297,6 +305,7 @@ def select_backend(
     weight_dtype: torch.dtype | None = None,
     fast_bf16_gemm: bool = False,
     bf16_dot: bool = False,
+    linear_tuning: LinearTuning = DEFAULT_TUNING,
 ) -> Backend:
     """The backend for a model computing in `dtype` on `device`, its linear weights stored as weight_dtype
     (None: dtype). The C kernels it uses are built (or found cached) now, not in the first step; one that
@@ -307,7 +316,8 @@ def select_backend(
     settings.batch_invariant nothing is chosen by a step's rows: no bf16 GEMM threshold, and decode
     attention per sequence (TorchAttention's invariant mode). bf16_dot: bfloat16 weights multiplied in
     bfloat16 by linear_bf16dot.c at every row count (a batch-invariant bfloat16 engine; where this CPU has
-    AVX-512 BF16)."""
+    AVX-512 BF16). linear_tuning: how linear.c streams the weights here (platform.probes.kept_linear_tuning's), handed
+    to the linear and MoE methods and the decode stack."""
     c = device.type == "cpu" and settings.cpu_kernels == "auto"
     invariant = settings.batch_invariant
     attention = select_attention(
@@ -333,10 +343,11 @@ def select_backend(
     # moe.c is built where a model has experts (moe_method), not for every model
     return Backend(
         attention,
-        PackedLinear(rows, bf16_dot and native_linear.has_bf16dot()),
+        PackedLinear(rows, bf16_dot and native_linear.has_bf16dot(), linear_tuning),
         native_linear.rmsnorm,
         native_linear.rotary_,
         stack,
-        moe=PackedMoE(),
+        moe=PackedMoE(linear_tuning),
         act_mul=native_linear.act_mul,
+        linear_tuning=linear_tuning,
     )

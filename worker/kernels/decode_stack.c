@@ -41,9 +41,7 @@
 #include <omp.h>
 #endif
 
-/* linear.c */
-int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M, int K, int N, int t, int nt,
-                         int accumulate);
+/* linear.c (batchq_linear_part_w is linear.h's) */
 void batchq_rmsnorm_row(const float *x, const float *w, float *y, int D, float eps);
 void batchq_rotary_head(float *v, const float *c, const float *s, int D);
 /* paged_decode.c */
@@ -121,14 +119,14 @@ static void add_normed(float *h, float *y, const float *w, int hid, float eps) {
    added straight to h, or, with an output norm (Gemma's post_*), into xn first and then h += rmsnorm(xn).
    Ends on a barrier: h is whole for the next sublayer. */
 static void residual_out(const float *in, const LinearWeight *w, int K, const float *post, float *h, float *xn,
-                         int M, int hid, float eps, int t, int nt) {
+                         int M, int hid, float eps, int t, int nt, const LinearTuning *tuning) {
     if (post) {
-        batchq_linear_part_w(in, w, xn, M, K, hid, t, nt, 0);
+        batchq_linear_part_w(in, w, xn, M, K, hid, t, nt, 0, tuning);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) add_normed(h + (size_t)m * hid, xn + (size_t)m * hid, post, hid, eps);
     } else {
-        batchq_linear_part_w(in, w, h, M, K, hid, t, nt, 1);
+        batchq_linear_part_w(in, w, h, M, K, hid, t, nt, 1, tuning);
 #pragma omp barrier
     }
 }
@@ -137,11 +135,12 @@ static void residual_out(const float *in, const LinearWeight *w, int K, const fl
    receives rmsnorm(h) with the final norm. cos, sin: [M, head_dim] each row's rotary factors; cos_local,
    sin_local: the same of the local table (layers with local_rope; NULL where none has it); slots: [M]
    cache slots of the new tokens; block_tables: [M, width]; context_lens: [M] (this token included);
-   max_len: the largest context; ws: batchq_decode_stack_workspace(...) floats. Returns 0. */
+   max_len: the largest context; ws: batchq_decode_stack_workspace(...) floats; tuning: how linear.c
+   streams the weights (linear.h). Returns 0. */
 int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out, int M, const float *cos,
                         const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
                         const int32_t *block_tables, const int32_t *context_lens, int width, int max_len, float *ws,
-                        int threads) {
+                        int threads, const LinearTuning *tuning) {
     const int H = s->heads, KVH = s->kv_heads, D = s->head_dim, I = s->inter, hid = s->hidden;
     const int q_size = H * D, kv_size = KVH * D, nqkv = q_size + 2 * kv_size;
     const Sizes z = sizes(s, M, max_len);
@@ -160,7 +159,7 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
             const Layer *L = layers + l;
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, L->ln1, xn + (size_t)m * hid, hid, s->eps);
-            batchq_linear_part_w(xn, &L->qkv, qkv, M, hid, nqkv, t, nt, 0);
+            batchq_linear_part_w(xn, &L->qkv, qkv, M, hid, nqkv, t, nt, 0, tuning);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) {
@@ -192,10 +191,10 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
                 }
             }
             /* xn is free: the QKV linear read it before the last barrier */
-            residual_out(att, &L->o, q_size, L->post_attn, h, xn, M, hid, s->eps, t, nt);
+            residual_out(att, &L->o, q_size, L->post_attn, h, xn, M, hid, s->eps, t, nt, tuning);
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, L->ln2, xn + (size_t)m * hid, hid, s->eps);
-            batchq_linear_part_w(xn, &L->gate_up, gu, M, hid, 2 * I, t, nt, 0);
+            batchq_linear_part_w(xn, &L->gate_up, gu, M, hid, 2 * I, t, nt, 0, tuning);
 #pragma omp barrier
             {
                 /* every thread an equal share of the M * I products */
@@ -210,7 +209,7 @@ int batchq_decode_stack(const Spec *s, const Layer *layers, float *h, float *out
             }
 #pragma omp barrier
             /* xn is free: the gate/up linear read it before the activation's barrier */
-            residual_out(act, &L->down, I, L->post_ff, h, xn, M, hid, s->eps, t, nt);
+            residual_out(act, &L->down, I, L->post_ff, h, xn, M, hid, s->eps, t, nt, tuning);
         }
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) batchq_rmsnorm_row(h + (size_t)m * hid, s->final_norm, out + (size_t)m * hid, hid, s->eps);

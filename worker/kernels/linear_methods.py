@@ -167,11 +167,17 @@ class PackedLinear:
     name = "c"
     layout = "packed"
 
-    def __init__(self, bf16_gemm_rows: int, bf16_dot: bool = False) -> None:
+    def __init__(
+        self,
+        bf16_gemm_rows: int,
+        bf16_dot: bool = False,
+        tuning: native_linear.LinearTuning = native_linear.DEFAULT_TUNING,
+    ) -> None:
         self.bf16_gemm_rows = bf16_gemm_rows  # 0: never
         # bfloat16, int8, FP8 and group-quantised weights multiplied in bfloat16 at every row count
         # (linear_bf16dot.c): the batch-invariant bfloat16 engine's, on a CPU with AVX-512 BF16
         self.bf16_dot = bf16_dot
+        self.tuning = tuning  # linear.c's for this machine (no answer depends on it)
 
     def takes(self, weight: Tensor) -> bool:
         return weight.device.type == "cpu" and (
@@ -224,18 +230,20 @@ class PackedLinear:
                     x, q, None, bias, n, Groups(TORCH_LINEAR.store_groups(s, o), *groups[1:])
                 )
             gq = native_linear.GroupQuantized(stored, groups.table, groups.group, groups.bits)
-            return native_linear.linear_w(x, gq, n, bias=bias, bf16_dot=self.bf16_dot)
+            return native_linear.linear_w(x, gq, n, bias=bias, bf16_dot=self.bf16_dot, tuning=self.tuning)
         if x.dtype != torch.float32:  # linear.c takes float32 activations only
             return TORCH_LINEAR.apply(x, self.unpack(stored, n), scale, bias, n)
         if stored.dtype == torch.float8_e4m3fn or (self.bf16_dot and stored.dtype != torch.float32):
-            return native_linear.linear_w(x, stored, n, scale=scale, bias=bias, bf16_dot=self.bf16_dot)
+            return native_linear.linear_w(
+                x, stored, n, scale=scale, bias=bias, bf16_dot=self.bf16_dot, tuning=self.tuning
+            )
         if self.bf16_gemm_rows and stored.dtype == torch.bfloat16 and x.shape[0] >= self.bf16_gemm_rows:
             # Prompt-sized steps on a CPU with fast bf16 GEMMs (oneDNN): bf16 activations, float32 out. The
             # [out, in] copy of the weight is a small part of such a GEMM.
             return F.linear(
                 x.bfloat16(), self.unpack(stored, n), None if bias is None else bias.bfloat16()
             ).float()
-        return native_linear.linear(x, stored, scale, bias, n)
+        return native_linear.linear(x, stored, scale, bias, n, self.tuning)
 
 
 class TritonLinear(TorchLinear):

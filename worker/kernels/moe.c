@@ -16,7 +16,8 @@
    down_bias [E, H] float32 or NULL. act 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU, gate clamped above
    at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate). y: [T, H] float32.
    Each token's picks are added in increasing expert order, starting from zero, as Hugging Face's loop over
-   experts adds them. Returns nonzero for an expert index out of range, an unreadable weight or no memory. */
+   experts adds them. tuning: how linear.c streams the weights (linear.h). Returns nonzero for an expert
+   index out of range, an unreadable weight or no memory. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,9 +26,6 @@
 #include "linear.h"
 
 #define PANEL 32 /* linear.c's */
-
-int batchq_linear_part_w(const float *x, const LinearWeight *lw, float *y, int M, int K, int N, int t, int nt,
-                         int accumulate);
 
 #ifdef _OPENMP
 extern int omp_get_thread_num(void);
@@ -57,7 +55,7 @@ static void activate(const float *gu, float *h, const int rows, const int I, con
 
 int batchq_moe(const float *x, int T, int H, int I, int E, int topk, const int64_t *ids, const float *weights,
                const void *gate_up, const void *down, const float *gate_up_bias, const float *down_bias,
-               int elem, int act, float alpha, float limit, float *y, int threads) {
+               int elem, int act, float alpha, float limit, float *y, int threads, const LinearTuning *tuning) {
     if (T < 1 || H < 1 || I < 1 || E < 1 || topk < 1 || topk > 64 || (elem != F32 && elem != BF16)) return 1;
     const int S = T * topk; /* (token, pick) slots */
     const size_t esize = elem == F32 ? 4 : 2;
@@ -99,7 +97,8 @@ int batchq_moe(const float *x, int T, int H, int I, int E, int topk, const int64
                 if (!n) continue;
                 const LinearWeight lw = {gu_w + e * gu_stride, NULL, NULL,
                                          gate_up_bias ? gate_up_bias + (size_t)e * 2 * I : NULL, elem, 0, F32};
-                rc |= batchq_linear_part_w(xs + (size_t)r0 * H, &lw, gu + (size_t)r0 * 2 * I, n, H, 2 * I, t, nt, 0);
+                rc |= batchq_linear_part_w(xs + (size_t)r0 * H, &lw, gu + (size_t)r0 * 2 * I, n, H, 2 * I, t, nt, 0,
+                                           tuning);
             }
 #pragma omp barrier
             {
@@ -112,7 +111,7 @@ int batchq_moe(const float *x, int T, int H, int I, int E, int topk, const int64
                 if (!n) continue;
                 const LinearWeight lw = {down_w + e * down_stride, NULL, NULL,
                                          down_bias ? down_bias + (size_t)e * H : NULL, elem, 0, F32};
-                rc |= batchq_linear_part_w(h + (size_t)r0 * I, &lw, out + (size_t)r0 * H, n, I, H, t, nt, 0);
+                rc |= batchq_linear_part_w(h + (size_t)r0 * I, &lw, out + (size_t)r0 * H, n, I, H, t, nt, 0, tuning);
             }
 #pragma omp barrier
             for (int tok = t; tok < T; tok += nt) {

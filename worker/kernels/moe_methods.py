@@ -23,6 +23,7 @@ from torch import Tensor
 
 from worker.kernels import native_moe
 from worker.kernels.experts import ExpertActivation, Experts
+from worker.kernels.native_linear import DEFAULT_TUNING, LinearTuning
 
 
 def activate(gate_up: Tensor, inter: int, act: ExpertActivation) -> Tensor:
@@ -97,6 +98,9 @@ class TorchMoE:
 class PackedMoE:
     name, layout = "c", "packed"
 
+    def __init__(self, tuning: LinearTuning = DEFAULT_TUNING) -> None:
+        self.tuning = tuning  # linear.c's, for every expert's products
+
     def takes(self, x_dtype: torch.dtype, weight: Tensor) -> bool:
         return (
             x_dtype == torch.float32
@@ -112,7 +116,7 @@ class PackedMoE:
         return native_moe.unpack_experts(stored, n)
 
     def apply(self, x: Tensor, ids: Tensor, weights: Tensor, experts: Experts) -> Tensor:
-        return native_moe.experts(x, ids, weights, experts)
+        return native_moe.experts(x, ids, weights, experts, tuning=self.tuning)
 
 
 TORCH_MOE = TorchMoE()

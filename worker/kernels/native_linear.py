@@ -11,17 +11,31 @@ benchmarks/kernel_bench.py --linear` compares them).
 from __future__ import annotations
 
 import ctypes
+import math
 import time
+from collections.abc import Mapping
 from ctypes import c_float, c_int, c_long, c_void_p
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from worker.kernels.native_build import KERNELS, Signature, cached, load
 
-SOURCES = (KERNELS / "linear.c", KERNELS / "linear_bf16dot.c")
+# linear.c and the files it calls (its header says which does what), linked into one library
+SOURCES = tuple(
+    KERNELS / name
+    for name in (
+        "linear.c",
+        "linear_dequant.c",
+        "linear_decode.c",
+        "linear_panels.c",
+        "linear_gemm.c",
+        "linear_bf16dot.c",
+    )
+)
 
 
 class LinearWeightStruct(ctypes.Structure):
@@ -33,34 +47,82 @@ class LinearWeightStruct(ctypes.Structure):
     ]
 
 
-STRUCTS = {"LinearWeight": LinearWeightStruct}  # by their C names
+WIDE_ROWS = 3  # linear_panel.h's WIDE_ROWS: the most rows whole-panel tiles take (8-float vectors)
+PACE_ROWS = 6  # linear_panel.h's MR with 8-float vectors: the tile fewer rows run through when paced
+
+
+class LinearTuning(ctypes.Structure):
+    """linear.h's LinearTuning, field for field: how linear.c streams the weights on this machine. Which of
+    two ways is faster differs between CPUs, so each knob is measured once per machine (`measure_tuning`);
+    none changes an answer, only its speed. A value: fixed once made, passed by address to every call.
+
+    prefetch_t0: 1 prefetches the weights into every cache level (prefetcht0), 0 non-temporally;
+    far_prefetch: 1 has decode-sized steps also prefetch each line far ahead into L2;
+    wide_rows: decode-sized steps of up to this many rows take whole-panel tiles (0 .. WIDE_ROWS);
+    pace_rows: decode-sized steps of fewer rows run through tiles of this many (0, off, or PACE_ROWS).
+    A knob the build lacks (`tunable`) is ignored by linear.c."""
+
+    _fields_ = [(name, c_int) for name in ("prefetch_t0", "far_prefetch", "wide_rows", "pace_rows")]
+    prefetch_t0: int
+    far_prefetch: int
+    wide_rows: int
+    pace_rows: int
+
+    def __init__(self, *args: int, **kwargs: int) -> None:
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "_fixed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_fixed", False):
+            raise AttributeError(f"a LinearTuning is fixed once made: make another (from_dict) for {name}")
+        super().__setattr__(name, value)
+
+    @classmethod
+    def from_dict(cls, knobs: Mapping[str, int]) -> LinearTuning:
+        """The tuning with these knobs by name (one left out is off). ValueError naming the knob where one
+        is unknown or its value is not one linear.c has: flags 0 or 1, wide_rows 0 .. WIDE_ROWS, pace_rows
+        0 or PACE_ROWS."""
+        allowed = {
+            "prefetch_t0": (0, 1),
+            "far_prefetch": (0, 1),
+            "wide_rows": tuple(range(WIDE_ROWS + 1)),
+            "pace_rows": (0, PACE_ROWS),
+        }
+        for name, value in knobs.items():
+            if name not in allowed:
+                raise ValueError(f"linear tuning: no knob {name!r} (the knobs: {', '.join(allowed)})")
+            if not isinstance(value, int) or value not in allowed[name]:
+                raise ValueError(f"linear tuning: {name} {value!r}, expected one of {allowed[name]}")
+        return cls(**{name: int(value) for name, value in knobs.items()})
+
+    def as_dict(self) -> dict[str, int]:
+        return {field[0]: int(getattr(self, field[0])) for field in self._fields_}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LinearTuning) and self.as_dict() == other.as_dict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.as_dict().values()))
+
+    def __repr__(self) -> str:
+        return f"LinearTuning({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
+
+
+DEFAULT_TUNING = LinearTuning()  # every knob off: what linear.c does where nothing was measured
+
+STRUCTS = {"LinearWeight": LinearWeightStruct, "LinearTuning": LinearTuning}  # by their C names
 
 SIGNATURES = {
-    "batchq_linear": Signature(c_int, [c_void_p] * 5 + [c_int] * 5),
-    "batchq_linear_w": Signature(c_int, [c_void_p] * 3 + [c_int] * 4),  # the LinearWeight by address
+    "batchq_linear": Signature(c_int, [c_void_p] * 5 + [c_int] * 5 + [c_void_p]),  # then the tuning
+    "batchq_linear_w": Signature(c_int, [c_void_p] * 3 + [c_int] * 4 + [c_void_p]),  # the structs by address
     "batchq_rmsnorm": Signature(None, [c_void_p] * 3 + [c_int] * 2 + [c_float]),
     "batchq_silu_mul": Signature(None, [c_void_p, c_void_p, c_int, c_int]),
     "batchq_gelu_mul": Signature(None, [c_void_p, c_void_p, c_int, c_int, c_int]),
     "batchq_rotary": Signature(None, [c_void_p, c_int, c_int, c_long, c_long, c_void_p, c_void_p, c_int]),
     "batchq_fma_probe": Signature(c_int, [c_long, c_int, c_void_p]),
     "batchq_linear_has_bf16dot": Signature(c_int, []),
-    "batchq_linear_set_wide_rows": Signature(c_int, [c_int]),
-    "batchq_linear_set_prefetch_t0": Signature(c_int, [c_int]),
-    "batchq_linear_set_far_prefetch": Signature(c_int, [c_int]),
-    "batchq_linear_set_pace_rows": Signature(c_int, [c_int]),
+    "batchq_linear_tunable": Signature(c_int, []),
 }
-# linear.c's settings (`configure`), which every library linked with linear.c binds beside its own functions
-SETTING_SIGNATURES = {
-    name: SIGNATURES[name]
-    for name in (
-        "batchq_linear_set_wide_rows",
-        "batchq_linear_set_prefetch_t0",
-        "batchq_linear_set_far_prefetch",
-        "batchq_linear_set_pace_rows",
-    )
-}
-WIDE_ROWS = 3  # linear.c's WIDE_ROWS: the most rows whole-panel tiles take (8-float vectors)
-PACE_ROWS = 6  # linear.c's MR with 8-float vectors: the tile fewer rows run through when paced
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # linear.c's `elem`
 FP8, Q4, Q8 = 3, 4, 5  # linear.h's elem of an FP8 weight and of the group-quantised ones
 GROUP_TYPES = {torch.float32: 0, torch.float16: 1}  # linear.h's group_elem
@@ -149,33 +211,7 @@ def dequantize_groups(gq: GroupQuantized, n: int) -> Tensor:
 @cached
 def library() -> SimpleNamespace | None:
     """The loaded linear kernel (linear.c), or None (with one warning) where it cannot be built."""
-    return configure(load(SOURCES, "the linear layers", SIGNATURES))
-
-
-# Every loaded library with linear.c in it (this module's, the decode stack's, the MoE kernel's): each has
-# its own copy of linear.c's settings, so a setting goes to all of them, and to each loaded later.
-_LINKED: list[SimpleNamespace] = []
-_wide_rows = 0
-_prefetch_t0 = False
-_far_prefetch = False
-_pace_rows = 0
-
-
-def configure(lib: SimpleNamespace | None) -> SimpleNamespace | None:
-    """A just-loaded library linked with linear.c, given the settings in force (`set_wide_rows`,
-    `set_prefetch_t0`, `set_far_prefetch`, `set_pace_rows`)."""
-    if lib is not None:
-        _give_settings(lib)
-        _LINKED.append(lib)
-    return lib
-
-
-def _give_settings(lib: SimpleNamespace) -> None:
-    """Sets the settings in force in `lib`'s copy of linear.c."""
-    lib.batchq_linear_set_wide_rows(_wide_rows)
-    lib.batchq_linear_set_prefetch_t0(int(_prefetch_t0))
-    lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
-    lib.batchq_linear_set_pace_rows(_pace_rows)
+    return load(SOURCES, "the linear layers", SIGNATURES)
 
 
 def has_bf16dot() -> bool:
@@ -185,111 +221,52 @@ def has_bf16dot() -> bool:
     return lib is not None and bool(lib.batchq_linear_has_bf16dot())
 
 
-def has_wide_tiles() -> bool:
-    """Whether linear.c, as built here, chooses between whole-panel and half-panel tiles (8-float vectors:
-    AVX2 and narrower; a 16-float tile spans the whole panel anyway)."""
+def tunable() -> frozenset[str]:
+    """The knobs of LinearTuning that linear.c, as built here, can change (batchq_linear_tunable's bits, bit i
+    field i): prefetch_t0 wherever it loads; far_prefetch, wide_rows and pace_rows with 8-float vectors
+    (AVX2 and narrower), whose decode steps take the tiles they tune. None where it cannot be built."""
     lib = library()
     if lib is None:
-        return False
-    available = int(lib.batchq_linear_set_wide_rows(WIDE_ROWS)) > 0
-    lib.batchq_linear_set_wide_rows(_wide_rows)
-    return available
+        return frozenset()
+    bits = int(lib.batchq_linear_tunable())
+    return frozenset(field[0] for i, field in enumerate(LinearTuning._fields_) if bits >> i & 1)
 
 
-def wide_rows() -> int:
-    """The rows up to which decode-sized steps take whole-panel tiles (`set_wide_rows`; 0: none)."""
-    return _wide_rows
+def measure_tuning(megabytes: int = 96, rounds: int = 5) -> tuple[LinearTuning, dict[str, float]]:
+    """This machine's tuning: each knob this build has (`tunable`) timed on and off (`_speedup`) under the
+    knobs chosen before it, and taken where it streams faster: the prefetch hint at 1, 4 and 16 rows; under
+    that hint the far prefetch, at the same rows; whole-panel tiles at 1 and 3 rows; pacing at the rows of
+    1, 3 and 5 that the half-panel tiles then take. Returns the tuning and each measured knob's speedup
+    (time off over time on), for a log line. DEFAULT_TUNING, nothing measured, where linear.c cannot be
+    built."""
+    have = tunable()
+    chosen = DEFAULT_TUNING.as_dict()
+    speedups: dict[str, float] = {}
+    steps: tuple[tuple[str, int, tuple[int, ...]], ...] = (
+        ("prefetch_t0", 1, (1, 4, 16)),
+        ("far_prefetch", 1, (1, 4, 16)),
+        ("wide_rows", WIDE_ROWS, (1, 3)),
+        ("pace_rows", PACE_ROWS, (1, 3, 5)),
+    )
+    for name, on, rows in steps:
+        if name not in have:
+            continue
+        if name == "pace_rows":  # pacing applies to the half-panel tiles only
+            rows = tuple(r for r in rows if r > chosen["wide_rows"])
+        base, candidate = LinearTuning.from_dict(chosen), LinearTuning.from_dict({**chosen, name: on})
+        speedups[name] = _speedup(base, candidate, rows, megabytes, rounds)
+        if speedups[name] > 1.0:
+            chosen[name] = on
+    return LinearTuning.from_dict(chosen), speedups
 
 
-def set_wide_rows(rows: int) -> None:
-    """Decode-sized steps of up to `rows` rows take whole-panel tiles, in every library with linear.c (the
-    answers are the same either way, bit for bit: only the speed differs). Set before the kernels run."""
-    global _wide_rows
-    if not 0 <= rows <= WIDE_ROWS:
-        raise ValueError(f"wide rows {rows}: linear.c has whole-panel tiles for 0 to {WIDE_ROWS} rows")
-    _wide_rows = rows
-    for lib in _LINKED:
-        lib.batchq_linear_set_wide_rows(rows)
-
-
-def prefetch_t0() -> bool:
-    """Whether linear.c prefetches weights into every cache level (prefetcht0) rather than non-temporally."""
-    return _prefetch_t0
-
-
-def set_prefetch_t0(t0: bool) -> None:
-    """linear.c's prefetch hint, in every library with linear.c: prefetcht0 (True) or prefetchnta (False).
-    Only when weights arrive depends on it, never an answer. Set before the kernels run."""
-    global _prefetch_t0
-    _prefetch_t0 = bool(t0)
-    for lib in _LINKED:
-        lib.batchq_linear_set_prefetch_t0(int(t0))
-
-
-def has_far_prefetch() -> bool:
-    """Whether linear.c, as built here, has the far prefetch (8-float vectors: AVX2 and narrower, whose
-    decode steps of every weight type take the K-block tiles that issue it)."""
-    lib = library()
-    if lib is None:
-        return False
-    available = int(lib.batchq_linear_set_far_prefetch(1)) == 1
-    lib.batchq_linear_set_far_prefetch(int(_far_prefetch))
-    return available
-
-
-def far_prefetch() -> bool:
-    """Whether decode-sized steps also prefetch weights far ahead into L2 (`set_far_prefetch`)."""
-    return _far_prefetch
-
-
-def set_far_prefetch(on: bool) -> None:
-    """Whether linear.c's decode-sized steps also prefetch each weight line far ahead into L2, beside the
-    near prefetch, in every library with linear.c. Only when weights arrive depends on it, never an answer.
-    Set before the kernels run."""
-    global _far_prefetch
-    _far_prefetch = bool(on)
-    for lib in _LINKED:
-        lib.batchq_linear_set_far_prefetch(int(on))
-
-
-def has_paced_tiles() -> bool:
-    """Whether linear.c, as built here, can pace decode steps of few rows (8-float vectors: AVX2 and
-    narrower, whose decode steps of float32 weights take the K-block tiles)."""
-    lib = library()
-    if lib is None:
-        return False
-    available = int(lib.batchq_linear_set_pace_rows(PACE_ROWS)) == PACE_ROWS
-    lib.batchq_linear_set_pace_rows(_pace_rows)
-    return available
-
-
-def pace_rows() -> int:
-    """Decode steps of fewer rows than this run through tiles of this many (`set_pace_rows`; 0: none)."""
-    return _pace_rows
-
-
-def set_pace_rows(rows: int) -> None:
-    """Decode-sized steps of fewer than `rows` rows (0: none) run through tiles of `rows` rows whose idle
-    rows pace the loop to the weights' arrival (linear.c's pace_rows), in every library with linear.c. The
-    answers are the same either way, bit for bit. Set before the kernels run."""
-    global _pace_rows
-    if rows not in (0, PACE_ROWS):
-        raise ValueError(
-            f"pace rows {rows}: linear.c paces few-row steps with tiles of {PACE_ROWS} rows, or 0"
-        )
-    _pace_rows = rows
-    for lib in _LINKED:
-        lib.batchq_linear_set_pace_rows(rows)
-
-
-def _setting_speedup(
-    setter: str, off: int, on: int, rows: tuple[int, ...], megabytes: int, rounds: int
+def _speedup(
+    base: LinearTuning, candidate: LinearTuning, rows: tuple[int, ...], megabytes: int, rounds: int
 ) -> float:
-    """How much faster products of `rows` rows over `megabytes` of float32 weights stream with linear.c's
-    setting `setter` (a name of SETTING_SIGNATURES) at `on` than at `off`: the time at off over the time at
-    on, each the best of `rounds` interleaved, linear.c's other settings as in force. The weights are more
-    than most last-level caches hold, so they come from memory as a model's do (a CPU with a larger L3
-    serves part of a small model's from it too). linear.c's settings are restored after."""
+    """How much faster products of `rows` rows over `megabytes` of float32 weights stream under `candidate`
+    than under `base`: the time under base over the time under candidate, each the best of `rounds`
+    interleaved. The weights are more than most last-level caches hold, so they come from memory as a
+    model's do (a CPU with a larger L3 serves part of a small model's from it too)."""
     lib = library()
     assert lib is not None
     k, n = 576, 3072  # a small model's MLP: 6.75 MB a weight
@@ -297,62 +274,23 @@ def _setting_speedup(
     xs = {m: torch.randn(m, k) for m in rows}
     y = torch.empty(max(rows), n)
     threads = torch.get_num_threads()
-    set_it = getattr(lib, setter)
 
-    def timed(value: int) -> float:
-        set_it(value)
+    def timed(tuning: LinearTuning) -> float:
         t0 = time.perf_counter()
         for m, x in xs.items():
             for w in weights:
-                lib.batchq_linear(x.data_ptr(), w.data_ptr(), None, None, y.data_ptr(), m, k, n, 0, threads)
+                lib.batchq_linear(x.data_ptr(), w.data_ptr(), None, None, y.data_ptr(), m, k, n, 0, threads,
+                                  ctypes.byref(tuning))  # fmt: skip
         return time.perf_counter() - t0
 
-    try:
-        for value in (off, on):
-            timed(value)  # warm-up: page faults, the thread pool
-        best = {off: float("inf"), on: float("inf")}
-        for _ in range(rounds):
-            for value in (off, on):
-                best[value] = min(best[value], timed(value))
-    finally:
-        _give_settings(lib)
-    return best[off] / best[on]
-
-
-def measure_wide_tile_speedup(rows: tuple[int, ...] = (1, 3), megabytes: int = 96, rounds: int = 5) -> float:
-    """How much faster whole-panel tiles stream decode-sized steps than half-panel ones on this machine
-    (`_setting_speedup`), under the prefetch hint in force. 1.0 where linear.c has no such choice."""
-    if not has_wide_tiles():
-        return 1.0
-    return _setting_speedup("batchq_linear_set_wide_rows", 0, WIDE_ROWS, rows, megabytes, rounds)
-
-
-def measure_prefetch_t0_speedup(
-    rows: tuple[int, ...] = (1, 4, 16), megabytes: int = 96, rounds: int = 5
-) -> float:
-    """How much faster linear.c streams weights prefetching them with prefetcht0 than with prefetchnta on
-    this machine (`_setting_speedup`), under the tiling in force."""
-    return _setting_speedup("batchq_linear_set_prefetch_t0", 0, 1, rows, megabytes, rounds)
-
-
-def measure_far_prefetch_speedup(
-    rows: tuple[int, ...] = (1, 4, 16), megabytes: int = 96, rounds: int = 5
-) -> float:
-    """How much faster linear.c streams decode-sized steps' weights with the far prefetch into L2 than
-    without it on this machine (`_setting_speedup`), under the hint and tiling in force. 1.0 where linear.c
-    has no far prefetch."""
-    if not has_far_prefetch():
-        return 1.0
-    return _setting_speedup("batchq_linear_set_far_prefetch", 0, 1, rows, megabytes, rounds)
-
-
-def measure_pace_speedup(rows: tuple[int, ...] = (1, 2, 3), megabytes: int = 96, rounds: int = 5) -> float:
-    """How much faster decode-sized steps of `rows` rows stream paced (`set_pace_rows`) than not on this
-    machine (`_setting_speedup`), under the hint, far prefetch and tiling in force. 1.0 where linear.c
-    cannot pace."""
-    if not has_paced_tiles():
-        return 1.0
-    return _setting_speedup("batchq_linear_set_pace_rows", 0, PACE_ROWS, rows, megabytes, rounds)
+    tunings = (base, candidate)
+    for tuning in tunings:
+        timed(tuning)  # warm-up: page faults, the thread pool
+    best = [math.inf, math.inf]
+    for _ in range(rounds):
+        for i, tuning in enumerate(tunings):
+            best[i] = min(best[i], timed(tuning))
+    return best[0] / best[1]
 
 
 def fma_peak(threads: int, seconds: float = 0.2) -> float:
@@ -422,10 +360,17 @@ def is_packed(weight: Tensor, n: int, k: int) -> bool:
     )
 
 
-def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None, n: int) -> Tensor:
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor | None,
+    bias: Tensor | None,
+    n: int,
+    tuning: LinearTuning = DEFAULT_TUNING,
+) -> Tensor:
     """y = x W^T (* scale per output) (+ bias). x: [M, K] float32; weight: W [n, K] packed (`pack`);
-    scale, bias: [n] float32 or None (scale required for int8). -> [M, n] float32. Called once per
-    linear layer per step, so it checks only what is cheap."""
+    scale, bias: [n] float32 or None (scale required for int8); tuning: this machine's (the backend's).
+    -> [M, n] float32. Called once per linear layer per step, so it checks only what is cheap."""
     lib = library()
     assert lib is not None and (scale is not None) == (weight.dtype == torch.int8)
     m, k = x.shape
@@ -435,7 +380,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None,
     rc = lib.batchq_linear(
         x.data_ptr(), weight.data_ptr(), None if scale is None else scale.data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(), m, k, n, WEIGHT_TYPES[weight.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads(), ctypes.byref(tuning),
     )  # fmt: skip
     assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {k}] {weight.dtype}"
     return out
@@ -448,10 +393,12 @@ def linear_w(
     scale: Tensor | None = None,
     bias: Tensor | None = None,
     bf16_dot: bool = False,
+    tuning: LinearTuning = DEFAULT_TUNING,
 ) -> Tensor:
     """y = x W^T (+ bias) for any weight linear.c reads: what `linear` takes, an FP8 E4M3 weight packed
     with a float32 scale per output, or a group-quantised one. x: [M, K] float32 -> [M, n] float32.
-    bf16_dot: multiplied in bfloat16, x and the weight rounded (linear_bf16dot.c; `has_bf16dot` only)."""
+    bf16_dot: multiplied in bfloat16, x and the weight rounded (linear_bf16dot.c; `has_bf16dot` only);
+    tuning: this machine's (the backend's)."""
     lib = library()
     assert lib is not None
     m, k = x.shape
@@ -471,7 +418,14 @@ def linear_w(
         None if bias is None else bias.data_ptr(), elem, group, group_elem, int(bf16_dot),
     )  # fmt: skip
     rc = lib.batchq_linear_w(
-        x.data_ptr(), ctypes.byref(spec), out.data_ptr(), m, k, n, torch.get_num_threads()
+        x.data_ptr(),
+        ctypes.byref(spec),
+        out.data_ptr(),
+        m,
+        k,
+        n,
+        torch.get_num_threads(),
+        ctypes.byref(tuning),
     )
     assert rc == 0, f"linear.c refused [{m}, {k}] x [{n}, {k}] elem {elem}"
     return out

@@ -21,12 +21,14 @@ from worker.kernels.linear_methods import Groups
 from worker.kernels.native_attention import ELEMENT_TYPES, MAX_D, MAX_G
 from worker.kernels.native_build import KERNELS, Signature, cached, load
 from worker.kernels.native_linear import (
+    DEFAULT_TUNING,
     FP8,
     GROUP_TYPES,
     PANEL,
     Q4,
     Q8,
     WEIGHT_TYPES,
+    LinearTuning,
     LinearWeightStruct,
     is_packed,
 )
@@ -35,18 +37,17 @@ from worker.kernels.native_linear import (
 SOURCES = (KERNELS / "decode_stack.c", *native_linear.SOURCES, *native_attention.SOURCES)
 SIGNATURES = {
     "batchq_decode_stack": Signature(
-        c_int, [c_void_p] * 4 + [c_int] + [c_void_p] * 7 + [c_int] * 2 + [c_void_p, c_int]
+        c_int, [c_void_p] * 4 + [c_int] + [c_void_p] * 7 + [c_int] * 2 + [c_void_p, c_int, c_void_p]
     ),
     "batchq_decode_stack_workspace": Signature(c_long, [c_void_p] + [c_int] * 3),
     "batchq_to_fp8": Signature(None, [c_void_p, c_void_p, c_long]),  # its FP8 rounding, for the tests
-    **native_linear.SETTING_SIGNATURES,
 }
 
 
 @cached
 def library() -> SimpleNamespace | None:
     """The loaded decode stack, or None (with one warning) where it cannot be built."""
-    return native_linear.configure(load(SOURCES, "the decode stack", SIGNATURES))
+    return load(SOURCES, "the decode stack", SIGNATURES)
 
 
 # decode_stack.c's structs, field for field (a layer's linears are linear.h's LinearWeight)
@@ -84,6 +85,7 @@ class _Spec(ctypes.Structure):
 
 STRUCTS = {
     "LinearWeight": LinearWeightStruct,
+    "LinearTuning": LinearTuning,
     "Layer": _Layer,
     "Spec": _Spec,
 }  # by their C names (the signature test reads them)
@@ -155,7 +157,8 @@ class StackLayer:
 
 class DecodeStack:
     """Every layer of a decode step in one call of decode_stack.c: pointers to the weights, norms and caches
-    are gathered once; the call passes the step's rows and metadata. Check `stack_supported` first."""
+    are gathered once; the call passes the step's rows and metadata, and linear.c's tuning (the backend's).
+    Check `stack_supported` first."""
 
     def __init__(
         self,
@@ -166,10 +169,12 @@ class DecodeStack:
         head_dim: int,
         eps: float,
         bf16_dot: bool = False,
+        tuning: LinearTuning = DEFAULT_TUNING,
     ) -> None:
         lib = library()
         assert lib is not None
         self._lib = lib
+        self._tuning = tuning
         self._keep = (layers, final_norm)  # the pointers below stay valid while these live
         self.needs_local = any(x.local_rope for x in layers)
         first = layers[0]
@@ -245,7 +250,7 @@ class DecodeStack:
             ctypes.byref(self.spec), self.layers, h.data_ptr(), out.data_ptr(), m, cos.data_ptr(),
             sin.data_ptr(), None if cos_l is None else cos_l.data_ptr(),
             None if sin_l is None else sin_l.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-            tables.shape[1], max_len, self._workspace.data_ptr(), threads,
+            tables.shape[1], max_len, self._workspace.data_ptr(), threads, ctypes.byref(self._tuning),
         )  # fmt: skip
         assert rc == 0
         return out

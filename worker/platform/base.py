@@ -3,11 +3,10 @@ and the kernel choices that depend on the machine rather than on the model."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from worker.engine_config import EngineConfig
+from worker.kernels.native_linear import DEFAULT_TUNING, LinearTuning
 from worker.platform.dtypes import Dtypes
 from worker.platform.threads import CpuShare
 
@@ -20,8 +19,8 @@ class Platform:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        # linear.c's tuning (the knobs that change its speed, never its answers); None: linear.c's defaults
-        self.linear_tuning: dict[str, Any] | None = None
+        # linear.c's tuning (the knobs that change its speed, never its answers)
+        self.linear_tuning: LinearTuning = DEFAULT_TUNING
 
     def prepare(self, cfg: EngineConfig) -> None:
         """Process-wide settings, made before the first matmul and the dtype probes."""

@@ -10,6 +10,7 @@ import torch
 
 from worker.engine_config import CpuKernels, Dtype, EngineConfig
 from worker.kernels import native_linear
+from worker.kernels.native_linear import LinearTuning
 from worker.platform.base import Platform
 from worker.platform.cpu_settings import bound_onednn_caches, cap_libraries, keep_freed_memory
 from worker.platform.dtypes import DTYPES, Dtypes
@@ -33,7 +34,7 @@ class CpuPlatform(Platform):
             self.linear_tuning = kept_linear_tuning()  # before the dtype and GEMM probes, which time linear.c
 
     def dtypes(self, cfg: EngineConfig) -> Dtypes:
-        requested = cpu_dtype(cfg.dtype, cfg.cpu_kernels, cfg.batch_invariant)
+        requested = cpu_dtype(cfg.dtype, cfg.cpu_kernels, cfg.batch_invariant, self.linear_tuning)
         c_kernels = cfg.cpu_kernels == "auto" and native_linear.library() is not None
         compute, storage = invariant_cpu_storage(requested, cfg.batch_invariant, c_kernels)
         return Dtypes(requested, compute, storage)
@@ -46,7 +47,7 @@ class CpuPlatform(Platform):
         # chosen by a step's row count
         if cfg.batch_invariant or cfg.cpu_kernels != "auto" or weight_dtype != torch.bfloat16:
             return False
-        return cpu_bf16_gemm_speedup(cfg.cpu_kernels) >= BF16_MIN_SPEEDUP
+        return cpu_bf16_gemm_speedup(cfg.cpu_kernels, self.linear_tuning) >= BF16_MIN_SPEEDUP
 
     def cpu_share(self, cfg: EngineConfig) -> CpuShare | None:
         # An explicit num_threads is the operator's; otherwise the thread count follows the cores other
@@ -57,15 +58,18 @@ class CpuPlatform(Platform):
         return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def cpu_auto_dtype(cpu_kernels: CpuKernels) -> torch.dtype:
-    """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32's here, else float32."""
-    speedup = cpu_bf16_gemm_speedup(cpu_kernels)
+def cpu_auto_dtype(cpu_kernels: CpuKernels, linear_tuning: LinearTuning | None = None) -> torch.dtype:
+    """bfloat16 when its GEMMs run BF16_MIN_SPEEDUP x faster than float32's here (linear.c timed under
+    linear_tuning), else float32."""
+    speedup = cpu_bf16_gemm_speedup(cpu_kernels, linear_tuning)
     choice = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
     log.info("dtype auto -> %s (bf16 GEMMs %.2fx float32's)", str(choice).removeprefix("torch."), speedup)
     return choice
 
 
-def cpu_dtype(name: Dtype, cpu_kernels: CpuKernels, invariant: bool = False) -> torch.dtype:
+def cpu_dtype(
+    name: Dtype, cpu_kernels: CpuKernels, invariant: bool = False, linear_tuning: LinearTuning | None = None
+) -> torch.dtype:
     """The dtype asked, or auto's choice on a CPU: under batch invariance bfloat16 where linear_bf16dot.c
     multiplies in bfloat16 (AVX-512 BF16), else float32; without it the faster of float32 and bfloat16
     (cpu_auto_dtype)."""
@@ -82,7 +86,7 @@ def cpu_dtype(name: Dtype, cpu_kernels: CpuKernels, invariant: bool = False) -> 
         log.info("dtype auto -> float32 (batch_invariant: no bf16 GEMM here sums a row the same at every "
                  "row count; batch_invariant = false lets oneDNN's in where it is faster)")  # fmt: skip
         return torch.float32
-    return cpu_auto_dtype(cpu_kernels)
+    return cpu_auto_dtype(cpu_kernels, linear_tuning)
 
 
 def invariant_cpu_storage(

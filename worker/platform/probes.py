@@ -11,13 +11,16 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import torch
 
 from worker.cache_dir import cache_dir
 from worker.engine_config import CpuKernels
+
+if TYPE_CHECKING:
+    from worker.kernels.native_linear import LinearTuning
 
 log = logging.getLogger(__name__)
 
@@ -41,30 +44,32 @@ def gemm_flops(dtype: torch.dtype, n: int = 1024, reps: int = 4) -> float:
     return 2 * n**3 / best
 
 
-def native_gemm_flops(n: int = 1024, reps: int = 4) -> float:
-    """FLOP/s of linear.c on an n x n x n product (0 where it is not available)."""
+def native_gemm_flops(n: int = 1024, reps: int = 4, tuning: LinearTuning | None = None) -> float:
+    """FLOP/s of linear.c on an n x n x n product under `tuning` (None: the default; 0 where linear.c is not
+    available)."""
     from worker.kernels import native_linear
 
     if native_linear.library() is None:
         return 0.0
+    tuning = tuning or native_linear.DEFAULT_TUNING
     a, w = torch.randn(n, n), native_linear.pack(torch.randn(n, n))
-    native_linear.linear(a, w, None, None, n)
+    native_linear.linear(a, w, None, None, n, tuning)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        native_linear.linear(a, w, None, None, n)
+        native_linear.linear(a, w, None, None, n, tuning)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
 
-def measure_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
+def measure_bf16_gemm_speedup(cpu_kernels: CpuKernels, linear_tuning: LinearTuning | None = None) -> float:
     """bf16 GEMM FLOP/s over float32's on this CPU, measured now (float32's: the better of torch's and, with
-    cpu_kernels auto, linear.c's); 0 without oneDNN."""
+    cpu_kernels auto, linear.c's under linear_tuning); 0 without oneDNN."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0.0
     f32 = gemm_flops(torch.float32)
     if cpu_kernels == "auto":
-        f32 = max(f32, native_gemm_flops())
+        f32 = max(f32, native_gemm_flops(tuning=linear_tuning))
     bf16 = gemm_flops(torch.bfloat16)
     log.info("CPU matmul %.0f GFLOP/s float32, %.0f bfloat16", f32 / 1e9, bf16 / 1e9)
     return bf16 / f32
@@ -140,13 +145,13 @@ def _shown(record: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
 
 
-def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
+def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels, linear_tuning: LinearTuning | None = None) -> float:
     """This machine's bf16-over-float32 GEMM speedup (measure_bf16_gemm_speedup), kept (`kept`)."""
     record = kept(
         "bf16-speedup",
         "bf16 GEMM speedup over float32",
         cpu_kernels,
-        lambda: {"speedup": measure_bf16_gemm_speedup(cpu_kernels)},
+        lambda: {"speedup": measure_bf16_gemm_speedup(cpu_kernels, linear_tuning)},
     )
     try:
         return float(record["speedup"])
@@ -154,42 +159,26 @@ def cpu_bf16_gemm_speedup(cpu_kernels: CpuKernels) -> float:
         raise ValueError(f"the kept bf16 probe {record} has no speedup: delete it to measure again") from None
 
 
-def _measure_linear_tuning() -> dict[str, Any]:
-    """linear.c's choices for this machine, measured now in turn, each under those before it: the prefetch
-    hint (on some CPUs non-temporal prefetches stream the weights at a fraction of the bandwidth, on others
-    they are best); whether decode steps also prefetch far ahead into L2; whether decode steps of 1-3 rows
-    take whole-panel tiles; whether decode steps of fewer rows than a tile holds run paced. The last three
-    exist in AVX2 builds only, where which streams faster differs between CPUs."""
-    from worker.kernels import native_linear
-
-    record: dict[str, Any] = {}
-    record["prefetch_t0"] = int(native_linear.measure_prefetch_t0_speedup() > 1.0)
-    native_linear.set_prefetch_t0(bool(record["prefetch_t0"]))
-    if native_linear.has_far_prefetch():
-        record["far_prefetch"] = int(native_linear.measure_far_prefetch_speedup() > 1.0)
-        native_linear.set_far_prefetch(bool(record["far_prefetch"]))
-    if native_linear.has_wide_tiles():
-        wide = native_linear.measure_wide_tile_speedup() > 1.0
-        record["wide_rows"] = native_linear.WIDE_ROWS if wide else 0
-        native_linear.set_wide_rows(record["wide_rows"])
-    if native_linear.has_paced_tiles():
-        rows = tuple(r for r in (1, 3, 5) if r > native_linear.wide_rows())  # where half-panel tiles run
-        paced = native_linear.measure_pace_speedup(rows) > 1.0
-        record["pace_rows"] = native_linear.PACE_ROWS if paced else 0
-    return record
-
-
-def kept_linear_tuning() -> dict[str, Any] | None:
-    """linear.c's tuning for this machine (`_measure_linear_tuning`), one record kept (`kept`), put in force
-    in every library with linear.c before any probe times it; None where linear.c cannot be built. The
-    answers never depend on it, only the speed."""
+def kept_linear_tuning() -> LinearTuning:
+    """linear.c's tuning for this machine (native_linear.measure_tuning: its prefetch hint, then under it
+    whether decode steps also prefetch far ahead into L2, take whole-panel tiles at 1-3 rows, and run paced
+    below a tile's rows; which is faster differs between CPUs), measured once and kept as one record (the
+    knobs and the speedups that chose them). Made before any probe that times linear.c, which times it under
+    this tuning. The answers never depend on it, only the speed; DEFAULT_TUNING where linear.c cannot be
+    built."""
     from worker.kernels import native_linear
 
     if native_linear.library() is None:
-        return None
-    record = kept("linear-tuning", "linear.c's tuning", "auto", _measure_linear_tuning)
-    native_linear.set_prefetch_t0(bool(record.get("prefetch_t0", 0)))
-    native_linear.set_far_prefetch(bool(record.get("far_prefetch", 0)))
-    native_linear.set_wide_rows(int(record.get("wide_rows", 0)))
-    native_linear.set_pace_rows(int(record.get("pace_rows", 0)))
-    return record
+        return native_linear.DEFAULT_TUNING
+
+    def measure() -> dict[str, Any]:
+        tuning, speedups = native_linear.measure_tuning()
+        return {**tuning.as_dict(), "speedups": speedups}
+
+    record = kept("linear-tuning", "linear.c's tuning", "auto", measure)
+    try:
+        return native_linear.LinearTuning.from_dict({k: v for k, v in record.items() if k != "speedups"})
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"the kept linear.c tuning {record} does not read: delete it to measure again"
+        ) from None
