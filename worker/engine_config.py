@@ -132,6 +132,13 @@ class EngineConfig(BaseModel):
         ge=1,
         description="CPU threads (default: the cores of the affinity mask, cut to the cgroup quota)",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="ranks the model is split over (tensor parallelism): one process each, rank 0 the engine's "
+        "own; gloo on a CPU, NCCL on GPUs. For a model no single device holds",
+    )
     cuda_graphs: bool = Field(default=True, description="capture decode steps as CUDA graphs (CUDA + Triton)")
     async_scheduling: bool = Field(
         default=True,

@@ -12,16 +12,16 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from worker.engine.assembly import (
     batch_invariant_here,
+    build_model,
     engine_fingerprint_of,
     kv_cache_dtype,
     log_windows,
-    store_weights,
 )
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, detokenizer_plan
@@ -49,9 +49,10 @@ from worker.engine.samples import SampleGroup, combine, plan_samples, sample_see
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
+from worker.engine.tensor_parallel import ShardedModel, start_ranks, stop_ranks
 from worker.engine_config import EngineConfig
-from worker.kernels.backend import select_backend
-from worker.models.loader import LoadedModel, load_model
+from worker.models.llama import LlamaFamilyModel
+from worker.models.loader import LoadedModel
 from worker.platform import Dtypes, load_platform
 from worker.platform.threads import CpuShare
 
@@ -149,24 +150,16 @@ class Engine:
         platform.prepare(cfg)  # before any matmul: the dtype probes' included
         dtypes = platform.dtypes(cfg)
         device = platform.device
+        group, ranks = start_ranks(cfg, platform) if cfg.tensor_parallel_size > 1 else (None, [])
         t0 = time.monotonic()
-        # Hugging Face's layers (the fallback) are not batch-invariant in any dtype: they compute in the one asked
-        loaded = load_model(
-            cfg.model, dtypes.compute, device, cfg.model_impl, fallback_dtype=dtypes.requested
-        )
-        dtypes = dtypes.for_model(loaded.implementation)
-        weight_dtype = dtypes.weights(cfg.weight_dtype, device)
-        platform.after_load()
-        backend = select_backend(
-            cfg,
-            device,
-            dtypes.compute,
-            weight_dtype,
-            fast_bf16_gemm=platform.fast_bf16_gemm(cfg, weight_dtype),
-            bf16_dot=dtypes.storage == torch.bfloat16,
-        ).for_model(loaded.model)
-        store_weights(cfg, loaded, backend, dtypes, weight_dtype)
-        loaded.model.use_backend(backend)
+        try:
+            loaded, dtypes, backend = build_model(cfg, platform, dtypes, group)
+        except BaseException:
+            stop_ranks(ranks)
+            raise
+        if group is not None:  # every call of the model goes to every rank
+            assert isinstance(loaded.model, LlamaFamilyModel)
+            loaded.model = cast(Any, ShardedModel(loaded.model, group, backend, ranks))
         kv_dtype = kv_cache_dtype(cfg, loaded, backend, dtypes, device)
         num_blocks = size_kv_pool(cfg, loaded.model, kv_dtype, device)
         max_model_len = cfg.context_len(loaded.max_model_len)
@@ -182,6 +175,8 @@ class Engine:
             cuda_graphs=cfg.cuda_graphs,
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else 0,
         )
+        if isinstance(loaded.model, ShardedModel):
+            loaded.model.attach_pool(runner.kv_caches)
         reset = getattr(loaded.model, "reset_expert_tokens", None)
         if reset is not None:  # the scratch passes above (pool sizing, calibration) routed tokens too
             reset()
@@ -201,6 +196,12 @@ class Engine:
         return cls(cfg, loaded, runner, num_blocks, max_model_len, invariant, dtypes, platform.cpu_share(cfg))
 
     # ---- public API -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what outlives a step: the ranks of a tensor-parallel group."""
+        model = self.model_runner.model
+        if isinstance(model, ShardedModel):
+            model.close()
 
     def add_request(self, req: EngineRequest) -> None:
         """Thread-safe; the request is validated and tokenised at the start of the next step."""

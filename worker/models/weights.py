@@ -39,6 +39,7 @@ from torch import Tensor
 
 from worker.models.checkpoint import DTYPES, TensorEntry, list_tensors, map_bin
 from worker.models.errors import CheckpointError
+from worker.models.sharding import Shard
 
 # Preads in flight: the page faults of fresh parameter memory and the copy out of the page cache run on
 # several cores, and the disk sees more than one request at a time.
@@ -289,13 +290,15 @@ def _libc() -> Any:
 @dataclass(frozen=True)
 class Slot:
     """Where one checkpoint tensor goes: rows [start, stop) of parameter `param` (the whole of it, or its
-    part of a fused one), times `scale` after it is read."""
+    part of a fused one), times `scale` after it is read. `shard`: under tensor parallelism, the part of the
+    tensor this rank takes (the tensor is read whole, then its share kept)."""
 
     param: str
     tensor: Tensor  # the whole parameter
     start: int
     stop: int
     scale: float = 1.0
+    shard: Shard | None = None
 
     @property
     def dest(self) -> Tensor:
@@ -321,7 +324,9 @@ def fill(slots: dict[str, Slot], weights: Iterable[tuple[str, Tensor | WeightSou
         if slot is None:
             raise CheckpointError(f"tensor {name!r} in {src.where}: the model has no weight of that name")
         want = (slot.stop - slot.start, *slot.tensor.shape[1:])
-        rows = "" if want[0] == slot.tensor.shape[0] else f"rows {slot.start}:{slot.stop} of "
+        if slot.shard is not None:
+            want = slot.shard.full
+        rows = "" if slot.stop - slot.start == slot.tensor.shape[0] else f"rows {slot.start}:{slot.stop} of "
         if tuple(src.shape) != want:
             raise CheckpointError(
                 f"tensor {name!r} in {src.where}: shape {list(src.shape)}, expected {list(want)} (for "
@@ -334,7 +339,13 @@ def fill(slots: dict[str, Slot], weights: Iterable[tuple[str, Tensor | WeightSou
                 f"tensor {name!r} in {src.where}: overlaps {clash!r} in {rows}the decoder's {slot.param}"
             )
         dest = slot.dest
-        src.read_into(dest)
+        if slot.shard is None:
+            src.read_into(dest)
+        else:
+            staged = torch.empty(src.shape, dtype=dest.dtype, device=dest.device)
+            src.read_into(staged)
+            dest.copy_(slot.shard.take(staged))
+            del staged
         if slot.scale != 1.0:
             dest.mul_(slot.scale)
         spans.append((slot.start, slot.stop, name))

@@ -1,0 +1,182 @@
+"""Tensor parallelism's ranks on one machine. Rank 0 is the engine's own process: it runs the scheduler,
+sampler, grammars and stop rules, and its model is a `ShardedModel`, which sends every call to the other
+ranks (each a process started here, `python -m worker.engine.tensor_parallel`) before running it on its own
+share. The ranks run the same call on theirs; the collectives inside the model join the shares.
+
+A rank process dies with the engine's (PR_SET_PDEATHSIG), and ends when the engine stops the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+from worker.engine.assembly import build_model
+from worker.engine.model_runner import copy_kv_blocks
+from worker.engine_config import EngineConfig
+from worker.kernels.backend import Backend, torch_backend
+from worker.models.layers import AttentionMetadata, KVCache
+from worker.models.llama import LlamaFamilyModel
+from worker.parallel.group import TPGroup, free_port
+from worker.platform import Dtypes, Platform, load_platform
+
+log = logging.getLogger(__name__)
+
+CONFIG_ENV = "BATCHQ_RANK_ENGINE_CONFIG"  # the engine's settings, as JSON, for its rank processes
+
+
+def _die_with_parent() -> None:
+    """In the rank process, before it runs: SIGKILL when the engine's process ends, however it ends."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def start_ranks(cfg: EngineConfig, platform: Platform) -> tuple[TPGroup, list[subprocess.Popen[bytes]]]:
+    """Start ranks 1..N-1 of the engine's group and join it as rank 0; -> the group, the rank processes."""
+    size, port = cfg.tensor_parallel_size, free_port()
+    env = {**os.environ, CONFIG_ENV: cfg.model_dump_json()}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "worker.engine.tensor_parallel", str(rank), str(size), str(port)],
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        for rank in range(1, size)
+    ]
+    try:
+        group = TPGroup.connect(0, size, port, platform.device)
+    except BaseException:
+        stop_ranks(procs)
+        raise
+    log.info("tensor parallelism: %d ranks (pids %s beside this one's)", size, [p.pid for p in procs])
+    return group, procs
+
+
+def stop_ranks(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
+    """End the rank processes (after a `stop` command they exit on their own; any still running is killed)."""
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class ShardedModel:
+    """Rank 0's model of a tensor-parallel group: its own share (`local`, whose attributes it shows), each
+    call sent first to the other ranks, which make the same call on theirs. `backend`: the engine's (a call
+    with another, the KV pool's sizing probe's torch backend, is made with that one on every rank)."""
+
+    def __init__(self, local: LlamaFamilyModel, group: TPGroup, backend: Backend, procs: list[Any]) -> None:
+        self.local, self.group, self.backend, self.procs = local, group, backend, procs
+        self.pool: list[KVCache] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_caches: list[KVCache], backend: Backend,
+    ) -> torch.Tensor:  # fmt: skip
+        k = kv_caches[0][0]
+        kv = "pool" if kv_caches is self.pool else ("scratch", tuple(k.shape), k.dtype)
+        self.group.send_command(("forward", input_ids, positions, meta, kv, backend is self.backend))
+        hidden: torch.Tensor = self.local(input_ids, positions, meta, kv_caches, backend)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.send_command(("logits", hidden))
+        return self.local.compute_logits(hidden)
+
+    def kv_absmax(self, *args: Any) -> Any:
+        raise ValueError("kv_cache_dtype fp8_e4m3 under tensor parallelism: its calibration is not shared "
+                         "over the ranks yet; use kv_cache_dtype = 'auto'")  # fmt: skip
+
+    def attach_pool(self, kv_caches: list[KVCache]) -> None:
+        """The engine's KV pool: every rank allocates its own of the same shape (its KV heads)."""
+        self.pool = kv_caches
+        k = kv_caches[0][0]
+        self.group.send_command(("pool", tuple(k.shape), k.dtype, len(kv_caches)))
+
+    def copy_blocks(self, axis: int, copies: list[tuple[int, int]]) -> None:
+        self.group.send_command(("copy", axis, copies))
+
+    def close(self) -> None:
+        """Stop the other ranks (they leave their loop and exit)."""
+        try:
+            self.group.send_command(("stop",))
+        finally:
+            stop_ranks(self.procs)
+
+
+@torch.inference_mode()
+def serve(group: TPGroup, model: LlamaFamilyModel, backend: Backend) -> None:
+    """A rank's loop: rank 0's commands, run on this rank's share, until `stop`."""
+    pool: list[KVCache] | None = None
+    device = model.lm_head.weight.device
+    while True:
+        command = group.receive_command()
+        kind = command[0]
+        if kind == "forward":
+            _, ids, positions, meta, kv, own = command
+            if kv == "pool":
+                assert pool is not None
+                caches = pool
+            else:
+                _, shape, dtype = kv
+                caches = [
+                    (
+                        torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device),
+                    )
+                    for _ in model.layers
+                ]
+            model(ids, positions, meta, caches, backend if own else torch_backend())
+        elif kind == "logits":
+            model.compute_logits(command[1])
+        elif kind == "pool":
+            _, shape, dtype, layers = command
+            pool = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                    for _ in range(layers)]  # fmt: skip
+        elif kind == "copy":
+            assert pool is not None
+            copy_kv_blocks(pool, command[1], command[2])
+        elif kind == "stop":
+            return
+        else:
+            raise ValueError(f"rank {group.rank}: unknown command {kind!r}")
+
+
+def rank_main(rank: int, size: int, port: int, cfg: EngineConfig) -> None:
+    """One rank other than 0: the platform, dtypes and backend as rank 0 chose them (the same settings and
+    kept probes on the same machine), its share of the model, then rank 0's commands."""
+    platform = load_platform(cfg.device)
+    platform.prepare(cfg)
+    dtypes: Dtypes = platform.dtypes(cfg)
+    group = TPGroup.connect(rank, size, port, platform.device)
+    loaded, _, backend = build_model(cfg, platform, dtypes, group)
+    assert isinstance(loaded.model, LlamaFamilyModel)
+    serve(group, loaded.model, backend)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="one rank of a tensor-parallel engine (started by the engine)")
+    p.add_argument("rank", type=int)
+    p.add_argument("size", type=int)
+    p.add_argument("port", type=int)
+    ns = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format=f"rank {ns.rank}: %(levelname)s %(name)s: %(message)s")
+    cfg = EngineConfig.model_validate_json(os.environ[CONFIG_ENV])
+    rank_main(ns.rank, ns.size, ns.port, cfg)
+
+
+if __name__ == "__main__":
+    main()

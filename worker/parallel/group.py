@@ -1,0 +1,101 @@
+"""A tensor-parallel group as one rank sees it: its rank, its size, and the collectives the sharded model
+runs (a sum over ranks after each row-parallel projection, a gather of the vocabulary-parallel logits), plus
+the control channel over which rank 0 sends every step's inputs to the others.
+
+The process groups are made directly over a TCP store (torch.distributed's ProcessGroupGloo / NCCL), not as
+torch.distributed's default group: a process may hold more than one engine, and nothing global is touched.
+Every collective waits at most `timeout`: a rank that died or hangs takes the group down with an error
+rather than leaving the others blocked for ever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# How long a collective may wait for the other ranks. A step of a large model on a slow machine takes
+# seconds; a dead peer is seen when this runs out, or sooner where the transport notices the closed socket.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+# How long the other ranks wait for rank 0's next command: an engine with no work sends none. Rank 0 dying
+# ends the wait sooner (its connections close).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the group's store listens on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class TPGroup:
+    """rank of size; `tensors`: the process group of the model's collectives (gloo on a CPU, NCCL on CUDA);
+    `control`: a gloo group for rank 0's commands (pickled, broadcast as bytes)."""
+
+    rank: int
+    size: int
+    tensors: Any
+    control: Any
+    store: Any
+
+    @classmethod
+    def connect(
+        cls,
+        rank: int,
+        size: int,
+        port: int,
+        device: torch.device,
+        timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
+    ) -> TPGroup:
+        """Join the group whose store rank 0 serves on `port` (rank 0 serves it): blocks until every rank
+        has joined, or raises after `timeout`."""
+        c10d: Any = dist  # (torch's stubs do not export the store and group classes it has)
+        store = c10d.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+        control = c10d.ProcessGroupGloo(c10d.PrefixStore("control", store), rank, size, timeout)
+        tensors: Any
+        if device.type == "cuda":
+            opts = c10d.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            tensors = c10d.ProcessGroupNCCL(c10d.PrefixStore("tensors", store), rank, size, opts)
+        else:
+            tensors = c10d.ProcessGroupGloo(c10d.PrefixStore("tensors", store), rank, size, timeout)
+        return cls(rank, size, tensors, control, store)
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """The sum of every rank's `t`, in place (each rank gets the same bits)."""
+        self.tensors.allreduce([t]).wait()
+        return t
+
+    def all_gather(self, t: Tensor) -> Tensor:
+        """Every rank's `t` [..., n] joined along the last dimension, rank order: [..., size * n]."""
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self.tensors.allgather([parts], [t.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def send_command(self, command: Any) -> None:
+        """Rank 0: `command` to every other rank (pickled; tensors travel as CPU tensors)."""
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.control.broadcast(size, 0).wait()
+        self.control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
+
+    def receive_command(self) -> Any:
+        """The other ranks: rank 0's next command (blocks until it comes, without a timeout of its own:
+        an idle engine sends nothing for as long as it is idle)."""
+        size = torch.empty(1, dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.timeout = 0, IDLE_TIMEOUT
+        self.control.broadcast([size], opts).wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.control.broadcast(data, 0).wait()
+        return pickle.loads(data.numpy().tobytes())
