@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -49,9 +49,8 @@ from worker.engine.samples import SampleGroup, combine, plan_samples, sample_see
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
-from worker.engine.tensor_parallel import ShardedModel, start_ranks, stop_ranks
+from worker.engine.tensor_parallel import ShardedModel, load_sharded
 from worker.engine_config import EngineConfig
-from worker.models.llama import LlamaFamilyModel
 from worker.models.loader import LoadedModel
 from worker.platform import Dtypes, load_platform
 from worker.platform.threads import CpuShare
@@ -150,16 +149,11 @@ class Engine:
         platform.prepare(cfg)  # before any matmul: the dtype probes' included
         dtypes = platform.dtypes(cfg)
         device = platform.device
-        group, ranks = start_ranks(cfg, platform) if cfg.tensor_parallel_size > 1 else (None, [])
         t0 = time.monotonic()
-        try:
-            loaded, dtypes, backend = build_model(cfg, platform, dtypes, group)
-        except BaseException:
-            stop_ranks(ranks)
-            raise
-        if group is not None:  # every call of the model goes to every rank
-            assert isinstance(loaded.model, LlamaFamilyModel)
-            loaded.model = cast(Any, ShardedModel(loaded.model, group, backend, ranks))
+        if cfg.tensor_parallel_size > 1:  # rank 0's share, every call of it sent to every rank
+            loaded, dtypes, backend = load_sharded(cfg, platform, dtypes)
+        else:
+            loaded, dtypes, backend = build_model(cfg, platform, dtypes)
         kv_dtype = kv_cache_dtype(cfg, loaded, backend, dtypes, device)
         num_blocks = size_kv_pool(cfg, loaded.model, kv_dtype, device)
         max_model_len = cfg.context_len(loaded.max_model_len)
@@ -202,6 +196,11 @@ class Engine:
         model = self.model_runner.model
         if isinstance(model, ShardedModel):
             model.close()
+
+    def failure(self) -> str | None:
+        """Why the engine cannot go on (a rank of its tensor-parallel group ended), else None."""
+        model = self.model_runner.model
+        return model.failure if isinstance(model, ShardedModel) else None
 
     def add_request(self, req: EngineRequest) -> None:
         """Thread-safe; the request is validated and tokenised at the start of the next step."""

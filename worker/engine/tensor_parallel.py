@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import datetime
 import logging
 import os
 import signal
 import subprocess
 import sys
-from typing import Any
+import threading
+import time
+from typing import Any, cast
 
 import torch
 
@@ -25,12 +28,14 @@ from worker.engine_config import EngineConfig
 from worker.kernels.backend import Backend, torch_backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.llama import LlamaFamilyModel
-from worker.parallel.group import TPGroup, free_port
+from worker.models.loader import LoadedModel
+from worker.parallel.group import GroupFailure, TPGroup, free_port
 from worker.platform import Dtypes, Platform, load_platform
 
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "BATCHQ_RANK_ENGINE_CONFIG"  # the engine's settings, as JSON, for its rank processes
+WATCH_INTERVAL_S = 0.5  # how often rank 0 looks at its rank processes
 
 
 def _die_with_parent() -> None:
@@ -52,16 +57,38 @@ def start_ranks(cfg: EngineConfig, platform: Platform) -> tuple[TPGroup, list[su
         for rank in range(1, size)
     ]
     try:
-        group = TPGroup.connect(0, size, port, platform.device)
+        group = TPGroup.connect(0, size, port, platform.device, _timeout(cfg))
     except BaseException:
-        stop_ranks(procs)
+        stop_ranks(procs, 0)
         raise
     log.info("tensor parallelism: %d ranks (pids %s beside this one's)", size, [p.pid for p in procs])
     return group, procs
 
 
+def load_sharded(
+    cfg: EngineConfig, platform: Platform, dtypes: Dtypes
+) -> tuple[LoadedModel, Dtypes, Backend]:
+    """Rank 0's part of Engine.load under tensor parallelism: the other ranks started, its own share loaded
+    (build_model) while they load theirs, and its model a ShardedModel once every rank has loaded."""
+    group, procs = start_ranks(cfg, platform)
+    try:
+        loaded, dtypes, backend = build_model(cfg, platform, dtypes, group)
+        group.barrier("loading the model's shares")
+    except BaseException:
+        stop_ranks(procs, 0)
+        raise
+    assert isinstance(loaded.model, LlamaFamilyModel)
+    loaded.model = cast(Any, ShardedModel(loaded.model, group, backend, procs))
+    return loaded, dtypes, backend
+
+
+def _timeout(cfg: EngineConfig) -> datetime.timedelta:
+    return datetime.timedelta(seconds=cfg.collective_timeout_s)
+
+
 def stop_ranks(procs: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
-    """End the rank processes (after a `stop` command they exit on their own; any still running is killed)."""
+    """End the rank processes: each has `timeout` seconds to exit on its own (after a `stop` command), then
+    is killed."""
     for p in procs:
         try:
             p.wait(timeout)
@@ -78,6 +105,21 @@ class ShardedModel:
     def __init__(self, local: LlamaFamilyModel, group: TPGroup, backend: Backend, procs: list[Any]) -> None:
         self.local, self.group, self.backend, self.procs = local, group, backend, procs
         self.pool: list[KVCache] | None = None
+        # why the group cannot go on (a rank process ended), seen by the watchdog between steps as well
+        self.failure: str | None = None
+        self._closing = False
+        threading.Thread(target=self._watch, name="batchq-tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Notice a rank process that ends, at once, even while the engine is idle."""
+        while not self._closing:
+            for rank, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is not None and not self._closing:
+                    self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) exited with status {code}"
+                    log.error("%s: the group cannot go on", self.failure)
+                    return
+            time.sleep(WATCH_INTERVAL_S)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
@@ -110,11 +152,15 @@ class ShardedModel:
         self.group.send_command(("copy", axis, copies))
 
     def close(self) -> None:
-        """Stop the other ranks (they leave their loop and exit)."""
+        """Stop the other ranks (they leave their loop and exit; any that does not is killed)."""
+        self._closing = True
         try:
-            self.group.send_command(("stop",))
+            if self.failure is None:
+                self.group.send_command(("stop",))
+        except GroupFailure:
+            pass  # a rank is gone already: the others are killed below
         finally:
-            stop_ranks(self.procs)
+            stop_ranks(self.procs, 10.0 if self.failure is None else 0.0)
 
 
 @torch.inference_mode()
@@ -158,12 +204,17 @@ def serve(group: TPGroup, model: LlamaFamilyModel, backend: Backend) -> None:
 def rank_main(rank: int, size: int, port: int, cfg: EngineConfig) -> None:
     """One rank other than 0: the platform, dtypes and backend as rank 0 chose them (the same settings and
     kept probes on the same machine), its share of the model, then rank 0's commands."""
+    # The engine's process drains and then stops the group: a signal meant for the whole process group (a
+    # terminal's Ctrl-C) must not end a rank under it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     platform = load_platform(cfg.device)
     platform.prepare(cfg)
     dtypes: Dtypes = platform.dtypes(cfg)
-    group = TPGroup.connect(rank, size, port, platform.device)
+    group = TPGroup.connect(rank, size, port, platform.device, _timeout(cfg))
     loaded, _, backend = build_model(cfg, platform, dtypes, group)
     assert isinstance(loaded.model, LlamaFamilyModel)
+    group.barrier("loading the model's shares")
     serve(group, loaded.model, backend)
 
 

@@ -10,9 +10,11 @@ rather than leaving the others blocked for ever.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,8 @@ from torch import Tensor
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
+# How long the ranks wait for each other to load their shares of the model.
+LOAD_TIMEOUT = datetime.timedelta(hours=1)
 # How long the other ranks wait for rank 0's next command: an engine with no work sends none. Rank 0 dying
 # ends the wait sooner (its connections close).
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -35,6 +39,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class GroupFailure(RuntimeError):
+    """A rank of the group died, hung past the collective timeout, or could not join: the group cannot go on,
+    and its engine's requests must run elsewhere."""
 
 
 @dataclass
@@ -73,21 +82,42 @@ class TPGroup:
 
     def all_reduce(self, t: Tensor) -> Tensor:
         """The sum of every rank's `t`, in place (each rank gets the same bits)."""
-        self.tensors.allreduce([t]).wait()
+        with self._failing("a sum"):
+            self.tensors.allreduce([t]).wait()
         return t
 
     def all_gather(self, t: Tensor) -> Tensor:
         """Every rank's `t` [..., n] joined along the last dimension, rank order: [..., size * n]."""
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self.tensors.allgather([parts], [t.contiguous()]).wait()
+        with self._failing("a gather"):
+            self.tensors.allgather([parts], [t.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
+
+    def barrier(self, what: str, timeout: datetime.timedelta = LOAD_TIMEOUT) -> None:
+        """Wait until every rank is here (`what`: for the message), at most `timeout`: loading a large
+        model's share takes longer than any collective may."""
+        opts = dist.AllreduceOptions()
+        opts.timeout = timeout
+        with self._failing(what):
+            self.control.allreduce([torch.zeros(1)], opts).wait()
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as e:  # gloo / NCCL: a peer's connection closed, or the timeout ran out
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise GroupFailure(
+                f"tensor-parallel rank {self.rank}: {what} over {self.size} ranks failed: {first}"
+            ) from e
 
     def send_command(self, command: Any) -> None:
         """Rank 0: `command` to every other rank (pickled; tensors travel as CPU tensors)."""
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self.control.broadcast(size, 0).wait()
-        self.control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
+        with self._failing("a command"):
+            self.control.broadcast(size, 0).wait()
+            self.control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
 
     def receive_command(self) -> Any:
         """The other ranks: rank 0's next command (blocks until it comes, without a timeout of its own:
@@ -95,7 +125,8 @@ class TPGroup:
         size = torch.empty(1, dtype=torch.int64)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.timeout = 0, IDLE_TIMEOUT
-        self.control.broadcast([size], opts).wait()
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.control.broadcast(data, 0).wait()
+        with self._failing("waiting for a command"):
+            self.control.broadcast([size], opts).wait()
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            self.control.broadcast(data, 0).wait()
         return pickle.loads(data.numpy().tobytes())
