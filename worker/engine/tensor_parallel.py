@@ -208,6 +208,8 @@ def rank_main(rank: int, size: int, port: int, cfg: EngineConfig) -> None:
     # terminal's Ctrl-C) must not end a rank under it.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    if cfg.device != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(rank)  # a GPU each: rank r on the r-th visible device
     platform = load_platform(cfg.device)
     platform.prepare(cfg)
     dtypes: Dtypes = platform.dtypes(cfg)

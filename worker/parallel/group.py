@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import pickle
 import socket
 from collections.abc import Iterator
@@ -44,6 +45,21 @@ def free_port() -> int:
 class GroupFailure(RuntimeError):
     """A rank of the group died, hung past the collective timeout, or could not join: the group cannot go on,
     and its engine's requests must run elsewhere."""
+
+
+def _on_this_rank(t: Tensor) -> Tensor:
+    """A device tensor of rank 0's command, on the receiving rank's own device."""
+    return t.to(torch.cuda.current_device()) if torch.cuda.is_available() else t
+
+
+class _CommandPickler(pickle.Pickler):
+    """Pickles a device tensor as its CPU copy, rebuilt on the receiving rank's device (each rank has its
+    own GPU: a CUDA tensor pickled as it is would be rebuilt on rank 0's)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Tensor) and obj.device.type != "cpu":
+            return _on_this_rank, (obj.detach().cpu(),)
+        return NotImplemented
 
 
 @dataclass
@@ -113,7 +129,9 @@ class TPGroup:
 
     def send_command(self, command: Any) -> None:
         """Rank 0: `command` to every other rank (pickled; tensors travel as CPU tensors)."""
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = io.BytesIO()
+        _CommandPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(command)
+        data = buf.getvalue()
         size = torch.tensor([len(data)], dtype=torch.int64)
         with self._failing("a command"):
             self.control.broadcast(size, 0).wait()
