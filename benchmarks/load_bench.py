@@ -2,7 +2,7 @@
 (Hugging Face's from_pretrained, then a copy into our decoder), in one run.
 
     .venv/bin/python benchmarks/load_bench.py [--gb 4.5] [--shards 5] [--cache-dir DIR] [--clean]
-        [--serve bfloat16,float32] [--former bfloat16] [--device cpu]
+        [--serve bfloat16,float32] [--former bfloat16] [--device cpu] [--tp N]
 
 Builds, or reuses from --cache-dir, a synthetic Llama checkpoint of about --gb GB: bfloat16 safetensors in
 --shards shards with an index, random weights written tensor by tensor by this script (no Hugging Face
@@ -11,7 +11,8 @@ and starts cold-ish: every file of the checkpoint is fsync'ed at build and dropp
 posix_fadvise(POSIX_FADV_DONTNEED) before the child starts (the disk's own cache stays warm). The children:
 
 - read: the files once, front to back, through one 16 MiB buffer (the time any loader must spend);
-- batchq: worker.models.loader.load_model into each --serve dtype on --device;
+- batchq: worker.models.loader.load_model into each --serve dtype on --device (with --tp N, rank 0's
+  share of a tensor-parallel group of N: "largest tensor" is then its slice);
 - former: the former native path in --former dtypes: from_pretrained in the serving dtype, our decoder
   built empty beside it and filled from Hugging Face's state dict, then Hugging Face's model dropped.
 
@@ -227,7 +228,7 @@ def former_load(folder: Path, dtype: Any, device: Any) -> Any:
     return ours
 
 
-def child_load(folder: Path, path: str, dtype_name: str, device_name: str) -> dict[str, Any]:
+def child_load(folder: Path, path: str, dtype_name: str, device_name: str, tp: str = "1") -> dict[str, Any]:
     import torch
     import transformers.models.llama.modeling_llama  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: F401
@@ -236,14 +237,17 @@ def child_load(folder: Path, path: str, dtype_name: str, device_name: str) -> di
 
     # transformers' modules are imported before the clock starts and the peak is reset, as a worker has
     # them by the time it loads: the load is what is measured, not Python's imports.
+    from worker.parallel.group import TPGroup
 
     dtype, device = getattr(torch, dtype_name), torch.device(device_name)
+    # rank 0's share of a tensor-parallel group: loading runs no collective, so no group is joined
+    group = TPGroup(0, int(tp), None, None, None) if int(tp) > 1 else None
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the load's peak alone
     before = status()
     t0 = time.perf_counter()
     with Sampler() as sampler:
         if path == "batchq":
-            model: Any = load_model(str(folder), dtype, device).model
+            model: Any = load_model(str(folder), dtype, device, tp=group).model
         else:
             model = former_load(folder, dtype, device)
         if device.type == "cuda":
@@ -287,6 +291,7 @@ def main() -> None:
     ap.add_argument("--serve", default="bfloat16,float32", help="dtypes batchq's loader loads into")
     ap.add_argument("--former", default="bfloat16", help="dtypes the former path loads into ('' for none)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tp", type=int, default=1, help="batchq loads rank 0's share of a group this size")
     ap.add_argument(
         "--repeat", type=int, default=3, help="runs of each measurement (median time, highest peak)"
     )
@@ -327,7 +332,8 @@ def main() -> None:
     read = repeated(["read", str(folder)])
     runs = [("batchq", d) for d in args.serve.split(",") if d]
     runs += [("former", d) for d in args.former.split(",") if d]
-    results = [(path, dtype, repeated([path, str(folder), dtype, args.device])) for path, dtype in runs]
+    results = [(path, dtype, repeated([path, str(folder), dtype, args.device, str(args.tp if path == "batchq" else 1)]))
+               for path, dtype in runs]  # fmt: skip
 
     print(f"# load_bench: {platform.node()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
@@ -347,9 +353,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path, dtype, r in results:
         item = 4 if dtype == "float32" else 2
-        largest_served = item * numel(largest[1])
+        split = args.tp if path == "batchq" else 1
+        largest_served = item * numel(largest[1]) // split  # a rank's slice of it
         above = r["after"]["VmHWM"] - r["before"]["VmRSS"] - r["host_weights"]
         name = "batchq (streamed)" if path == "batchq" else "former (HF from_pretrained + copy)"
+        if split > 1:
+            name = f"batchq (streamed), rank 0 of {split}"
         print(
             f"| {name} | {dtype} | {gb(r['weights'])} | {gb(r['after']['VmHWM'])} | {gb(r['before']['VmRSS'])} "
             f"| {gb(r['peak']['RssAnon'])} / {gb(r['peak']['RssFile'])} | {gb(above)} | {gb(largest_served)} "

@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("producer", "worker")
 # The engine and what it runs on know nothing of the wire contract, Redis or the queue.
-LIBRARY = ("worker.engine", "worker.platform", "worker.kernels", "worker.models", "worker.engine_config")
+LIBRARY = ("worker.engine", "worker.platform", "worker.kernels", "worker.models", "worker.parallel",
+           "worker.engine_config")  # fmt: skip
 LIBRARY_MAY_NOT_IMPORT = ("producer", "worker.queue", "worker.config", "worker.service", "worker.cli", "redis",
                           "arq")  # fmt: skip
 # The producer's rooms, and the rooms each may import (its own included). The wire is what both sides
@@ -141,9 +142,11 @@ def test_the_engine_kernels_and_models_import_nothing_of_the_queue_or_the_contra
 
 # The library's layers, each with the layers above it, which it may not import: the kernels lowest; the
 # models and the platform (which measures the kernels' choices) on them; the engine composing all three.
-# worker.engine_config, the settings every layer reads, lies below them all.
+# worker.engine_config, the settings every layer reads, and worker.parallel, the collectives the models
+# call, lie below them all.
 ABOVE = {
     "worker.engine_config": ("worker.kernels", "worker.models", "worker.platform", "worker.engine"),
+    "worker.parallel": ("worker.kernels", "worker.models", "worker.platform", "worker.engine"),
     "worker.kernels": ("worker.models", "worker.platform", "worker.engine"),
     "worker.models": ("worker.platform", "worker.engine"),
     "worker.platform": ("worker.models", "worker.engine"),

@@ -23,7 +23,8 @@ examples:
   worker --config my-worker.toml --max-num-seqs 128   # flags override the file's settings
   worker --check --queue llama        # exit 0 if a live, progressing worker serves the queue here
 
-exit status: 0 normal stop, 1 failed check / start-up error, 2 bad arguments, config or model, 70 stalled engine
+exit status: 0 normal stop, 1 failed check / start-up error, 2 bad arguments, config or model, 3 engine failed
+(a tensor-parallel rank died or hung: the leased requests run elsewhere), 70 stalled engine
 """
 # What serving needs beyond a producer install: pyproject's [worker] extra (`pip install batchq` has none).
 WORKER_EXTRA = ("torch", "transformers", "psutil", "prometheus_client")
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2
+    if cfg.data_parallel_size > 1:
+        from worker.supervisor import supervise
+
+        return supervise(cfg, list(sys.argv[1:] if argv is None else argv))
     return _serve(cfg)
 
 

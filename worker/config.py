@@ -67,6 +67,17 @@ class WorkerConfig(BaseModel):
     result_ttl_s: float = Field(
         default=float(keys.DEFAULT_RESULT_TTL_S), gt=0, description="how long results are kept (7 days)"
     )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="engine groups on this machine (data parallelism), each a worker of its own on "
+        "tensor_parallel_size GPUs, under one supervisor that restarts a dead one",
+    )
+    gpus: str | None = Field(
+        default=None,
+        description='the GPUs the groups take, in order ("0,1,2,3"; default: every visible GPU)',
+    )
     burst: bool = Field(default=False, description="exit once the queue is empty (tests, one-shot jobs)")
     result_cache: bool = Field(
         default=True,

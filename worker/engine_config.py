@@ -132,6 +132,19 @@ class EngineConfig(BaseModel):
         ge=1,
         description="CPU threads (default: the cores of the affinity mask, cut to the cgroup quota)",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="ranks the model is split over (tensor parallelism): one process each, rank 0 the engine's "
+        "own; gloo on a CPU, NCCL on GPUs. For a model no single device holds",
+    )
+    collective_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="tensor parallelism: how long a rank waits for the others in one collective before the "
+        "group is taken down (a rank that died is seen at once)",
+    )
     cuda_graphs: bool = Field(default=True, description="capture decode steps as CUDA graphs (CUDA + Triton)")
     async_scheduling: bool = Field(
         default=True,

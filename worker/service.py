@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -85,6 +86,18 @@ async def _every(period: float, fn: Callable[[], Awaitable[None]], what: str) ->
             log.exception("%s failed", what)
 
 
+# The exit status of a worker whose engine cannot go on (a tensor-parallel rank died or hung).
+EXIT_ENGINE_FAILED = 3
+
+
+def _exit_for_reassignment(exc: BaseException) -> None:
+    """The engine failed for good: exit now, writing nothing. The requests this worker leased are not
+    answered with errors; their leases lapse and other workers run them, each exactly once."""
+    log.critical("exiting (status %d) so that the leased requests run elsewhere: %s", EXIT_ENGINE_FAILED, exc)
+    logging.shutdown()
+    os._exit(EXIT_ENGINE_FAILED)
+
+
 async def serve(cfg: WorkerConfig) -> int:
     t0 = time.monotonic()
     if cfg.engine_stand_in:
@@ -93,6 +106,7 @@ async def serve(cfg: WorkerConfig) -> int:
         aengine = await AsyncEngine.load(cfg.engine, loader=InstantEngine.load)  # type: ignore[arg-type]
     else:
         aengine = await AsyncEngine.load(cfg.engine)  # loads on the thread that will step it
+    aengine.on_fatal = _exit_for_reassignment
     stats = aengine.core.stats()
     log.info(
         "model %s loaded in %.1fs; KV pool %d blocks of %d tokens; max_num_seqs=%d max_jobs=%d",

@@ -16,11 +16,39 @@ from worker.engine.kv_window import SlidingWindow
 from worker.engine.model_runner import ModelRunner
 from worker.engine.reasoning import ReasoningMarkers
 from worker.engine_config import EngineConfig
-from worker.kernels.backend import Backend
-from worker.models.loader import LoadedModel
-from worker.platform import Dtypes
+from worker.kernels.backend import Backend, select_backend
+from worker.models.loader import LoadedModel, load_model
+from worker.parallel.group import TPGroup
+from worker.platform import Dtypes, Platform
 
 log = logging.getLogger(__name__)
+
+
+def build_model(
+    cfg: EngineConfig, platform: Platform, dtypes: Dtypes, tp: TPGroup | None = None
+) -> tuple[LoadedModel, Dtypes, Backend]:
+    """The model loaded (this rank's share under tensor parallelism), its weights stored as the dtypes
+    say and prepared for the backend chosen for it; -> the model, the dtypes as they apply to it, the
+    backend."""
+    device = platform.device
+    loaded = load_model(
+        cfg.model, dtypes.compute, device, cfg.model_impl, fallback_dtype=dtypes.requested, tp=tp
+    )  # Hugging Face's layers (the fallback) are not batch-invariant in any dtype: they compute in the one asked
+    dtypes = dtypes.for_model(loaded.implementation)
+    weight_dtype = dtypes.weights(cfg.weight_dtype, device)
+    platform.after_load()
+    backend = select_backend(
+        cfg,
+        device,
+        dtypes.compute,
+        weight_dtype,
+        fast_bf16_gemm=platform.fast_bf16_gemm(cfg, weight_dtype),
+        bf16_dot=dtypes.storage == torch.bfloat16,
+        linear_tuning=platform.linear_tuning,
+    ).for_model(loaded.model)
+    store_weights(cfg, loaded, backend, dtypes, weight_dtype)
+    loaded.model.use_backend(backend)
+    return loaded, dtypes, backend
 
 
 def batch_invariant_here(backend: Backend, loaded: LoadedModel) -> bool:
@@ -104,6 +132,7 @@ def engine_fingerprint_of(
 ) -> str:
     """The engine's fingerprint (fingerprint.engine_fingerprint) from its loaded parts."""
     backend = model_runner.backend
+    tp = cfg.tensor_parallel_size
     return engine_fingerprint(
         weights_digest(loaded.model),
         tokenizer=tokenizer_digest(loaded.tokenizer),
@@ -129,6 +158,9 @@ def engine_fingerprint_of(
         **({"implementation": loaded.implementation} if loaded.implementation != "native" else {}),
         # results of a reasoning model carry the split; engines without a parser keep their fingerprints
         **({"reasoning": reasoning.kind} if reasoning is not None else {}),
+        # a model split over ranks sums its row-parallel outputs in another order (and hashes one share
+        # of its weights); unsplit engines keep their fingerprints
+        **({"tensor_parallel": tp} if tp > 1 else {}),
     )
 
 

@@ -20,6 +20,7 @@ from typing import TypeVar
 from worker.engine.engine import Engine
 from worker.engine.request import EngineError, EngineRequest, EngineResult
 from worker.engine_config import EngineConfig
+from worker.parallel.group import GroupFailure
 from worker.platform.cpu_settings import one_malloc_arena
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,11 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # An engine that cannot go on (its tensor-parallel group lost a rank): the loop ends, every request's
+        # future fails with this, and `on_fatal` runs on the loop thread (the worker exits there, leaving its
+        # leased requests to run elsewhere rather than answering them with errors).
+        self.fatal: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     @classmethod
     async def load(
@@ -72,11 +78,17 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(thread.join)
         self._thread = None
+        close = getattr(self.core, "close", None)  # a tensor-parallel group's ranks (not the stand-in's)
+        if close is not None:
+            await asyncio.to_thread(close)
 
     def submit(self, req: EngineRequest) -> asyncio.Future[EngineResult]:
         """Queue a request; the returned future resolves with its one EngineResult."""
         loop = self._loop or asyncio.get_running_loop()
         fut: asyncio.Future[EngineResult] = loop.create_future()
+        if self.fatal is not None:
+            fut.set_exception(self.fatal)
+            return fut
         with self._futures_lock:
             if req.request_id in self._futures:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
@@ -103,6 +115,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while True:
+            failure = getattr(self.core, "failure", None)  # (the stand-in engine has none)
+            if failure is not None and (why := failure()) is not None:
+                self._fail(GroupFailure(why))
+                return
             if not self.core.has_work():
                 if self._stopping:
                     return
@@ -111,12 +127,28 @@ class AsyncEngine:
                 continue
             try:
                 results = self.core.step()
+            except GroupFailure as exc:
+                self._fail(exc)
+                return
             except Exception as exc:  # never let one bad step kill the loop: fail what it held
                 log.exception("engine step failed; failing every request in flight")
                 results = self.core.abort_all(EngineError("engine_error", f"{type(exc).__name__}: {exc}"))
             self.last_progress = time.monotonic()
             if results:
                 self._deliver(results)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The engine cannot go on: every request's future fails with `exc`, then `on_fatal` runs."""
+        log.critical("the engine cannot go on: %s", exc)
+        self.fatal = exc
+        with self._futures_lock:
+            pending, self._futures = list(self._futures.values()), {}
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            for fut in pending:
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _deliver(self, results: list[EngineResult]) -> None:
         with self._futures_lock:

@@ -18,10 +18,10 @@ import torch
 
 from worker.engine.assembly import (
     batch_invariant_here,
+    build_model,
     engine_fingerprint_of,
     kv_cache_dtype,
     log_windows,
-    store_weights,
 )
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, detokenizer_plan
@@ -49,9 +49,9 @@ from worker.engine.samples import SampleGroup, combine, plan_samples, sample_see
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.stop_rules import StopRules
+from worker.engine.tensor_parallel import ShardedModel, load_sharded
 from worker.engine_config import EngineConfig
-from worker.kernels.backend import select_backend
-from worker.models.loader import LoadedModel, load_model
+from worker.models.loader import LoadedModel
 from worker.platform import Dtypes, load_platform
 from worker.platform.threads import CpuShare
 
@@ -150,24 +150,10 @@ class Engine:
         dtypes = platform.dtypes(cfg)
         device = platform.device
         t0 = time.monotonic()
-        # Hugging Face's layers (the fallback) are not batch-invariant in any dtype: they compute in the one asked
-        loaded = load_model(
-            cfg.model, dtypes.compute, device, cfg.model_impl, fallback_dtype=dtypes.requested
-        )
-        dtypes = dtypes.for_model(loaded.implementation)
-        weight_dtype = dtypes.weights(cfg.weight_dtype, device)
-        platform.after_load()
-        backend = select_backend(
-            cfg,
-            device,
-            dtypes.compute,
-            weight_dtype,
-            fast_bf16_gemm=platform.fast_bf16_gemm(cfg, weight_dtype),
-            bf16_dot=dtypes.storage == torch.bfloat16,
-            linear_tuning=platform.linear_tuning,
-        ).for_model(loaded.model)
-        store_weights(cfg, loaded, backend, dtypes, weight_dtype)
-        loaded.model.use_backend(backend)
+        if cfg.tensor_parallel_size > 1:  # rank 0's share, every call of it sent to every rank
+            loaded, dtypes, backend = load_sharded(cfg, platform, dtypes)
+        else:
+            loaded, dtypes, backend = build_model(cfg, platform, dtypes)
         kv_dtype = kv_cache_dtype(cfg, loaded, backend, dtypes, device)
         num_blocks = size_kv_pool(cfg, loaded.model, kv_dtype, device)
         max_model_len = cfg.context_len(loaded.max_model_len)
@@ -183,6 +169,8 @@ class Engine:
             cuda_graphs=cfg.cuda_graphs,
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else 0,
         )
+        if isinstance(loaded.model, ShardedModel):
+            loaded.model.attach_pool(runner.kv_caches)
         reset = getattr(loaded.model, "reset_expert_tokens", None)
         if reset is not None:  # the scratch passes above (pool sizing, calibration) routed tokens too
             reset()
@@ -202,6 +190,17 @@ class Engine:
         return cls(cfg, loaded, runner, num_blocks, max_model_len, invariant, dtypes, platform.cpu_share(cfg))
 
     # ---- public API -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what outlives a step: the ranks of a tensor-parallel group."""
+        model = self.model_runner.model
+        if isinstance(model, ShardedModel):
+            model.close()
+
+    def failure(self) -> str | None:
+        """Why the engine cannot go on (a rank of its tensor-parallel group ended), else None."""
+        model = self.model_runner.model
+        return model.failure if isinstance(model, ShardedModel) else None
 
     def add_request(self, req: EngineRequest) -> None:
         """Thread-safe; the request is validated and tokenised at the start of the next step."""

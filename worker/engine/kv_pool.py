@@ -121,7 +121,7 @@ def size_kv_pool(cfg: EngineConfig, model: AnyModel, dtype: torch.dtype, device:
     block_bytes = kv_bytes_per_token(model, dtype) * cfg.block_size
     gb_cap = None if cfg.kv_cache_gb is None else int(cfg.kv_cache_gb * 1024**3)
     if device.type == "cuda":
-        peak = _peak_activation_bytes(cfg, model, device)
+        peak = step = _peak_activation_bytes(cfg, model, device)
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         budget = int(total * cfg.kv_watermark) - used - peak
@@ -133,10 +133,12 @@ def size_kv_pool(cfg: EngineConfig, model: AnyModel, dtype: torch.dtype, device:
         available = int(psutil.virtual_memory().available)
         budget = int(available * cfg.kv_watermark) - step
         log.info("CPU memory %.1f GiB available, %.2f GiB for a step", available / 2**30, step / 2**30)
+    weights = weight_bytes(model)
     if budget < block_bytes:
         raise ValueError(
             f"no room for the KV cache: kv_watermark {cfg.kv_watermark} leaves {budget} bytes, one block "
-            f"needs {block_bytes}"
+            f"needs {block_bytes} (per {_rank(cfg)}: weights {_size(weights)}, a step's activations {_size(step)}"
+            + ("; a larger tensor_parallel_size splits them further)" if device.type == "cuda" else ")")
         )
     watermark_blocks = budget // block_bytes
     why_watermark = f"what kv_watermark {cfg.kv_watermark} leaves ({_size(budget)})"
@@ -169,7 +171,22 @@ def size_kv_pool(cfg: EngineConfig, model: AnyModel, dtype: torch.dtype, device:
             f"no room for the KV cache: kv_cache_gb {cfg.kv_cache_gb} is under one block ({block_bytes} bytes)"
         )
     log.info("KV pool: %s blocks (%s) = %s", f"{num_blocks:,}", _size(num_blocks * block_bytes), why)
+    log.info(
+        "memory plan per %s: weights %s, KV %s, a step's activations %s; %s tokens in flight at most",
+        _rank(cfg), _size(weights), _size(num_blocks * block_bytes), _size(step),
+        f"{num_blocks * cfg.block_size:,}",
+    )  # fmt: skip
     return int(num_blocks)
+
+
+def weight_bytes(model: AnyModel) -> int:
+    """The bytes of the model's weights on its device (this rank's share under tensor parallelism)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _rank(cfg: EngineConfig) -> str:
+    return "rank" if cfg.tensor_parallel_size > 1 else "device"
 
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn

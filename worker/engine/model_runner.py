@@ -480,13 +480,10 @@ class ModelRunner:
         leader's partial last prompt block."""
         if not copies:
             return
-        axis = self._block_axis
-        src = self._tensor([a for a, _ in copies])
-        dst = self._tensor([b for _, b in copies])
-        for k, v in self.kv_caches:
-            for cache in (k, v):
-                raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # index ops on FP8
-                raw.index_copy_(axis, dst, raw.index_select(axis, src))
+        copy_kv_blocks(self.kv_caches, self._block_axis, copies)
+        shared = getattr(self.model, "copy_blocks", None)  # tensor parallelism: every rank's pool
+        if shared is not None:
+            shared(self._block_axis, copies)
 
     @torch.inference_mode()
     def score_labels(self, seqs: list[Sequence], tables: Tables) -> list[ScoredLabels]:
@@ -570,3 +567,14 @@ class ModelRunner:
             out.append(ScoredLabels(sums[labels.start : labels.stop], per_label))
             at = labels.stop
         return out
+
+
+def copy_kv_blocks(kv_caches: list[KVCache], axis: int, copies: list[tuple[int, int]]) -> None:
+    """Copy each (source, destination) block's K/V in every layer, along the cache layout's block axis."""
+    device = kv_caches[0][0].device
+    src = torch.tensor([a for a, _ in copies], device=device)
+    dst = torch.tensor([b for _, b in copies], device=device)
+    for k, v in kv_caches:
+        for cache in (k, v):
+            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # index ops on FP8
+            raw.index_copy_(axis, dst, raw.index_select(axis, src))

@@ -11,7 +11,9 @@ parameters (load_weights, under Hugging Face's names).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -30,8 +32,12 @@ from worker.models.layers import (
 from worker.models.mlp import MLP
 from worker.models.moe import MoE, gpt_oss_layout
 from worker.models.quant_loading import QuantizedModule
+from worker.models.sharding import Shard, kv_heads, shard_spec, vocab_rows
 from worker.models.spec import DecoderSpec
 from worker.models.weights import Slot, WeightSource, fill
+
+if TYPE_CHECKING:
+    from worker.parallel.group import TPGroup
 
 # DecoderSpec, KVCache: where callers have always found them
 __all__ = ["DecoderSpec", "KVCache", "LlamaFamilyModel"]
@@ -75,6 +81,7 @@ class Attention(nn.Module):
         self.c_rotary: Callable[[Tensor, Tensor, Tensor], None] | None = None  # the backend's, at load
         # gpt-oss: a logit per head in every softmax's denominator
         self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.attention_sinks else None
+        self.tp: TPGroup | None = None  # tensor parallelism: o_proj's partial outputs summed over the ranks
 
     def forward(
         self,
@@ -105,7 +112,8 @@ class Attention(nn.Module):
             q, k, v, kv, meta, backend, self.scale, self.k_scale, self.v_scale, self.window, self.softcap,
             self.sinks,
         )  # fmt: skip
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -137,16 +145,36 @@ class LlamaFamilyModel(nn.Module):
     """rotary: every layer's table; rotary_local: Gemma 3's sliding layers' (rope_local_base_freq), or None."""
 
     def __init__(
-        self, spec: DecoderSpec, rotary: RotaryTable, rotary_local: RotaryTable | None = None
+        self,
+        spec: DecoderSpec,
+        rotary: RotaryTable,
+        rotary_local: RotaryTable | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        # tensor parallelism: this rank's share of the decoder (sharding.py); spec is then the rank's own
+        # (its heads, KV heads and intermediate rows), full_spec the checkpoint's
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.full_spec = spec
+        if self.tp is not None:
+            spec = shard_spec(spec, self.tp.size)
         self.spec = spec
+        self.vocab_rows = spec.vocab_size if self.tp is None else vocab_rows(spec.vocab_size, self.tp.size)
         # Tied embeddings keep one table, lm_head's [vocab, hidden], whose rows are the embeddings, rather
         # than a second copy of the largest matrix (113 MB in float32 for SmolLM2-135M).
-        self.embed_tokens = None if spec.tie_embeddings else nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = None if spec.tie_embeddings else nn.Embedding(self.vocab_rows, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_plus_one)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, self.vocab_rows, bias=False)
+        for m in self.modules():  # (a MoE's shared expert is summed with its experts, once)
+            if isinstance(m, (Attention, MoE)):
+                m.tp = self.tp
+            if isinstance(m, MoE):
+                m.full_moe = self.full_spec.moe or m.moe
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.tp = self.tp
         self.rotary = rotary
         self.rotary_local = rotary_local if spec.local_rope else None
         # Granite's embedding multiplier and logits scaling, applied as scalars rather than folded into the
@@ -160,6 +188,8 @@ class LlamaFamilyModel(nn.Module):
     def decode_stack_unsupported(self) -> str | None:
         """Why decode_stack.c cannot run this model's decode step exactly, or None: the backend then keeps
         its decode steps layer by layer (Backend.for_model)."""
+        if self.tp is not None:
+            return "tensor parallelism (the stack sums no partial outputs over the ranks between its layers)"
         if self.spec.moe is not None:
             return "mixture-of-experts layers"
         if self.spec.post_norms or self.spec.qk_norm_over_projection:
@@ -272,10 +302,17 @@ class LlamaFamilyModel(nn.Module):
 
     def embed(self, input_ids: Tensor) -> Tensor:
         # input_ids: [T] -> [T, hidden]
+        ids, outside = input_ids, None
+        if self.tp is not None:  # this rank's rows of the table; the others' tokens are zeros, summed over
+            ids = input_ids - self.tp.rank * self.vocab_rows
+            outside = (ids < 0) | (ids >= self.vocab_rows)
+            ids = ids.masked_fill(outside, 0)
         if self.embed_tokens is None:
-            h = self.lm_head.rows(input_ids, self.dtype)
+            h = self.lm_head.rows(ids, self.dtype)
         else:
-            h = self.embed_tokens(input_ids)
+            h = self.embed_tokens(ids)
+        if outside is not None and self.tp is not None:
+            h = self.tp.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))
         if self.spec.embedding_normalizer is not None:
             # Hugging Face multiplies by a tensor of it cast to the model dtype (sqrt(3072) is 55.5 in
             # bfloat16): the same value as a Python scalar, which creates no device tensor (CUDA graphs)
@@ -411,6 +448,8 @@ class LlamaFamilyModel(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [B, hidden] -> logits: [B, vocab] float32
         logits = self.lm_head(hidden)
+        if self.tp is not None:  # every rank's share of the vocabulary, its padding rows cut off
+            logits = self.tp.all_gather(logits)[:, : self.spec.vocab_size]
         cap = self.spec.final_softcap
         if cap is not None:  # Gemma 2: in the logits' dtype, as Hugging Face caps them
             logits = torch.tanh(logits / cap) * cap
@@ -425,11 +464,13 @@ class LlamaFamilyModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         rotary_local: RotaryTable | None = None,
+        tp: TPGroup | None = None,
     ) -> LlamaFamilyModel:
         """The decoder on `device` with its parameters allocated in `dtype` and not initialised (no random
-        init, no second copy: load_weights fills them), and its rotary tables, which keep their own dtype."""
+        init, no second copy: load_weights fills them), and its rotary tables, which keep their own dtype.
+        tp: the rank's group under tensor parallelism (its share of the decoder is built)."""
         with torch.device("meta"):
-            model = cls(spec, RotaryTable(torch.ones(1), 1.0, 1))
+            model = cls(spec, RotaryTable(torch.ones(1), 1.0, 1), tp=tp)
         model = model.to(dtype).to_empty(device=device)
         model.rotary = rotary
         model.rotary_local = rotary_local if spec.local_rope else None
@@ -446,7 +487,7 @@ class LlamaFamilyModel(nn.Module):
         stack runs Granite as it runs Llama. A missing, unexpected, misshapen or doubled tensor raises
         CheckpointError naming it and its file (`where`: what should have held a missing one)."""
         perms: dict[str, tuple[str, Tensor]] = {}  # our linear -> (its first part's name, act-order's order)
-        moe = self.spec.moe
+        moe = self.full_spec.moe  # gpt-oss's fused experts are converted whole, then sharded
 
         def kept(
             pairs: Iterable[tuple[str, Tensor | WeightSource]],
@@ -537,7 +578,9 @@ class LlamaFamilyModel(nn.Module):
                 slots.update(m.slots(name, int(name.split(".")[1])))
                 moe_owned.update(id(p) for p in m.own_parameters())
         if self.embed_tokens is None:  # tied: one table, which the checkpoint may give under either name
-            slots["model.embed_tokens.weight"] = Slot("lm_head.weight", self.lm_head.weight, 0, s.vocab_size)
+            slots["model.embed_tokens.weight"] = Slot(
+                "lm_head.weight", self.lm_head.weight, 0, self.vocab_rows
+            )
         # a quantised linear's (s, o) table or FP8 scales beside its parameters (quant_loading names them)
         quantised = [(f"{n}.{b}", t) for n, lin in self._linears_by_name().items()
                      for b, t in (("group_table", lin.group_table), ("scale", lin.scale)) if t is not None]  # fmt: skip
@@ -552,11 +595,63 @@ class LlamaFamilyModel(nn.Module):
                 "qkv_proj": qkv,
                 "gate_up_proj": [("gate_proj", t.shape[0] // 2), ("up_proj", t.shape[0] // 2)],
             }
+            shards = self._shards(name, module, t) if self.tp is not None else {}
             for part, rows in parts.get(module, []):  # before the fused name: a missing part is named first
-                slots[hf.replace(module, part)] = Slot(name, t, start, start + rows)
+                slots[hf.replace(module, part)] = Slot(name, t, start, start + rows, shard=shards.get(part))
                 start += rows
             # Granite's residual multiplier, folded (load_weights): into the scales of a quantised weight
             # (s, o) or FP8 scale, not into its integer or FP8 q
             folded = module in ("o_proj", "down_proj") and t.is_floating_point() and t.element_size() > 1
-            slots[hf] = Slot(name, t, 0, t.shape[0], r if folded else 1.0)
+            scale = r if folded else 1.0
+            if (
+                self.tp is not None
+                and self.tp.rank
+                and module in ("o_proj", "down_proj")
+                and name.endswith(".bias")
+            ):
+                scale = 0.0  # a row-parallel projection's bias is added once, by rank 0, before the sum
+            slots[hf] = Slot(name, t, 0, t.shape[0], scale, shard=shards.get(module))
+        if self.embed_tokens is None and self.tp is not None:
+            slots["model.embed_tokens.weight"] = dataclasses.replace(
+                slots["model.embed_tokens.weight"], shard=slots["lm_head.weight"].shard
+            )
         return slots
+
+    def _shards(self, name: str, module: str, t: Tensor) -> dict[str, Shard]:
+        """Under tensor parallelism: what this rank takes of the checkpoint tensors behind parameter `name`
+        (of module `module`), by the module or part name they have in the checkpoint (sharding.py)."""
+        assert self.tp is not None
+        rank, size, full, local = self.tp.rank, self.tp.size, self.full_spec, self.spec
+        d, hidden, tail = full.head_dim, full.hidden_size, tuple(t.shape[1:])
+        kind = name.rsplit(".", 1)[-1]  # weight or bias
+        if module == "qkv_proj":
+            q, kv = local.num_heads * d, local.num_kv_heads * d
+            q_all, kv_all = full.num_heads * d, full.num_kv_heads * d
+            k0, _ = kv_heads(full, rank, size)
+            qs, ks = (rank * q, rank * q + q), (k0 * d, k0 * d + kv)
+            return {
+                "q_proj": Shard((q_all, *tail), 0, (qs,)),
+                "k_proj": Shard((kv_all, *tail), 0, (ks,)),
+                "v_proj": Shard((kv_all, *tail), 0, (ks,)),
+                "qkv_proj": Shard((q_all + 2 * kv_all, *tail), 0,
+                                  (qs, (q_all + ks[0], q_all + ks[1]), (q_all + kv_all + ks[0], q_all + kv_all + ks[1]))),
+            }  # fmt: skip
+        if module == "gate_up_proj":  # the dense MLP's or a shared expert's: its size from the tensor
+            i = t.shape[0] // 2
+            i_all, span = i * size, (rank * i, rank * i + i)
+            return {
+                "gate_proj": Shard((i_all, *tail), 0, (span,)),
+                "up_proj": Shard((i_all, *tail), 0, (span,)),
+                "gate_up_proj": Shard((2 * i_all, *tail), 0, (span, (i_all + span[0], i_all + span[1]))),
+            }
+        if module in ("o_proj", "down_proj") and kind == "weight":
+            n = t.shape[1]
+            return {module: Shard((hidden, n * size), 1, ((rank * n, rank * n + n),))}
+        if module in ("lm_head", "embed_tokens") and kind == "weight":
+            rows, vocab = self.vocab_rows, full.vocab_size
+            span = (min(rank * rows, vocab), min(rank * rows + rows, vocab))
+            return {module: Shard((vocab, hidden), 0, (span,), rows)}
+        if module == "self_attn" and kind == "sinks":
+            h = local.num_heads
+            return {module: Shard((full.num_heads,), 0, ((rank * h, rank * h + h),))}
+        return {}

@@ -29,6 +29,7 @@ from worker.models.families import (
 from worker.models.moe_config import moe_spec
 from worker.models.quant_formats import QuantFormatError, quant_config
 from worker.models.resolve import gguf_checkpoint, gguf_source, resolve_checkpoint, weights_folder
+from worker.models.sharding import ShardingError
 from worker.models.spec import UnsupportedLayers, activation
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from worker.models.llama import LlamaFamilyModel
     from worker.models.spec import DecoderSpec
     from worker.models.transformers_model import TransformersModel
+    from worker.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +124,13 @@ def load_model(
     device: torch.device,
     model_impl: str = "auto",
     fallback_dtype: torch.dtype | None = None,
+    tp: TPGroup | None = None,
 ) -> LoadedModel:
     """Load `model` (see check_model_reference for what it may name) on the path `implementation` picks
     (model_impl: auto | native | transformers). fallback_dtype: what the transformers fallback computes in
-    where it differs from the native decoder's (None: dtype). A reference or checkpoint that cannot be
-    loaded, or a model neither path runs exactly, raises ModelLoadError."""
+    where it differs from the native decoder's (None: dtype). tp: this rank's tensor-parallel group (its
+    share of the native decoder is loaded). A reference or checkpoint that cannot be loaded, or a model
+    neither path runs exactly, raises ModelLoadError."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     ckpt = resolve_checkpoint(model)
@@ -155,12 +159,16 @@ def load_model(
     ours: LlamaFamilyModel | TransformersModel
     headless = False
     gguf = gguf_source(ckpt)  # a GGUF's metadata folder: its weights are in the file
+    if tp is not None and tp.size > 1:
+        _check_tensor_parallel(model, path, gguf)
     if path == "native" and gguf is not None:
         with reading(model, "its weights"):
             ours = _native_gguf(model, gguf, decoder, max_len, dtype, device)
     elif path == "native":
         with reading(model, "its weights"):
-            ours, headless = _native(model, weights_folder(ckpt), hf_config, decoder, max_len, dtype, device)
+            ours, headless = _native(
+                model, weights_folder(ckpt), hf_config, decoder, max_len, dtype, device, tp
+            )
     else:  # Hugging Face's model, from the dequantised checkpoint of a GGUF
         source = str(gguf_checkpoint(gguf)) if gguf else ckpt
         ours = _fallback(model, source, max_len, fallback_dtype or dtype, device)
@@ -178,6 +186,16 @@ def load_model(
         implementation=path,
         embedding_only=headless,
     )
+
+
+def _check_tensor_parallel(model: str, path: str, gguf: Path | None) -> None:
+    """Refuse by name what tensor parallelism does not run: Hugging Face's own layers and GGUF files."""
+    if path != "native":
+        raise ModelLoadError(f"model {model!r} runs on the transformers fallback, which has no tensor "
+                             "parallelism: use tensor_parallel_size = 1")  # fmt: skip
+    if gguf is not None:
+        raise ModelLoadError(f"model {model!r}: tensor parallelism does not shard GGUF files yet; use a "
+                             "safetensors checkpoint or tensor_parallel_size = 1")  # fmt: skip
 
 
 def _fallback(
@@ -209,6 +227,7 @@ def _native(
     max_len: int,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaFamilyModel, bool]:
     """Our decoder, built empty on `device` in `dtype`, its weights streamed from the checkpoint's files
     (no Hugging Face model: the host holds the weights once, plus a tensor's staging at most). decoder: the
@@ -243,7 +262,13 @@ def _native(
             log.info("a bare decoder's checkpoint (no 'model.' prefix%s)",
                      ", no LM head: embedding requests only" if headless else "")  # fmt: skip
         rotary, local = _rotary(model, decoder, max_len, device)
-        ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local)
+        if tp is not None and tp.size > 1 and quant is not None:
+            raise ModelLoadError(f"model {model!r}: tensor parallelism does not shard quantised ({quant.method}) "
+                                 "checkpoints yet; use a float checkpoint or tensor_parallel_size = 1")  # fmt: skip
+        try:
+            ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local, tp)
+        except ShardingError as e:
+            raise ModelLoadError(f"model {model!r}: {e}") from None
         if quant is not None and spec.moe is not None:
             raise ModelLoadError(
                 f"model {model!r}: a quantised ({quant.method}) mixture-of-experts checkpoint; batchq loads "

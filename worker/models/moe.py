@@ -12,14 +12,20 @@ counted on the device, one bincount per forward (`counts`), read when the engine
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from worker.kernels.backend import TORCH_MOE, ExpertActivation, Experts, MoEMethod
 from worker.models.layers import Linear
 from worker.models.mlp import MLP
+from worker.models.sharding import Shard
 from worker.models.spec import DecoderSpec, MoESpec
 from worker.models.weights import Slot
+
+if TYPE_CHECKING:
+    from worker.parallel.group import TPGroup
 
 
 class MoE(nn.Module):
@@ -41,6 +47,10 @@ class MoE(nn.Module):
         self.act = ExpertActivation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
         self.method: MoEMethod = TORCH_MOE
         self.counts: Tensor | None = None  # [E] int64: tokens routed to each expert (None: none yet)
+        # tensor parallelism: the group, and the checkpoint's MoESpec (moe is then this rank's: each expert's
+        # share of the intermediate rows); the experts' partial outputs are summed over the ranks
+        self.tp: TPGroup | None = None
+        self.full_moe = moe
 
     @torch.no_grad()
     def use_method(self, method: MoEMethod) -> None:
@@ -91,7 +101,7 @@ class MoE(nn.Module):
         y = self.method.apply(x, ids, weights, Experts(gate_up, down, self.act, gu_bias, d_bias))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return y if self.tp is None else self.tp.all_reduce(y)
 
     def own_parameters(self) -> list[nn.Parameter]:
         """The parameters `slots` names (the shared expert's load under their own names)."""
@@ -100,8 +110,15 @@ class MoE(nn.Module):
 
     def slots(self, ours: str, layer: int) -> dict[str, Slot]:
         """Hugging Face's names of the router's and the experts' tensors -> where each goes (`ours`: this
-        module's name in the decoder, "layers.N.mlp")."""
+        module's name in the decoder, "layers.N.mlp"). Under tensor parallelism, each expert's share of the
+        intermediate rows (its gate, up and down), and the down bias on rank 0 only (sharding.py)."""
         e, i, h = self.moe.num_experts, self.moe.intermediate_size, self.hidden
+        full, rank = self.full_moe.intermediate_size, 0 if self.tp is None else self.tp.rank
+        split = self.tp is not None
+
+        def rows(*starts: int) -> tuple[tuple[int, int], ...]:  # this rank's rows of each expert's
+            return tuple((s + rank * i, s + rank * i + i) for s in starts)
+
         hf = f"model.layers.{layer}." + ("block_sparse_moe" if self.kind == "mixtral" else "mlp")
         slots: dict[str, Slot] = {}
         router = "router" if self.kind == "gpt_oss" else "gate"
@@ -109,22 +126,37 @@ class MoE(nn.Module):
         if self.gate.bias is not None:
             slots[f"{hf}.{router}.bias"] = Slot(f"{ours}.gate.bias", self.gate.bias, 0, e)
         if self.kind == "gpt_oss":  # fused tensors, converted by gpt_oss_layout before they reach fill
-            slots[f"{hf}.experts.gate_up_proj"] = Slot(f"{ours}.gate_up", self.gate_up, 0, e * 2 * i)
-            slots[f"{hf}.experts.down_proj"] = Slot(f"{ours}.down", self.down, 0, e * h)
+            gu = rows(*(x * 2 * full + half * full for x in range(e) for half in (0, 1)))
+            gu_shard = Shard((e * 2 * full, h), 0, gu) if split else None
+            down_shard = Shard((e * h, full), 1, rows(0)) if split else None
+            slots[f"{hf}.experts.gate_up_proj"] = Slot(
+                f"{ours}.gate_up", self.gate_up, 0, e * 2 * i, shard=gu_shard
+            )
+            slots[f"{hf}.experts.down_proj"] = Slot(f"{ours}.down", self.down, 0, e * h, shard=down_shard)
             assert self.gate_up_bias is not None and self.down_bias is not None
             slots[f"{hf}.experts.gate_up_proj_bias"] = Slot(
-                f"{ours}.gate_up_bias", self.gate_up_bias, 0, e * 2 * i
+                f"{ours}.gate_up_bias", self.gate_up_bias, 0, e * 2 * i,
+                shard=Shard((e * 2 * full,), 0, gu) if split else None,
+            )  # fmt: skip
+            slots[f"{hf}.experts.down_proj_bias"] = Slot(
+                f"{ours}.down_bias",
+                self.down_bias,
+                0,
+                e * h,
+                0.0 if rank else 1.0,  # added once, by rank 0
             )
-            slots[f"{hf}.experts.down_proj_bias"] = Slot(f"{ours}.down_bias", self.down_bias, 0, e * h)
             return slots
         gate, up, down = (
             ("w1", "w3", "w2") if self.kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         )
+        part = Shard((full, h), 0, rows(0)) if split else None
+        cols = Shard((h, full), 1, rows(0)) if split else None
         for x in range(e):
             p = f"{hf}.experts.{x}"
-            slots[f"{p}.{gate}.weight"] = Slot(f"{ours}.gate_up", self.gate_up, x * 2 * i, x * 2 * i + i)
-            slots[f"{p}.{up}.weight"] = Slot(f"{ours}.gate_up", self.gate_up, x * 2 * i + i, (x + 1) * 2 * i)
-            slots[f"{p}.{down}.weight"] = Slot(f"{ours}.down", self.down, x * h, (x + 1) * h)
+            a, b = x * 2 * i, (x + 1) * 2 * i
+            slots[f"{p}.{gate}.weight"] = Slot(f"{ours}.gate_up", self.gate_up, a, a + i, shard=part)
+            slots[f"{p}.{up}.weight"] = Slot(f"{ours}.gate_up", self.gate_up, a + i, b, shard=part)
+            slots[f"{p}.{down}.weight"] = Slot(f"{ours}.down", self.down, x * h, (x + 1) * h, shard=cols)
         return slots
 
 

@@ -24,6 +24,8 @@ file if anything touches them), so the mapping adds a chunk to the RSS, not the 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import math
 import mmap
 import os
 import sys
@@ -39,6 +41,7 @@ from torch import Tensor
 
 from worker.models.checkpoint import DTYPES, TensorEntry, list_tensors, map_bin
 from worker.models.errors import CheckpointError
+from worker.models.sharding import Shard
 
 # Preads in flight: the page faults of fresh parameter memory and the copy out of the page cache run on
 # several cores, and the disk sees more than one request at a time.
@@ -87,6 +90,9 @@ class InMemory:
     def read_into(self, dest: Tensor) -> None:
         dest.copy_(self.tensor)
 
+    def read_rows_into(self, dest: Tensor, start: int, stop: int) -> None:
+        dest.copy_(self.tensor[start:stop])
+
 
 class Checkpoint:
     """The weight files of one checkpoint folder: their tensors listed up front, read when asked for.
@@ -122,6 +128,21 @@ class Checkpoint:
             self._read_bin(e, dest)
         else:
             self._read_safetensors(e, dest)
+
+    def read_rows_into(self, e: TensorEntry, dest: Tensor, start: int, stop: int) -> None:
+        """Rows [start, stop) of `e` into `dest`: in a safetensors file only their bytes are read (a row range
+        of a row-major tensor is one byte range); a .bin file's mapped tensor is sliced."""
+        if e.file.suffix == ".bin":
+            if self._shard is None or self._shard[0] != e.file:
+                self._shard = None
+                self._shard = (e.file, map_bin(e.file))
+            dest.copy_(self._shard[1][e.name][start:stop])
+            return
+        row = e.nbytes // e.shape[0] if e.shape[0] else 0
+        part = dataclasses.replace(
+            e, shape=(stop - start, *e.shape[1:]), offset=e.offset + start * row, nbytes=(stop - start) * row
+        )
+        self.read_into(part, dest)
 
     def _read_safetensors(self, e: TensorEntry, dest: Tensor) -> None:
         fd = self._open(e.file)
@@ -245,6 +266,10 @@ class _Source:
     def read_into(self, dest: Tensor) -> None:
         self.checkpoint.read_into(self.entry, dest)
 
+    def read_rows_into(self, dest: Tensor, start: int, stop: int) -> None:
+        """Rows [start, stop) of the tensor (its first dimension) into `dest`, reading only their bytes."""
+        self.checkpoint.read_rows_into(self.entry, dest, start, stop)
+
 
 def _bytes_of(t: Tensor) -> memoryview:
     """A CPU tensor's memory as a writable buffer (t contiguous)."""
@@ -289,13 +314,15 @@ def _libc() -> Any:
 @dataclass(frozen=True)
 class Slot:
     """Where one checkpoint tensor goes: rows [start, stop) of parameter `param` (the whole of it, or its
-    part of a fused one), times `scale` after it is read."""
+    part of a fused one), times `scale` after it is read. `shard`: under tensor parallelism, the part of the
+    tensor this rank takes (the tensor is read whole, then its share kept)."""
 
     param: str
     tensor: Tensor  # the whole parameter
     start: int
     stop: int
     scale: float = 1.0
+    shard: Shard | None = None
 
     @property
     def dest(self) -> Tensor:
@@ -310,6 +337,34 @@ class _Filled:
         return sum(stop - start for start, stop, _ in self.spans)
 
 
+def read_shard(src: WeightSource, shard: Shard, dest: Tensor) -> None:
+    """A rank's share of a checkpoint tensor into `dest`, reading only what it takes where the source reads
+    row ranges: its spans of rows, or, for a span of columns, the tensor's rows a chunk at a time (so the
+    load never holds more than the share and one chunk). Otherwise the tensor is read whole first."""
+    rows_of = getattr(src, "read_rows_into", None)
+    if rows_of is None:
+        staged = torch.empty(src.shape, dtype=dest.dtype, device=dest.device)
+        src.read_into(staged)
+        dest.copy_(shard.take(staged))
+        return
+    if shard.dim == 0:
+        at = 0
+        for a, b in shard.spans:
+            rows_of(dest[at : at + b - a], a, b)
+            at += b - a
+        if at < dest.shape[0]:  # the vocabulary's last share, padded
+            dest[at:].zero_()
+        return
+    full = shard.full
+    per_row = max(1, math.prod(full[1:]) * dest.element_size())
+    step = max(1, CHUNK_BYTES // per_row)
+    for r0 in range(0, full[0], step):
+        r1 = min(full[0], r0 + step)
+        staged = torch.empty((r1 - r0, *full[1:]), dtype=dest.dtype, device=dest.device)
+        rows_of(staged, r0, r1)
+        dest[r0:r1].copy_(shard.take(staged))
+
+
 def fill(slots: dict[str, Slot], weights: Iterable[tuple[str, Tensor | WeightSource]], where: str) -> None:
     """Read every (name, tensor) into its slot, in any order, each parameter's rows exactly once; `where`
     names what should have held a missing tensor. Names in `slots` that share a parameter are alternatives
@@ -321,7 +376,9 @@ def fill(slots: dict[str, Slot], weights: Iterable[tuple[str, Tensor | WeightSou
         if slot is None:
             raise CheckpointError(f"tensor {name!r} in {src.where}: the model has no weight of that name")
         want = (slot.stop - slot.start, *slot.tensor.shape[1:])
-        rows = "" if want[0] == slot.tensor.shape[0] else f"rows {slot.start}:{slot.stop} of "
+        if slot.shard is not None:
+            want = slot.shard.full
+        rows = "" if slot.stop - slot.start == slot.tensor.shape[0] else f"rows {slot.start}:{slot.stop} of "
         if tuple(src.shape) != want:
             raise CheckpointError(
                 f"tensor {name!r} in {src.where}: shape {list(src.shape)}, expected {list(want)} (for "
@@ -334,7 +391,10 @@ def fill(slots: dict[str, Slot], weights: Iterable[tuple[str, Tensor | WeightSou
                 f"tensor {name!r} in {src.where}: overlaps {clash!r} in {rows}the decoder's {slot.param}"
             )
         dest = slot.dest
-        src.read_into(dest)
+        if slot.shard is None:
+            src.read_into(dest)
+        else:
+            read_shard(src, slot.shard, dest)
         if slot.scale != 1.0:
             dest.mul_(slot.scale)
         spans.append((slot.start, slot.stop, name))

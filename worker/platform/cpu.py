@@ -28,8 +28,11 @@ class CpuPlatform(Platform):
         cap_libraries()  # BATCHQ_CPU_ISA=avx2: torch's GEMMs as an AVX2-only CPU's, before any matmul
         bound_onednn_caches()  # before the dtype probe's matmuls
         super().prepare(cfg)
-        if cfg.num_threads is None and torch.get_num_threads() > (budget := cpu_budget()):
-            torch.set_num_threads(budget)  # a thread per core of the node would outrun the cgroup's quota
+        # a thread per core of the node would outrun the cgroup's quota; the ranks of a tensor-parallel group
+        # share the budget
+        budget = max(1, cpu_budget() // cfg.tensor_parallel_size)
+        if cfg.num_threads is None and torch.get_num_threads() > budget:
+            torch.set_num_threads(budget)
         if cfg.cpu_kernels == "auto":
             self.linear_tuning = kept_linear_tuning()  # before the dtype and GEMM probes, which time linear.c
 
@@ -52,7 +55,9 @@ class CpuPlatform(Platform):
     def cpu_share(self, cfg: EngineConfig) -> CpuShare | None:
         # An explicit num_threads is the operator's; otherwise the thread count follows the cores other
         # processes leave free.
-        return CpuShare(torch.get_num_threads()) if cfg.num_threads is None else None
+        # (not for a tensor-parallel group's rank 0, whose ranks would then run different thread counts)
+        alone = cfg.num_threads is None and cfg.tensor_parallel_size == 1
+        return CpuShare(torch.get_num_threads()) if alone else None
 
     def describe(self) -> str:
         return f"cpu ({torch.get_num_threads()} threads)"

@@ -35,7 +35,7 @@ VERSION = _package_version()
 class EngineFacts:
     """What an engine runs on, fixed at load: heartbeats and the metrics' info carry it."""
 
-    device: str  # "cpu", "cuda:0"
+    device: str  # "cpu", "cuda:0"; a tensor-parallel group's "cuda x4" (rank 0's device type, the ranks)
     dtype: str  # compute dtype
     kv_cache_dtype: str
     attention: str  # the attention backend
@@ -44,8 +44,10 @@ class EngineFacts:
     @classmethod
     def of(cls, engine: AsyncEngine) -> EngineFacts:
         runner = engine.core.model_runner
+        cfg = getattr(engine.core, "cfg", None)  # (the stand-in engine has no settings)
+        ranks = 1 if cfg is None else cfg.tensor_parallel_size
         return cls(
-            device=str(runner.device),
+            device=str(runner.device) if ranks == 1 else f"{runner.device.type} x{ranks}",
             dtype=str(runner.model.dtype).removeprefix("torch."),
             kv_cache_dtype=str(runner.kv_caches[0][0].dtype).removeprefix("torch."),
             attention=runner.backend.name,
