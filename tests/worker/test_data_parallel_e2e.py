@@ -36,7 +36,9 @@ def test_two_groups_serve_a_batch_restart_when_killed_and_drain_on_sigterm(
     sup = workers(server.url, str(tiny_model_dir), *FAST, "--data-parallel-size", "2", name="dp")
     groups = [f"{sup.id}-dp0", f"{sup.id}-dp1"]
     wait_until(lambda: heartbeats(server.url, groups), 180, f"both groups' heartbeats:\n{sup.log()}")
-    lines = [{"id": f"q{i}", "prompt": f"Question {i}?", "max_new_tokens": 8, "temperature": 0} for i in range(16)]
+    lines = [
+        {"id": f"q{i}", "prompt": f"Question {i}?", "max_new_tokens": 8, "temperature": 0} for i in range(16)
+    ]
     bid = submit(server.url, write_jsonl(tmp_path / "in.jsonl", lines))
     wait_until(lambda: results_count(server.url, bid) == 16, 120, "every result")
     assert_consistent(server.url, bid, 16)
