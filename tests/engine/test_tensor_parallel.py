@@ -34,7 +34,9 @@ LABELS = ("yes", "no", "maybe")
 def requests() -> list[EngineRequest]:
     greedy = GenerationParams(max_new_tokens=10, temperature=0.0, logprobs=True, top_logprobs=2)
     out = [EngineRequest(f"g{i}", greedy, prompt=p) for i, p in enumerate(PROMPTS)]
-    out.append(EngineRequest("label", GenerationParams(max_new_tokens=1, choices=LABELS), prompt=PROMPTS[1]))
+    # temperature 0: the label of highest score (at the default temperature a label is drawn, seed unset)
+    label = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
+    out.append(EngineRequest("label", label, prompt=PROMPTS[1]))
     # n = 2: its second sample forks from the first's prompt blocks (the block copy runs on every rank)
     two = GenerationParams(max_new_tokens=6, temperature=0.0, n=2)
     out.append(EngineRequest("two", two, prompt="seventeen bytes!!"))

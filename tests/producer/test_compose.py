@@ -32,7 +32,15 @@ def test_docker_compose_config_is_valid() -> None:
 def test_compose_services_volumes_gpu_and_profiles() -> None:
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
-    assert set(services) == {"redis", "worker", "worker-cpu", "producer", "prometheus", "grafana"}
+    assert set(services) == {
+        "redis",
+        "worker",
+        "worker-tp",
+        "worker-cpu",
+        "producer",
+        "prometheus",
+        "grafana",
+    }
     redis = services["redis"]
     assert redis["image"] == "redis:7" and "--appendonly" in redis["command"]
     assert redis["volumes"][0].split(":")[0] in spec["volumes"]
@@ -47,6 +55,12 @@ def test_compose_services_volumes_gpu_and_profiles() -> None:
         "--metrics-port",
         "9400",
     ]
+    # one model over four GPUs: the worker's rank processes beside it, NCCL's buffers in /dev/shm
+    tp = services["worker-tp"]
+    assert (
+        tp["profiles"] == ["tp"] and tp["command"][tp["command"].index("--tensor-parallel-size") + 1] == "4"
+    )
+    assert tp["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 4 and tp["shm_size"]
     cpu = services["worker-cpu"]
     assert cpu["profiles"] == ["cpu"] and cpu["command"][-4:] == ["--device", "cpu", "--metrics-port", "9400"]
     assert services["producer"]["profiles"] == ["tools"] and services["producer"]["entrypoint"] == [
