@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from worker.kernels.backend import TORCH_LINEAR, Backend, DecodeStack, StackLayer, StackLinear
+from worker.kernels.backend import TORCH_LINEAR, Backend, DecodeStack
 from worker.models.errors import CheckpointError
 from worker.models.layers import (
     AttentionMetadata,
@@ -32,8 +32,9 @@ from worker.models.layers import (
 from worker.models.mlp import MLP
 from worker.models.moe import MoE, gpt_oss_layout
 from worker.models.quant_loading import QuantizedModule
-from worker.models.sharding import Shard, kv_heads, shard_spec, vocab_rows
+from worker.models.sharding import decoder_shards, shard_spec, vocab_rows
 from worker.models.spec import DecoderSpec
+from worker.models.stack_layers import build_stack
 from worker.models.weights import Slot, WeightSource, fill
 
 if TYPE_CHECKING:
@@ -390,60 +391,8 @@ class LlamaFamilyModel(nn.Module):
         """The C decode stack over these caches (built on first use, kept while the runner keeps the same
         list of caches), or None where decode_stack.c does not take these weights or caches."""
         if self._stack is None or self._stack[0] is not kv_caches:
-            self._stack = (kv_caches, self._build_stack(kv_caches, backend))
+            self._stack = (kv_caches, build_stack(self, kv_caches, backend))
         return self._stack[1]
-
-    def _build_stack(self, kv_caches: list[KVCache], backend: Backend) -> DecodeStack | None:
-        tables = [self.rotary] + ([] if self.rotary_local is None else [self.rotary_local])
-        if any(t.cos.dtype != torch.float32 for t in tables):  # the step's rotary rows are read as float32
-            return None
-        if self.decode_stack_unsupported is not None:
-            return None
-        s = self.spec
-        layers = []
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, DecoderLayer) and layer.input_layernorm is not None
-            attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, MLP)  # decode_stack_unsupported declines experts
-            # sandwich norms (Gemma): the MLP's input norm is pre_feedforward_layernorm, and
-            # post_attention_layernorm norms attention's output
-            sandwich = layer.pre_feedforward_layernorm is not None
-            before_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-            assert before_mlp is not None
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            qkv, o, gate_up, down = (
-                StackLinear(lin.weight, lin.scale, lin.bias, lin.groups()) for lin in projections
-            )
-            layers.append(
-                StackLayer(
-                    qkv,
-                    o,
-                    gate_up,
-                    down,
-                    input_norm=layer.input_layernorm.scale(),
-                    post_attention_norm=before_mlp.scale(),
-                    q_norm=None if attn.q_norm is None else attn.q_norm.scale(),
-                    k_norm=None if attn.k_norm is None else attn.k_norm.scale(),
-                    k_cache=k_cache,
-                    v_cache=v_cache,
-                    q_scale=attn.scale * attn.k_scale,  # as forward() scales q (double, then float32)
-                    k_scale=attn.k_scale,
-                    v_scale=attn.v_scale,
-                    window=attn.window,
-                    softcap=attn.softcap,
-                    attention_out_norm=layer.post_attention_layernorm.scale() if sandwich else None,
-                    mlp_out_norm=(
-                        layer.post_feedforward_layernorm.scale()
-                        if sandwich and layer.post_feedforward_layernorm is not None
-                        else None
-                    ),
-                    activation=s.activation,
-                    local_rope=attn.local_rope and self.rotary_local is not None,
-                )
-            )
-        return backend.build_decode_stack(
-            layers, self.norm.scale(), s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
-        )
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [B, hidden] -> logits: [B, vocab] float32
@@ -595,7 +544,11 @@ class LlamaFamilyModel(nn.Module):
                 "qkv_proj": qkv,
                 "gate_up_proj": [("gate_proj", t.shape[0] // 2), ("up_proj", t.shape[0] // 2)],
             }
-            shards = self._shards(name, module, t) if self.tp is not None else {}
+            shards = {}
+            if self.tp is not None:
+                shards = decoder_shards(
+                    name, module, t, self.tp.rank, self.tp.size, self.full_spec, self.spec
+                )
             for part, rows in parts.get(module, []):  # before the fused name: a missing part is named first
                 slots[hf.replace(module, part)] = Slot(name, t, start, start + rows, shard=shards.get(part))
                 start += rows
@@ -616,42 +569,3 @@ class LlamaFamilyModel(nn.Module):
                 slots["model.embed_tokens.weight"], shard=slots["lm_head.weight"].shard
             )
         return slots
-
-    def _shards(self, name: str, module: str, t: Tensor) -> dict[str, Shard]:
-        """Under tensor parallelism: what this rank takes of the checkpoint tensors behind parameter `name`
-        (of module `module`), by the module or part name they have in the checkpoint (sharding.py)."""
-        assert self.tp is not None
-        rank, size, full, local = self.tp.rank, self.tp.size, self.full_spec, self.spec
-        d, hidden, tail = full.head_dim, full.hidden_size, tuple(t.shape[1:])
-        kind = name.rsplit(".", 1)[-1]  # weight or bias
-        if module == "qkv_proj":
-            q, kv = local.num_heads * d, local.num_kv_heads * d
-            q_all, kv_all = full.num_heads * d, full.num_kv_heads * d
-            k0, _ = kv_heads(full, rank, size)
-            qs, ks = (rank * q, rank * q + q), (k0 * d, k0 * d + kv)
-            return {
-                "q_proj": Shard((q_all, *tail), 0, (qs,)),
-                "k_proj": Shard((kv_all, *tail), 0, (ks,)),
-                "v_proj": Shard((kv_all, *tail), 0, (ks,)),
-                "qkv_proj": Shard((q_all + 2 * kv_all, *tail), 0,
-                                  (qs, (q_all + ks[0], q_all + ks[1]), (q_all + kv_all + ks[0], q_all + kv_all + ks[1]))),
-            }  # fmt: skip
-        if module == "gate_up_proj":  # the dense MLP's or a shared expert's: its size from the tensor
-            i = t.shape[0] // 2
-            i_all, span = i * size, (rank * i, rank * i + i)
-            return {
-                "gate_proj": Shard((i_all, *tail), 0, (span,)),
-                "up_proj": Shard((i_all, *tail), 0, (span,)),
-                "gate_up_proj": Shard((2 * i_all, *tail), 0, (span, (i_all + span[0], i_all + span[1]))),
-            }
-        if module in ("o_proj", "down_proj") and kind == "weight":
-            n = t.shape[1]
-            return {module: Shard((hidden, n * size), 1, ((rank * n, rank * n + n),))}
-        if module in ("lm_head", "embed_tokens") and kind == "weight":
-            rows, vocab = self.vocab_rows, full.vocab_size
-            span = (min(rank * rows, vocab), min(rank * rows + rows, vocab))
-            return {module: Shard((vocab, hidden), 0, (span,), rows)}
-        if module == "self_attn" and kind == "sinks":
-            h = local.num_heads
-            return {module: Shard((full.num_heads,), 0, ((rank * h, rank * h + h),))}
-        return {}

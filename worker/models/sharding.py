@@ -89,3 +89,44 @@ class Shard:
             pad = out.new_zeros((self.rows - out.shape[0], *out.shape[1:]))
             out = torch.cat([out, pad])
         return out
+
+
+def decoder_shards(
+    name: str, module: str, t: Tensor, rank: int, size: int, full: DecoderSpec, local: DecoderSpec
+) -> dict[str, Shard]:
+    """What rank `rank` of `size` takes of the checkpoint tensors behind the decoder's parameter `name` (`t`,
+    of module `module`), by the module or part name they have in the checkpoint. full: the checkpoint's
+    DecoderSpec; local: the rank's (shard_spec)."""
+    d, hidden, tail = full.head_dim, full.hidden_size, tuple(t.shape[1:])
+    kind = name.rsplit(".", 1)[-1]  # weight or bias
+    if module == "qkv_proj":
+        q, kv = local.num_heads * d, local.num_kv_heads * d
+        q_all, kv_all = full.num_heads * d, full.num_kv_heads * d
+        k0, _ = kv_heads(full, rank, size)
+        qs, ks = (rank * q, rank * q + q), (k0 * d, k0 * d + kv)
+        return {
+            "q_proj": Shard((q_all, *tail), 0, (qs,)),
+            "k_proj": Shard((kv_all, *tail), 0, (ks,)),
+            "v_proj": Shard((kv_all, *tail), 0, (ks,)),
+            "qkv_proj": Shard((q_all + 2 * kv_all, *tail), 0,
+                              (qs, (q_all + ks[0], q_all + ks[1]), (q_all + kv_all + ks[0], q_all + kv_all + ks[1]))),
+        }  # fmt: skip
+    if module == "gate_up_proj":  # the dense MLP's or a shared expert's: its size from the tensor
+        i = t.shape[0] // 2
+        i_all, span = i * size, (rank * i, rank * i + i)
+        return {
+            "gate_proj": Shard((i_all, *tail), 0, (span,)),
+            "up_proj": Shard((i_all, *tail), 0, (span,)),
+            "gate_up_proj": Shard((2 * i_all, *tail), 0, (span, (i_all + span[0], i_all + span[1]))),
+        }
+    if module in ("o_proj", "down_proj") and kind == "weight":
+        n = t.shape[1]
+        return {module: Shard((hidden, n * size), 1, ((rank * n, rank * n + n),))}
+    if module in ("lm_head", "embed_tokens") and kind == "weight":
+        rows, vocab = vocab_rows(full.vocab_size, size), full.vocab_size
+        span = (min(rank * rows, vocab), min(rank * rows + rows, vocab))
+        return {module: Shard((vocab, hidden), 0, (span,), rows)}
+    if module == "self_attn" and kind == "sinks":
+        h = local.num_heads
+        return {module: Shard((full.num_heads,), 0, ((rank * h, rank * h + h),))}
+    return {}
