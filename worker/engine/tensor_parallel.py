@@ -29,7 +29,7 @@ from worker.kernels.backend import Backend, torch_backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.llama import LlamaFamilyModel
 from worker.models.loader import LoadedModel
-from worker.parallel.group import GroupFailure, TPGroup, free_port
+from worker.parallel.group import GroupFailure, TPGroup, dtype_name, dtype_named, free_port
 from worker.platform import Dtypes, Platform, load_platform
 
 log = logging.getLogger(__name__)
@@ -129,13 +129,15 @@ class ShardedModel:
         kv_caches: list[KVCache], backend: Backend,
     ) -> torch.Tensor:  # fmt: skip
         k = kv_caches[0][0]
-        kv = "pool" if kv_caches is self.pool else ("scratch", tuple(k.shape), k.dtype)
-        self.group.send_command(("forward", input_ids, positions, meta, kv, backend is self.backend))
+        kv: Any = "pool" if kv_caches is self.pool else {"shape": list(k.shape), "dtype": dtype_name(k.dtype)}
+        tensors = [input_ids, positions]
+        header = {"op": "forward", "kv": kv, "own": backend is self.backend, "meta": pack_meta(meta, tensors)}
+        self.group.send_command(header, tensors)
         hidden: torch.Tensor = self.local(input_ids, positions, meta, kv_caches, backend)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.group.send_command(("logits", hidden))
+        self.group.send_command({"op": "logits"}, [hidden])
         return self.local.compute_logits(hidden)
 
     def kv_absmax(self, *args: Any) -> Any:
@@ -146,17 +148,23 @@ class ShardedModel:
         """The engine's KV pool: every rank allocates its own of the same shape (its KV heads)."""
         self.pool = kv_caches
         k = kv_caches[0][0]
-        self.group.send_command(("pool", tuple(k.shape), k.dtype, len(kv_caches)))
+        header = {
+            "op": "pool",
+            "shape": list(k.shape),
+            "dtype": dtype_name(k.dtype),
+            "layers": len(kv_caches),
+        }
+        self.group.send_command(header)
 
     def copy_blocks(self, axis: int, copies: list[tuple[int, int]]) -> None:
-        self.group.send_command(("copy", axis, copies))
+        self.group.send_command({"op": "copy", "axis": axis, "copies": [list(c) for c in copies]})
 
     def close(self) -> None:
         """Stop the other ranks (they leave their loop and exit; any that does not is killed)."""
         self._closing = True
         try:
             if self.failure is None:
-                self.group.send_command(("stop",))
+                self.group.send_command({"op": "stop"})
         except GroupFailure:
             pass  # a rank is gone already: the others are killed below
         finally:
@@ -168,37 +176,67 @@ def serve(group: TPGroup, model: LlamaFamilyModel, backend: Backend) -> None:
     """A rank's loop: rank 0's commands, run on this rank's share, until `stop`."""
     pool: list[KVCache] | None = None
     device = model.lm_head.weight.device
+
+    def caches(shape: list[int], dtype: str, layers: int, make: Any) -> list[KVCache]:
+        return [(make(shape, dtype=dtype_named(dtype), device=device),
+                 make(shape, dtype=dtype_named(dtype), device=device)) for _ in range(layers)]  # fmt: skip
+
     while True:
-        command = group.receive_command()
-        kind = command[0]
-        if kind == "forward":
-            _, ids, positions, meta, kv, own = command
+        command, tensors = group.receive_command(device)
+        op = command["op"]
+        if op == "forward":
+            ids, positions = tensors[:2]
+            kv = command["kv"]
             if kv == "pool":
                 assert pool is not None
-                caches = pool
+                step_caches = pool
             else:
-                _, shape, dtype = kv
-                caches = [
-                    (
-                        torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device),
-                    )
-                    for _ in model.layers
-                ]
-            model(ids, positions, meta, caches, backend if own else torch_backend())
-        elif kind == "logits":
-            model.compute_logits(command[1])
-        elif kind == "pool":
-            _, shape, dtype, layers = command
-            pool = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                    for _ in range(layers)]  # fmt: skip
-        elif kind == "copy":
+                step_caches = caches(kv["shape"], kv["dtype"], len(model.layers), torch.zeros)
+            meta = unpack_meta(command["meta"], tensors)
+            model(ids, positions, meta, step_caches, backend if command["own"] else torch_backend())
+        elif op == "logits":
+            model.compute_logits(tensors[0])
+        elif op == "pool":
+            pool = caches(command["shape"], command["dtype"], command["layers"], torch.empty)
+        elif op == "copy":
             assert pool is not None
-            copy_kv_blocks(pool, command[1], command[2])
-        elif kind == "stop":
+            copy_kv_blocks(pool, command["axis"], [(a, b) for a, b in command["copies"]])
+        elif op == "stop":
             return
         else:
-            raise ValueError(f"rank {group.rank}: unknown command {kind!r}")
+            raise ValueError(f"rank {group.rank}: unknown command {op!r}")
+
+
+def pack_meta(meta: AttentionMetadata, tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """`meta` as a command's JSON: its tensors appended to `tensors`, named by their index there."""
+
+    def index(t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        tensors.append(t)
+        return len(tensors) - 1
+
+    return {
+        "phase": meta.phase,
+        "slot_mapping": index(meta.slot_mapping),
+        "block_tables": index(meta.block_tables),
+        "context_lens": index(meta.context_lens),
+        "cu_seqlens_q": index(meta.cu_seqlens_q),
+        "decode": None if meta.decode is None else pack_meta(meta.decode, tensors),
+    }
+
+
+def unpack_meta(packed: dict[str, Any], tensors: list[torch.Tensor]) -> AttentionMetadata:
+    """pack_meta's inverse, over the tensors that came with the command."""
+    cu = packed["cu_seqlens_q"]
+    return AttentionMetadata(
+        phase=packed["phase"],
+        slot_mapping=tensors[packed["slot_mapping"]],
+        block_tables=tensors[packed["block_tables"]],
+        context_lens=tensors[packed["context_lens"]],
+        cu_seqlens_q=None if cu is None else tensors[cu],
+        decode=None if packed["decode"] is None else unpack_meta(packed["decode"], tensors),
+    )
 
 
 def rank_main(rank: int, size: int, port: int, cfg: EngineConfig) -> None:

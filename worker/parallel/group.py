@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
-import pickle
+import math
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -47,25 +47,74 @@ class GroupFailure(RuntimeError):
     and its engine's requests must run elsewhere."""
 
 
-def _on_this_rank(t: Tensor) -> Tensor:
-    """A device tensor of rank 0's command, on the receiving rank's own device."""
-    return t.to(torch.cuda.current_device()) if torch.cuda.is_available() else t
+# The dtypes a command's tensors may have: a header naming any other is refused, not looked up in torch.
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+              torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn)
+}  # fmt: skip
+_ALIGN = 16  # each tensor's bytes start at a multiple of this, so that they are viewed in place
 
 
-class _CommandPickler(pickle.Pickler):
-    """Pickles a device tensor as its CPU copy, rebuilt on the receiving rank's device (each rank has its
-    own GPU: a CUDA tensor pickled as it is would be rebuilt on rank 0's)."""
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as a command's JSON names it ("bfloat16")."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"a tensor-parallel command cannot carry dtype {name}")
+    return name
 
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Tensor) and obj.device.type != "cpu":
-            return _on_this_rank, (obj.detach().cpu(),)
-        return NotImplemented
+
+def dtype_named(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"a tensor-parallel command named an unknown dtype {name!r}") from None
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def encode_command(header: dict[str, Any], tensors: Sequence[Tensor]) -> Tensor:
+    """One command as the bytes broadcast: the JSON header (which lists each tensor's dtype, shape and
+    offset under "tensors") then each tensor's raw bytes, aligned. No pickle: a rank runs nothing but the
+    commands it knows, and the payload stays readable."""
+    parts: list[tuple[int, Tensor]] = []
+    described: list[dict[str, Any]] = []
+    end = 0
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        offset = _padded(end)
+        described.append({"dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
+        parts.append((offset, raw))
+        end = offset + raw.numel()
+    head = orjson.dumps({**header, "tensors": described})
+    start = _padded(8 + len(head))
+    data = torch.zeros(start + end, dtype=torch.uint8)
+    data[:8] = torch.tensor([len(head)], dtype=torch.int64).view(torch.uint8)
+    data[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    for offset, raw in parts:
+        data[start + offset : start + offset + raw.numel()] = raw
+    return data
+
+
+def decode_command(data: Tensor, device: torch.device | None = None) -> tuple[dict[str, Any], list[Tensor]]:
+    """encode_command's bytes -> (header, tensors), the tensors on `device` (CPU: views of `data`)."""
+    hlen = int(data[:8].view(torch.int64).item())
+    header = orjson.loads(data[8 : 8 + hlen].numpy().tobytes())
+    start, tensors = _padded(8 + hlen), []
+    for d in header.pop("tensors"):
+        dtype, shape = dtype_named(d["dtype"]), tuple(d["shape"])
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        t = data[start + d["offset"] : start + d["offset"] + n].view(dtype).reshape(shape)
+        tensors.append(t if device is None or device.type == "cpu" else t.to(device))
+    return header, tensors
 
 
 @dataclass
 class TPGroup:
     """rank of size; `tensors`: the process group of the model's collectives (gloo on a CPU, NCCL on CUDA);
-    `control`: a gloo group for rank 0's commands (pickled, broadcast as bytes)."""
+    `control`: a gloo group for rank 0's commands (a JSON header and raw tensor bytes, broadcast)."""
 
     rank: int
     size: int
@@ -127,19 +176,18 @@ class TPGroup:
                 f"tensor-parallel rank {self.rank}: {what} over {self.size} ranks failed: {first}"
             ) from e
 
-    def send_command(self, command: Any) -> None:
-        """Rank 0: `command` to every other rank (pickled; tensors travel as CPU tensors)."""
-        buf = io.BytesIO()
-        _CommandPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(command)
-        data = buf.getvalue()
-        size = torch.tensor([len(data)], dtype=torch.int64)
+    def send_command(self, header: dict[str, Any], tensors: Sequence[Tensor] = ()) -> None:
+        """Rank 0: a command to every other rank: `header`, a JSON object, and `tensors`, sent as raw bytes
+        beside it (device tensors travel through host memory)."""
+        data = encode_command(header, tensors)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
         with self._failing("a command"):
             self.control.broadcast(size, 0).wait()
-            self.control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
+            self.control.broadcast(data, 0).wait()
 
-    def receive_command(self) -> Any:
-        """The other ranks: rank 0's next command (blocks until it comes, without a timeout of its own:
-        an idle engine sends nothing for as long as it is idle)."""
+    def receive_command(self, device: torch.device | None = None) -> tuple[dict[str, Any], list[Tensor]]:
+        """The other ranks: rank 0's next command, its tensors on `device` (blocks until it comes, without
+        a timeout of its own: an idle engine sends nothing for as long as it is idle)."""
         size = torch.empty(1, dtype=torch.int64)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.timeout = 0, IDLE_TIMEOUT
@@ -147,4 +195,4 @@ class TPGroup:
             self.control.broadcast([size], opts).wait()
             data = torch.empty(int(size.item()), dtype=torch.uint8)
             self.control.broadcast(data, 0).wait()
-        return pickle.loads(data.numpy().tobytes())
+        return decode_command(data, device)
