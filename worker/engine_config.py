@@ -168,6 +168,18 @@ class EngineConfig(BaseModel):
         "sentence-transformers config says (modules.json, 1_Pooling/config.json), else the last token (as "
         "Qwen3-Embedding and other decoder embedders do); last; mean (over every input token)",
     )
+    lora: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters served over the model: name -> PEFT adapter folder (adapter_config.json and "
+        "adapter_model.safetensors), read and checked at load. A request names one in `model` or `lora`",
+    )
+    lora_dir: str | None = Field(
+        default=None,
+        description="a folder of PEFT adapter folders, each served under its folder's name, read on first use",
+    )
+    max_loras: int = Field(default=4, ge=1, description="LoRA adapters resident at once (least recently used "
+                           "leaves first); a step mixes the base model and every resident adapter")  # fmt: skip
+    max_lora_rank: int = Field(default=64, ge=1, description="the highest LoRA rank an adapter may have")
 
     @model_validator(mode="after")
     def _budget_holds_every_decode_row(self) -> EngineConfig:

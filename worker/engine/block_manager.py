@@ -124,6 +124,7 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}  # the blocks a sequence holds, from logical block released on
         self._released: dict[str, int] = {}  # its leading logical blocks the window released
         self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of a sequence's computed full blocks
+        self._roots: dict[str, BlockHash] = {}  # a sequence's own root (a LoRA adapter's), where not `root`
         self._reserved: dict[str, int] = {}  # blocks each sequence may hold at once (its reservation)
         self._growth = 0  # blocks running sequences may still allocate: sum(reserved - len(table))
         self._reserved_sum = 0  # sum(reserved): what a window commits
@@ -169,14 +170,19 @@ class BlockManager:
 
     # ---- admission ------------------------------------------------------------------------------
 
-    def prompt_hashes(self, token_ids: list[int]) -> list[BlockHash]:
+    def root_of(self, salt: str) -> BlockHash:
+        """The root of the chain hashes of sequences computed with `salt` (a LoRA adapter's digest: the same
+        tokens give other K/V under another adapter); "": the base model's."""
+        return self.root if not salt else hashlib.blake2b(self.root + salt.encode(), digest_size=16).digest()
+
+    def prompt_hashes(self, token_ids: list[int], salt: str = "") -> list[BlockHash]:
         """Chain hashes of the prompt's full blocks that a cache hit may cover: the last prompt token is
         always computed (its logits are needed), so a block that ends the prompt is left out."""
         if not self.prefix_caching:
             return []
         bs = self.block_size
         out: list[BlockHash] = []
-        parent = self.root
+        parent = self.root_of(salt)
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             parent = chain_hash(parent, token_ids[start : start + bs])
             out.append(parent)
@@ -207,9 +213,12 @@ class BlockManager:
     def can_admit(self, need: int, hits: list[int]) -> bool:
         return self.num_committed + self.new_blocks_needed(need, hits) <= self.num_blocks
 
-    def admit(self, seq_id: str, need: int, hits: list[int], hashes: list[BlockHash], first: int = 0) -> None:
+    def admit(
+        self, seq_id: str, need: int, hits: list[int], hashes: list[BlockHash], first: int = 0, salt: str = ""
+    ) -> None:
         """Reserve `need` blocks (held at once) for a new sequence and hand it the hit blocks as its table's
-        start, logical blocks `first` on (a PrefixHit's; the ones before it count as released)."""
+        start, logical blocks `first` on (a PrefixHit's; the ones before it count as released). salt: as
+        its prompt_hashes'."""
         assert seq_id not in self._reserved, f"{seq_id} already holds a reservation"
         assert self.can_admit(need, hits), "admission must check can_admit first"
         end = first + len(hits)
@@ -222,6 +231,8 @@ class BlockManager:
         self.rows.add(seq_id, first, hits)
         self._released[seq_id] = first
         self._hashes[seq_id] = list(hashes[:end])
+        if salt:
+            self._roots[seq_id] = self.root_of(salt)
         self._reserved[seq_id] = need
         self._reserved_sum += need
         self._growth += need - len(hits)
@@ -242,6 +253,8 @@ class BlockManager:
         self.rows.add(child_id, released, shared)
         self._released[child_id] = released
         self._hashes[child_id] = list(self._hashes[parent_id])
+        if parent_id in self._roots:
+            self._roots[child_id] = self._roots[parent_id]
         self._reserved[parent_id] -= extra
         self._reserved[child_id] = reserve
         self._reserved_sum += reserve - extra
@@ -326,7 +339,7 @@ class BlockManager:
             return
         table, released = self._tables[seq_id], self._released[seq_id]
         token_ids = prompt_ids + output_ids if output_ids and num_computed > len(prompt_ids) else prompt_ids
-        parent = hashes[-1] if hashes else self.root
+        parent = hashes[-1] if hashes else self._roots.get(seq_id, self.root)
         for i in range(len(hashes), num_computed // bs):
             parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
@@ -350,6 +363,7 @@ class BlockManager:
             return
         self.rows.remove(seq_id)
         self._hashes.pop(seq_id)
+        self._roots.pop(seq_id, None)
         self._released.pop(seq_id)
         reserved = self._reserved.pop(seq_id)
         self._reserved_sum -= reserved

@@ -29,6 +29,7 @@ from worker.engine.embedding import EmbeddingRequests
 from worker.engine.grammar import Grammars
 from worker.engine.kv_pool import size_kv_pool
 from worker.engine.kv_window import SlidingWindow
+from worker.engine.lora import adapters, lora_manager
 from worker.engine.model_runner import ModelRunner, ScoredLabels, StepOutput
 from worker.engine.outputs import TokenTexts, label_scores, pick_label, sequence_result
 from worker.engine.overlap import InFlight, may_overlap
@@ -140,6 +141,8 @@ class Engine:
         self.embeddings = EmbeddingRequests(self.scheduler, self._seqs)  # their inputs are in _seqs too
         self.counters = EngineCounters()
         self.cpu_share = cpu_share  # the platform's co-tenant watch: the thread count follows free cores
+        self.loras = lora_manager(cfg, loaded, model_runner.backend)  # None: no LoRA adapters served
+        self.scheduler.loras = model_runner.loras = self.loras
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> Engine:
@@ -477,6 +480,8 @@ class Engine:
             else:
                 inputs = [self.prompts.sequence(req, received)]
                 forks = self._fork_samples(inputs[0])
+            if req.lora is not None:
+                adapters(self.loras, req, (*inputs, *forks))
         except RequestError as exc:
             return EngineError(exc.error_type, str(exc))
         for s in (*inputs, *forks):

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from worker.engine.block_manager import TableRows
 from worker.engine.grammar import mask_logits
+from worker.engine.lora import lora_rows
 from worker.engine.params import GenerationParams
 from worker.engine.pooling import PoolRows, pool
 from worker.engine.sampler import Sampler, SamplingBatch
@@ -49,6 +50,7 @@ _SAMPLING_ROWS_KEPT = 4096  # distinct sampling rows interned before the table s
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graphs import CudaGraphRunner
+    from worker.engine.lora import LoraManager
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,7 @@ class ModelRunner:
         )
         self._block_axis = next(i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
         self.graphs: CudaGraphRunner | None = None
+        self.loras: LoraManager | None = None  # the engine's, where it serves LoRA adapters
         self._sampling_rows: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # sampling_row's
         self._rows_data: object = None  # the block manager's table buffer last viewed, and the view
         self._rows_view = torch.empty(0, 0, dtype=torch.int32)
@@ -158,6 +161,13 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(
                 model, backend, self.kv_caches, block_size, num_blocks, max_num_seqs, max_model_len, device
             )
+
+    def _adapt(self, seqs: list[Sequence], counts: list[int] | None = None) -> bool:
+        """Set each row's LoRA adapter (`counts` rows per seq, default 1) for the next forward; -> any?"""
+        if self.loras is None:
+            return False
+        self.loras.set_step(step := self.loras.step_of(seqs, counts, self.device))
+        return step is not None
 
     def _tensor(self, data: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -290,6 +300,8 @@ class ModelRunner:
         """Run the forward pass, writing the batch's K/V into the pool. -> logits [S, vocab] float32 of
         the sequences sampled from, and which of the batch's sequences they are."""
         g = self.graphs
+        if self.loras is not None:  # graphs hold the base model's kernels only
+            g = None if self._adapt(batch.seqs, lora_rows(batch)) else g
         if batch.phase == "decode" and g is not None and g.can_run(len(batch.seqs), batch.block_tables):
             logits = g.run(
                 [s.last_token for s in batch.seqs], [s.num_tokens for s in batch.seqs], batch.block_tables
@@ -315,10 +327,13 @@ class ModelRunner:
         if previous is not None:
             source = torch.frombuffer(array("q", map(_INFLIGHT_ROW, seqs)), dtype=torch.int64).to(self.device)
         threads = torch.get_num_threads()
+        adapters = None if self.loras is None else self.loras.step_of(seqs, None, self.device)
 
         @torch.inference_mode()
         def work() -> DecodeDone:
             t0 = time.monotonic()
+            if self.loras is not None:  # set here: the step before it ran on this thread with its own
+                self.loras.set_step(adapters)
             if torch.get_num_threads() != threads:  # (OpenMP's thread count is each thread's own)
                 torch.set_num_threads(threads)
             ids = step.input_ids
@@ -354,6 +369,7 @@ class ModelRunner:
         """A step with embedding inputs among its chunks: their hidden states are pooled, never sampled
         from; the other sequences sample as in any step."""
         step = self.step_inputs(batch)
+        self._adapt(batch.seqs, lora_rows(batch))
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
         nd = batch.num_decode
         rows, at = [], nd  # the chunks' rows follow the decode rows, one each
@@ -506,8 +522,10 @@ class ModelRunner:
         targets: list[int] = []
         sizes: list[int] = []  # targets per label
         top_rows: list[int] = []  # targets whose sequence asks for top alternatives (ascending)
+        per_seq: list[int] = []  # rows of each sequence (its LoRA adapter's)
         for seq, table in zip(seqs, tables, strict=True):
             assert seq.labels is not None
+            at = len(ids)
             # the context: the prompt, and a reasoning model's thinking before the answer
             context_ids = seq.prefill_ids
             full = (len(context_ids) - 1) // bs
@@ -528,7 +546,9 @@ class ModelRunner:
                     top_rows += range(len(targets), len(targets) + len(label) + 1)
                 targets += [*label, eos]
                 sizes.append(len(label) + 1)
+            per_seq.append(len(ids) - at)
         positions, meta, _ = self._packed(rows, lens, starts, context)
+        self._adapt(seqs, per_seq)
         hidden = self.model(self._tensor(ids), positions, meta, self.kv_caches, self.backend)  # [T, hidden]
         picked = hidden[self._tensor(wanted)]
         target_t = self._tensor(targets)

@@ -40,6 +40,9 @@ class EngineRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     # An embedding request: prefill only (no decode, no sampling), one pooled vector per input
     embedding: EmbeddingInputs | None = None
+    lora: str | None = (
+        None  # the LoRA adapter (EngineConfig.lora, lora_dir) that runs it; None: the base model
+    )
 
 
 class RequestError(ValueError):

@@ -55,7 +55,7 @@ import itertools
 import operator
 from collections import abc
 from dataclasses import dataclass, field
-from typing import Literal, overload
+from typing import Literal, Protocol, overload
 
 from worker.engine.block_manager import BlockHash, BlockManager, TableRows
 from worker.engine.kv_window import PrefixHit
@@ -118,6 +118,14 @@ class ScheduledBatch:
     table_rows: TableRows | None = None
 
 
+class AdapterSlots(Protocol):
+    """The LoRA adapters' slots (engine/lora.py): a running sequence of an adapter holds its slot."""
+
+    def acquire(self, name: str) -> int | None: ...  # its slot, held once more; None: every slot is held
+    def hold(self, slot: int) -> None: ...
+    def release(self, slot: int) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -144,6 +152,7 @@ class Scheduler:
         self._refused: Sequence | None = None
         self._refused_steps = 0
         self._order: dict[str, tuple[int, int]] = {}
+        self.loras: AdapterSlots | None = None  # where the engine serves LoRA adapters
 
     def slides(self, seq: Sequence) -> bool:
         """Whether the window releases this sequence's early blocks as it advances (a windowed model's
@@ -261,6 +270,9 @@ class Scheduler:
             child.num_computed = child.num_cached_tokens = leader.num_computed
             child.cached_prompt_tokens = leader.cached_prompt_tokens
             child.prompt_hashes = leader.prompt_hashes
+            if leader.lora_slot >= 0 and self.loras is not None:
+                self.loras.hold(leader.lora_slot)
+                child.lora_slot = leader.lora_slot
             child.prefilled = True
             child.status = "running"
             self.running.append(child)
@@ -317,6 +329,7 @@ class Scheduler:
         """Take a running sequence's blocks back and queue it first, to resume by recomputation."""
         self.running.remove(seq)
         self.block_manager.release(seq.request_id)
+        self._drop_adapter(seq)
         seq.kv_room = -1
         seq.status = "waiting"
         seq.num_cached_tokens = seq.num_computed = 0
@@ -329,6 +342,21 @@ class Scheduler:
         self.new_token_ratio = max(self.new_token_ratio, INIT_NEW_TOKEN_RATIO)
         self._order[seq.request_id] = (RESUME_FIRST, next(self._arrivals))
         bisect.insort(self.waiting, seq, key=lambda s: self._order[s.request_id])
+
+    def _take_adapter(self, seq: Sequence) -> bool:
+        """Its LoRA adapter's slot, held (the adapter loaded into one where none holds it); False where every
+        slot is held by other adapters' running sequences."""
+        if seq.lora is None or seq.lora_slot >= 0:
+            return True
+        slot = None if self.loras is None else self.loras.acquire(seq.lora)
+        seq.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def _drop_adapter(self, seq: Sequence) -> None:
+        """Its adapter's slot, held no more (it may leave for another adapter)."""
+        if seq.lora_slot >= 0 and self.loras is not None:
+            self.loras.release(seq.lora_slot)
+        seq.lora_slot = -1
 
     def _held(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks the sequence holds at most once it holds num_tokens tokens."""
@@ -387,7 +415,7 @@ class Scheduler:
                 break
             ids = seq.prefill_ids
             if seq.prompt_hashes is None:
-                seq.prompt_hashes = bm.prompt_hashes(ids)
+                seq.prompt_hashes = bm.prompt_hashes(ids, seq.lora_digest)
             mean = seq.pooling == "mean"  # every input token's hidden state is needed: computed, not cached
             hit = PrefixHit() if mean else bm.match_prefix(seq.prompt_hashes)
             if not mean and hit.end < len(seq.prompt_hashes) and seq.prompt_hashes[hit.end] in computing:
@@ -404,11 +432,12 @@ class Scheduler:
                 break
             cached = hit.end * bm.block_size
             chunk = min(len(ids) - cached, budget - tokens)
-            if chunk <= 0:
+            # (an adapter's request waits while running requests of others hold every adapter slot)
+            if chunk <= 0 or not self._take_adapter(seq):
                 break
             self.waiting.pop(0)
             del self._order[seq.request_id]
-            bm.admit(seq.request_id, need, hit.blocks, seq.prompt_hashes, hit.first)
+            bm.admit(seq.request_id, need, hit.blocks, seq.prompt_hashes, hit.first, seq.lora_digest)
             bm.ensure_capacity(seq.request_id, cached + chunk if self.slides(seq) else len(ids))
             growth = expected
             seq.num_cached_tokens = seq.num_computed = cached
@@ -463,6 +492,7 @@ class Scheduler:
         seq.status = "finished"
         self._refused = None  # its blocks may admit the head
         self.block_manager.release(seq.request_id)
+        self._drop_adapter(seq)
         if seq.finish_reason in ("eos", "stop", "length", "repetition") and seq.max_new_tokens > 0:
             used = len(seq.output_ids) / seq.max_new_tokens
             self._used += RATIO_WEIGHT * (used - self._used)

@@ -91,6 +91,11 @@ class Sequence:
     embedding_index: int = 0
     dimensions: int | None = None  # keep the first d of the pooled vector (Matryoshka)
     pooled: Any = None  # mean pooling: the runner's running sum of the hidden states computed so far
+    # A LoRA adapter's request: its name, its content digest (the root of its prompt's block hashes: no KV
+    # is shared across adapters) and, while it holds one, the adapter's slot (Scheduler admission; -1: none)
+    lora: str | None = None
+    lora_digest: str = ""
+    lora_slot: int = -1
 
     def settle_text(self) -> None:
         """Bring `text` up to its generated ids where it waits (defer_text): the detokenizer takes the ids it

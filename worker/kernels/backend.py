@@ -184,6 +184,11 @@ class Backend:
     # how linear.c streams the weights on this machine (platform.probes.kept_linear_tuning), in every C kernel call of
     # the linear and MoE methods and the decode stack; only the speed depends on it
     linear_tuning: LinearTuning = DEFAULT_TUNING
+    # LoRA adapters, every row's delta in one grouped pass: (x [T, in], y [T, out], a_stack [S, R, in],
+    # b_stack [S, out, R], slots [T]) adds each row's B(A x) to y in place (Triton's BGMV kernels, one row
+    # per program: a row's delta never depends on the step's other rows); None: each adapter's rows through
+    # `linear` (models/lora.py)
+    lora_grouped: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None] | None = None
 
     @property
     def name(self) -> str:
@@ -324,12 +329,14 @@ def select_backend(
         device, settings.attention_backend, c and native_attention.library() is not None, invariant
     )
     if attention.name == "triton":  # quantised weights through Triton's GEMM, the rest through F.linear
+        lora = importlib.import_module("worker.kernels.triton_lora").lora_grouped
         if not invariant:
-            return Backend(attention, TritonLinear(), moe=TritonMoE())
+            return Backend(attention, TritonLinear(), moe=TritonMoE(), lora_grouped=lora)
         # batch-invariant: unquantised weights through triton_invariant's fixed-tile GEMM, RMSNorm one row
         # per program (torch's reductions split a row across blocks when a step has few rows)
         tri = importlib.import_module("worker.kernels.triton_invariant")
-        return Backend(attention, TritonLinear(invariant=True), moe=TritonMoE(), norm_rows=tri.rmsnorm)
+        return Backend(attention, TritonLinear(invariant=True), moe=TritonMoE(), norm_rows=tri.rmsnorm,
+                       lora_grouped=lora)  # fmt: skip
     if not (c and dtype == torch.float32 and native_linear.library() is not None):
         return Backend(attention, TORCH_LINEAR)
     rows = 0

@@ -162,3 +162,8 @@ def _launch_expand(y: Tensor, s: Tensor, b_stack: Tensor, slots: Tensor, block_r
         y, s, b_stack, slots, n, s.shape[1], y.stride(0), s.stride(0), b_stack.stride(0), b_stack.stride(1),
         BF16_BY_HAND=y.dtype == torch.bfloat16 and interpreted(), BLOCK_N=block_n, BLOCK_R=block_r,
     )  # fmt: skip
+
+
+def lora_grouped(x: Tensor, y: Tensor, a_stack: Tensor, b_stack: Tensor, slots: Tensor) -> None:
+    """Backend.lora_grouped: every row's adapter delta, B(A x), added to y in place (shrink, then expand)."""
+    lora_expand(y, lora_shrink(x, a_stack, slots), b_stack, slots)

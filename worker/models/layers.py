@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,13 @@ from worker.kernels.backend import (
     dequantized,
     dequantized_groups,
 )
+
+
+class Adapters(Protocol):
+    """A linear's LoRA adapters (models/lora.py LoraLayer): each row's adapter's delta added to its output."""
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor: ...
+
 
 KVCache = tuple[Tensor, Tensor]  # one layer's k, v in the attention backend's layout (backend.kv_cache_shape)
 
@@ -53,6 +60,7 @@ class Linear(nn.Module):
         self.in_perm: Tensor | None
         self.register_buffer("in_perm", None)  # [in] int64: the input order q's rows follow (GPTQ act-order)
         self.method: LinearMethod = TORCH_LINEAR
+        self.lora: Adapters | None = None  # its adapters' slots, where LoRA adapters are served
 
     @torch.no_grad()
     def use_method(self, method: LinearMethod) -> None:
@@ -83,10 +91,11 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
         if self.bits:
-            if self.in_perm is not None:
-                x = x.index_select(1, self.in_perm)
-            return self.method.apply(x, self.weight, None, self.bias, self.out_features, self.groups())
-        return self.method.apply(x, self.weight, self.scale, self.bias, self.out_features)
+            xq = x if self.in_perm is None else x.index_select(1, self.in_perm)
+            y = self.method.apply(xq, self.weight, None, self.bias, self.out_features, self.groups())
+        else:
+            y = self.method.apply(x, self.weight, self.scale, self.bias, self.out_features)
+        return y if self.lora is None else self.lora.add(x, y)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:
         """The weight [out, in] in `dtype` (itself where it is stored so, unpacked)."""

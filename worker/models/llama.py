@@ -29,6 +29,7 @@ from worker.models.layers import (
     apply_rotary,
     paged_attention,
 )
+from worker.models.lora import LoraState
 from worker.models.mlp import MLP
 from worker.models.moe import MoE, gpt_oss_layout
 from worker.models.quant_loading import QuantizedModule
@@ -184,6 +185,7 @@ class LlamaFamilyModel(nn.Module):
         self.embedding_multiplier = spec.embedding_multiplier
         self.logits_scaling = spec.logits_scaling
         self._stack: tuple[list[KVCache], DecodeStack | None] | None = None  # (its caches, the stack)
+        self.lora: LoraState | None = None  # where LoRA adapters are served (enable_lora)
 
     @property
     def decode_stack_unsupported(self) -> str | None:
@@ -330,8 +332,13 @@ class LlamaFamilyModel(nn.Module):
     ) -> Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         h = self.embed(input_ids)
-        if meta.phase == "decode" and backend.stack_applies(
-            kv_caches[0][0], meta.block_tables, meta.context_lens, self.spec.widest_window
+        adapted = self.lora is not None and self.lora.step is not None  # the stack runs base weights only
+        if (
+            meta.phase == "decode"
+            and not adapted
+            and backend.stack_applies(
+                kv_caches[0][0], meta.block_tables, meta.context_lens, self.spec.widest_window
+            )
         ):
             stack = self.decode_stack(kv_caches, backend)
             if stack is not None:  # every layer in one C call (same kernels, without the ops between them)
