@@ -41,6 +41,14 @@ def _flag_type(annotation: Any) -> tuple[type, tuple[str, ...] | None]:
     return inner, None
 
 
+def _name_value(text: str) -> tuple[str, str]:
+    """A NAME=VALUE flag (a mapping setting's entry, e.g. --lora sentiment=./adapters/sentiment)."""
+    name, eq, value = text.partition("=")
+    if not eq or not name or not value:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
+    return name, value
+
+
 def _add_settings(p: argparse.ArgumentParser, title: str, fields: dict[str, FieldInfo]) -> None:
     """One flag per setting, named, typed and described by the config model itself."""
     group = p.add_argument_group(title)
@@ -50,7 +58,10 @@ def _add_settings(p: argparse.ArgumentParser, title: str, fields: dict[str, Fiel
         if info.default_factory is None and info.default is not None:
             help_ = f"{help_} (default {info.default})" if help_ else f"default {info.default}"
         kind, choices = _flag_type(info.annotation)
-        if kind is bool:
+        if get_origin(info.annotation) is dict:  # repeatable NAME=VALUE entries
+            group.add_argument(flag, type=_name_value, action="append", default=None, metavar="NAME=PATH",
+                               help=f"{help_} (repeatable)")  # fmt: skip
+        elif kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
             metavar = None if choices else name.split("_")[-1].upper()
@@ -74,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(ns: argparse.Namespace) -> dict[str, object]:
-    return {k: v for k, v in vars(ns).items() if k not in ("config", "check", "verbose")}
+    out = {k: v for k, v in vars(ns).items() if k not in ("config", "check", "verbose")}
+    # a mapping setting's NAME=VALUE entries (the last of a name wins, as for any flag)
+    return {k: dict(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ def workers_table(workers: list[Heartbeat], now: float) -> Table:
     for w in workers:
         state = Text(_age(w.age_s(now)), style="red" if w.stalled() else "")
         t.add_row(
-            w.worker_id, w.host, w.model, w.device, w.dtype, queue_label(w.queue), f"{w.tok_s:,.1f}",
+            w.worker_id, w.host, w.model_and_adapters, w.device, w.dtype, queue_label(w.queue), f"{w.tok_s:,.1f}",
             f"{w.running}/{w.waiting}", f"{w.kv_pct:.0f}", state, w.version,
         )  # fmt: skip
     return t

@@ -272,6 +272,10 @@ def parse_line(
         "metadata": metadata,
         "model": asked,
     }
+    if (
+        isinstance(line, PromptLine) and line.lora is not None
+    ):  # (absent otherwise, as it was before adapters)
+        record["lora"] = aliases.get(line.lora, line.lora) if aliases else line.lora
     unset = _UNSET[line.temperature is None, line.max_new_tokens is None]
     return ParsedLine(line_no, index, record, chat, body_model, "body." if openai else "", unset=unset)
 
@@ -349,4 +353,6 @@ def _embedding_line(
         "metadata": metadata,
         "model": asked,
     }
+    if isinstance(line, EmbeddingLine) and line.lora is not None:
+        record["lora"] = aliases.get(line.lora, line.lora) if aliases else line.lora
     return ParsedLine(line_no, index, record, False, body_model, "body." if openai else "", embedding=True)

@@ -154,6 +154,7 @@ def validate_to_spool(
                     fingerprint is not None
                     and rec["model"] in (None, checks.live_model)
                     and not parsed.embedding
+                    and "lora" not in rec  # an adapter's answers are keyed by its digest, at the worker
                 ):
                     key = request_key(fingerprint, rec["prompt"], rec["messages"], rec["params"])
                 if not parsed.embedding:

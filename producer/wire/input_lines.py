@@ -30,6 +30,9 @@ class PromptLine(SamplingParams):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     metadata: dict[str, Any] | None = None
+    # the LoRA adapter that runs it (a name the queue's workers serve: worker --lora / --lora-dir); an
+    # OpenAI line names it in body.model instead
+    lora: str | None = Field(default=None, min_length=1)
 
 
 # Body fields of OpenAI's chat / completions APIs that do not change what a batch generates: accepted
@@ -160,6 +163,7 @@ class EmbeddingLine(EmbeddingFields):
 
     id: UserId | None = None
     metadata: dict[str, Any] | None = None
+    lora: str | None = Field(default=None, min_length=1)  # as PromptLine's
 
 
 class OpenAIEmbeddingBody(EmbeddingFields):

@@ -353,6 +353,7 @@ class Request(StrictModel):
     params: SamplingParams
     metadata: dict[str, Any] | None = None
     model: str | None = None
+    lora: str | None = None  # the LoRA adapter that runs it (or `model` names one the worker serves)
     enqueued_at: float = 0.0
     result_cache: bool = True  # False: compute afresh even when the result cache holds the answer
     attempt: int = Field(default=0, ge=0)  # 0: as submitted; n: the n-th `producer retry` of this request

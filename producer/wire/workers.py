@@ -46,6 +46,12 @@ class Heartbeat(BaseModel):
     tok_s: float = 0.0  # generated tokens per second over the last heartbeat interval
     started_at: float | None = None
     metrics_port: int | None = None  # where its Prometheus metrics are served, when they are
+    loras: list[str] = []  # the LoRA adapters resident in its engine's slots now
+
+    @property
+    def model_and_adapters(self) -> str:
+        """Its model, and the adapters resident over it: "base (+sentiment, pii)"."""
+        return self.model + (f" (+{', '.join(self.loras)})" if self.loras else "")
 
     @property
     def kv_pct(self) -> float:

@@ -78,7 +78,7 @@ class LoraManager:
         self.adapters[name] = adapter
         spare = [n for n in self.adapters if n not in self.paths and n not in self.names]
         for n in spare[: max(0, len(spare) - HOST_SPARE)]:
-            del self.adapters[n]
+            self.adapters.pop(n, None)  # (the queue's thread reads adapters too, for their digests)
         return adapter
 
     def resolve(self, req: EngineRequest, seqs: Iterable[Sequence]) -> None:
@@ -93,6 +93,13 @@ class LoraManager:
             raise RequestError("invalid_request", str(e)) from None
         for s in seqs:
             s.lora, s.lora_digest = adapter.name, adapter.digest
+
+    def digest(self, name: str) -> str | None:
+        """The adapter's content digest (it is read where it was not), or None where it cannot be."""
+        try:
+            return self.read(name).digest
+        except (KeyError, LoraError):
+            return None
 
     def resident(self) -> list[str]:
         return [n for n in self.names if n is not None]

@@ -66,8 +66,9 @@ def constraint(params: SamplingParams) -> Constraint:
     return NO_CONSTRAINT
 
 
-def engine_request(req: Request, request_id: str) -> EngineRequest:
-    """`request_id` is the job id (unique across batches); the request's clock starts now."""
+def engine_request(req: Request, request_id: str, lora: str | None = None) -> EngineRequest:
+    """`request_id` is the job id (unique across batches); the request's clock starts now. lora: the LoRA
+    adapter that runs it (None: the base model)."""
     emb = req.embedding
     return EngineRequest(
         request_id=request_id,
@@ -77,6 +78,7 @@ def engine_request(req: Request, request_id: str) -> EngineRequest:
         started_at=time.monotonic(),
         chat_template_kwargs=template_kwargs(req.params),
         embedding=None if emb is None else EmbeddingInputs(emb.input, emb.dimensions),
+        lora=lora,
     )
 
 

@@ -90,6 +90,7 @@ class Heartbeats:
             tok_s=round(tok_s, 1),
             started_at=self.started_at,
             metrics_port=self.metrics_port,
+            loras=[] if self.engine.core.loras is None else self.engine.core.loras.resident(),
         )
 
     async def beat(self, redis: Redis) -> None:

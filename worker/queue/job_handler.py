@@ -59,10 +59,11 @@ async def retrying(fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwa
             delay = min(delay * 2, 5.0)
 
 
-def model_not_found(asked: str, cfg: WorkerConfig) -> str:
+def model_not_found(asked: str, cfg: WorkerConfig, adapters: bool = False) -> str:
     served = cfg.engine.model
+    also = " and no LoRA adapter of that name" if adapters else ""
     return (
-        f"request is for model {asked!r} but this worker serves {served!r} (queue {cfg.queue!r}); "
+        f"request is for model {asked!r} but this worker serves {served!r}{also} (queue {cfg.queue!r}); "
         f"name that model, or map the name with --model-alias {asked}={served}"
     )
 
@@ -155,22 +156,49 @@ class JobHandler:
                 job.job_id, req, raw, error_result(req.id, req.index, "max_tries_exceeded", msg, req)
             )
             return None
-        if req.model is not None and req.model != self.cfg.engine.model:
-            err = error_result(req.id, req.index, MODEL_NOT_FOUND, model_not_found(req.model, self.cfg), req)
-            self._end_req(job.job_id, req, raw, err)
+        lora, refused = self._adapter(req)
+        if refused is not None:
+            self._end_req(
+                job.job_id, req, raw, error_result(req.id, req.index, MODEL_NOT_FOUND, refused, req)
+            )
             return None
         if job.cancelled:
             self._end_req(job.job_id, req, raw, cancelled_result(req))
             return None
         try:
-            ereq = engine_request(req, job.job_id)
+            ereq = engine_request(req, job.job_id, lora)
         except ValueError as e:  # the contract admits what the engine refuses: a bug, reported per request
             self._end_req(
                 job.job_id, req, raw, error_result(req.id, req.index, "invalid_request", str(e), req)
             )
             return None
-        key = key_of(self.result_cache.fingerprint, req) if self.cfg.result_cache else None
+        key = None
+        if self.cfg.result_cache and (fingerprint := self._fingerprint(lora)) is not None:
+            key = key_of(fingerprint, req)
         return Running(job.job_id, req, raw, ereq, time.time(), key)
+
+    def _adapter(self, req: Request) -> tuple[str | None, str | None]:
+        """(the LoRA adapter that runs the request, None for the base model; why it cannot run here, or
+        None). A request names an adapter in `lora`, or in `model` (as OpenAI names a fine-tuned model)."""
+        served, loras = self.cfg.engine.model, self.engine.core.loras
+        serves = loras.serves if loras is not None else (lambda name: False)
+        lora = req.lora
+        if req.model is not None and req.model != served and req.model != lora:
+            if lora is not None or not serves(req.model):
+                return None, model_not_found(req.model, self.cfg, loras is not None)
+            lora = req.model
+        if lora is not None and not serves(lora):
+            return None, model_not_found(lora, self.cfg, loras is not None)
+        return lora, None
+
+    def _fingerprint(self, lora: str | None) -> str | None:
+        """What the result cache keys on: the engine's fingerprint, and an adapter's content digest (None
+        where the adapter cannot be read: the engine reports why)."""
+        loras = self.engine.core.loras
+        if lora is None or loras is None:
+            return self.result_cache.fingerprint
+        digest = loras.digest(lora)
+        return None if digest is None else f"{self.result_cache.fingerprint}\0lora:{digest}"
 
     def _submit(self, run: Running) -> None:
         self.inflight[run.job_id] = run
@@ -193,8 +221,8 @@ class JobHandler:
         reported = self.reported.pop(run.job_id, 0)
         req = run.req
         core = self.engine.core
-        result = to_result(req, res, _queued_s(req, run.picked_at), self.cfg.worker_id, self.cfg.engine.model,
-                           core.dtype_name, core.batch_invariant)  # fmt: skip
+        result = to_result(req, res, _queued_s(req, run.picked_at), self.cfg.worker_id,
+                           run.ereq.lora or self.cfg.engine.model, core.dtype_name, core.batch_invariant)  # fmt: skip
         cache_key = run.cache_key if cacheable(result) else None
         answer = b"" if cache_key is None else CachedAnswer.of(result).to_json()
         self._end_req(run.job_id, req, run.raw, result, res.completion_tokens - reported, cache_key, answer)

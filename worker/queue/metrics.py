@@ -234,13 +234,22 @@ class WorkerMetrics:
         self.depth = QueueDepth(cfg.redis_url, keys.queue_name(cfg.queue))
         self.registry.register(WorkerCollector(self.labels, engine, EngineFacts.of(engine), self.depth))
         ProcessCollector(registry=self.registry)  # process_*: CPU seconds, resident memory, open files
-        finished = Counter(
+        self._served = cfg.engine.model
+        self._finished_by = Counter(
             "batchq_requests_finished",
-            "results this worker stored, by finish reason (result-cache answers included)",
-            [*LABELS, "finish_reason"],
+            'results this worker stored, by finish reason and LoRA adapter (lora="": the base model; '
+            "result-cache answers included)",
+            [*LABELS, "finish_reason", "lora"],
             registry=self.registry,
         )
-        self._finished = {r: finished.labels(**self.labels, finish_reason=r) for r in get_args(FinishReason)}
+        self._finished = {r: self._finished_by.labels(**self.labels, finish_reason=r, lora="")
+                          for r in get_args(FinishReason)}  # fmt: skip
+        self._tokens_by = Counter(
+            "batchq_lora_generated_tokens",
+            "tokens generated for requests of each LoRA adapter",
+            [*LABELS, "lora"],
+            registry=self.registry,
+        )
         self._cache_hits = Counter(
             "batchq_result_cache_hits",
             "results answered from the result cache instead of the engine",
@@ -266,7 +275,12 @@ class WorkerMetrics:
 
     def observe(self, result: Result) -> None:
         """A result this worker stored (its write was the first): called once per request."""
-        self._finished[result.finish_reason].inc()
+        lora = result.model if result.model and result.model != self._served else ""  # an adapter answered
+        if lora:
+            self._finished_by.labels(**self.labels, finish_reason=result.finish_reason, lora=lora).inc()
+            self._tokens_by.labels(**self.labels, lora=lora).inc(result.usage.completion_tokens)
+        else:
+            self._finished[result.finish_reason].inc()
         if result.cached:
             self._cache_hits.inc()
         t = result.timing

@@ -31,6 +31,7 @@ class InstantEngine:
     batch_invariant = None
     max_model_len = CONTEXT
     embedding_size = None  # it answers generation requests only
+    loras = None  # and serves no LoRA adapters
 
     def __init__(self) -> None:
         self._inbox: deque[EngineRequest] = deque()

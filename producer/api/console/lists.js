@@ -47,7 +47,7 @@ export function workersPage() {
     body.replaceChildren(...d.workers.map((w) => {
       const stalled = w.progress_age_s > w.stall_s && w.running + w.waiting > 0;
       return el("tr", { "data-worker": w.worker_id },
-        el("td", { text: w.worker_id }), el("td", { text: w.host }), el("td", { text: w.model }),
+        el("td", { text: w.worker_id }), el("td", { text: w.host }), el("td", { text: w.model + (w.loras && w.loras.length ? ` (+${w.loras.join(", ")})` : "") }),
         el("td", { text: `${w.device} ${w.dtype}` }),
         el("td", {}, svg("svg", { width: 80, height: 12, class: "bar" },
           svg("rect", { class: "seg-running", x: 0, y: 0, width: (w.kv_pct / 100) * 80, height: 12 })),
