@@ -176,3 +176,42 @@ def test_unsupported_settings_and_targets_are_refused_by_name(tmp_path: Path) ->
     assert "DoRA (use_dora) is not supported" in refusal(tmp_path / "a", {"use_dora": True})
     assert "embed_tokens is not supported" in refusal(tmp_path / "b", modules=["embed_tokens"])
     assert "peft_type 'IA3'" in refusal(tmp_path / "c", {"peft_type": "IA3"})
+
+
+def test_a_rows_numbers_do_not_depend_on_its_neighbours(tmp_path: Path) -> None:
+    base = build_tiny_checkpoint(tmp_path / "base", "qwen2", seed=8)
+    loras = adapters(base, tmp_path, "qwen2")
+    e = engine(base, loras)  # batch_invariant, the default
+    assert e.batch_invariant
+    greedy = GenerationParams(max_new_tokens=6, temperature=0.0, logprobs=True, top_logprobs=3)
+    label = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
+
+    def mine() -> list[EngineRequest]:
+        return [EngineRequest("me", greedy, prompt_token_ids=PROMPTS[1], lora="r4"),
+                EngineRequest("my-label", label, prompt_token_ids=PROMPTS[2], lora="r4")]  # fmt: skip
+
+    alone = {r.request_id: r for r in e.generate(mine())}
+    crowd = [EngineRequest(f"n{i}-{n}", greedy, prompt_token_ids=p, lora=n)
+             for i, p in enumerate(PROMPTS) for n in (None, "r2", "r4", "r8")]  # fmt: skip
+    among = {r.request_id: r for r in e.generate([*crowd[:5], *mine(), *crowd[5:]])}
+    for rid in ("me", "my-label"):
+        a, b = alone[rid], among[rid]
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # bit for bit, top alternatives included
+        assert a.label_scores == b.label_scores
+
+
+def test_a_mixture_of_experts_model_takes_adapters_on_attention(tmp_path: Path) -> None:
+    base = build_tiny_checkpoint(
+        tmp_path / "base", "mixtral", seed=9, num_local_experts=4, num_experts_per_tok=2
+    )
+    path = build_adapter(base, tmp_path / "attn", 4, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=2)
+    e = engine(base, {"attn": path})
+    greedy = GenerationParams(max_new_tokens=6, temperature=0.0)
+    out = e.generate([EngineRequest(f"{n}-{i}", greedy, prompt_token_ids=p, lora=n)
+                      for i, p in enumerate(PROMPTS) for n in (None, "attn")])  # fmt: skip
+    refs = {None: peft_reference(base, None), "attn": peft_reference(base, path)}
+    for res in out:
+        name = None if res.request_id.startswith("None") else "attn"
+        prompt = PROMPTS[int(res.request_id.rsplit("-", 1)[1])]
+        assert res.token_ids == hf_greedy(refs[name], prompt, 6), res.request_id
