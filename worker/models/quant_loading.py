@@ -98,15 +98,17 @@ def assemble(
         parts[part] = src if part == "weight" else _materialise(src)  # an FP8 weight is read in place later
         want = needed[cfg.method] | ({"g_idx"} if modules[prefix].act_order else set())
         if want <= parts.keys():
-            yield from _converted(cfg, prefix, pending.pop(prefix))
+            yield from _converted(cfg, prefix, pending.pop(prefix), modules[prefix].act_order)
     if pending:
         prefix, parts = next(iter(pending.items()))
         raise CheckpointError(f"quantised module {prefix!r}: the checkpoint holds only its {sorted(parts)}")
 
 
 def _converted(
-    cfg: QuantConfig, prefix: str, parts: dict[str, Tensor | WeightSource]
+    cfg: QuantConfig, prefix: str, parts: dict[str, Tensor | WeightSource], act_order: bool = False
 ) -> Iterator[tuple[str, Tensor | WeightSource]]:
+    """act_order: the decoder's linear has room for an input order (quantised_linears), which it then
+    takes even where this module's g_idx keeps the inputs in place."""
     t = {k: v for k, v in parts.items() if isinstance(v, Tensor)}
     try:
         if cfg.method == "fp8":
@@ -133,5 +135,5 @@ def _converted(
         raise CheckpointError(f"quantised module {prefix!r}: {e}") from None
     yield prefix + ".weight", ql.q
     yield prefix + ".group_table", torch.stack((ql.s, ql.o), dim=-1)
-    if ql.perm is not None:
-        yield prefix + ".in_perm", ql.perm
+    if ql.perm is not None or act_order:
+        yield prefix + ".in_perm", torch.arange(ql.q.shape[1]) if ql.perm is None else ql.perm
