@@ -6,7 +6,8 @@ beside a float weight. `assemble` collects a linear's parts, turns them into bat
 (quant_formats.py) once the last arrives, and passes them on under the names the decoder's quantised
 Linear takes: `<linear>.weight` (q, or the FP8 weight), `<linear>.group_table` ([out, groups, 2] s and o),
 `<linear>.in_perm` (act-order's input order), `<linear>.scale` (FP8's per-output scale). Every other
-tensor passes through untouched.
+tensor passes through untouched. Under tensor parallelism these are whole, and each rank keeps its share
+of them (sharding.decoder_shards): a module's converted tensors are the most a rank holds beyond its own.
 
 `quantised_linears` tells the loader, from the checkpoint's tensor names alone, which of Hugging Face's
 linear modules are quantised and how, so the decoder can be built with room for them before any bytes
@@ -16,7 +17,7 @@ are read.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,6 +40,8 @@ class QuantizedModule:
     group: int = 0
     act_order: bool = False
     table: str = "f32"  # the (s, o) table's float type: "f32", or "f16" where the values are float16 (GGUF's)
+    # the format, for messages ("GPTQ", "GGUF Q4_K"): fused parts of two formats stored alike are alike
+    fmt: str = field(default="", compare=False)
 
 
 def quantised_linears(cfg: QuantConfig, names: set[str]) -> dict[str, QuantizedModule]:
@@ -47,13 +50,13 @@ def quantised_linears(cfg: QuantConfig, names: set[str]) -> dict[str, QuantizedM
     if cfg.method == "fp8":
         for n in names:
             if n.endswith(".weight_scale"):
-                out[n.removesuffix(".weight_scale")] = QuantizedModule("fp8")
+                out[n.removesuffix(".weight_scale")] = QuantizedModule("fp8", fmt="FP8")
         return out
     for n in names:
         if n.endswith(".qweight"):
             prefix = n.removesuffix(".qweight")
             act = cfg.method == "gptq" and cfg.desc_act and prefix + ".g_idx" in names
-            out[prefix] = QuantizedModule("groups", cfg.bits, cfg.group, act)
+            out[prefix] = QuantizedModule("groups", cfg.bits, cfg.group, act, fmt=cfg.method.upper())
     return out
 
 
