@@ -73,10 +73,13 @@ def quantise_checkpoint(
     act_order: bool = False,
     seed: int = 0,
     same_input_order: bool = True,
+    row_shares: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Write `src` (a float checkpoint folder) as a quantised one at `dest`; returns the reference state
     dict (every quantised weight dequantised by the reference formula, float32). same_input_order=False
-    gives every act-order projection its own input order (which batchq cannot fuse)."""
+    gives every act-order projection its own input order (which batchq cannot fuse). row_shares: act-order
+    orders o_proj's and down_proj's inputs within each of that many equal blocks only (the groups a
+    tensor-parallel split over as many ranks can shard; GPTQ's own orders scatter them)."""
     from safetensors.torch import load_file, save_file
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -107,6 +110,11 @@ def quantise_checkpoint(
             )
             if shared not in orders or not same_input_order:
                 orders[shared] = torch.randperm(k, generator=gen)
+                if module.endswith(("o_proj", "down_proj")) and row_shares > 1:
+                    n = k // row_shares
+                    orders[shared] = torch.cat(
+                        [torch.randperm(n, generator=gen) + i * n for i in range(row_shares)]
+                    )
             g_of_k = torch.empty(k, dtype=torch.long)
             g_of_k[orders[shared]] = torch.arange(k) // group
         q, scales, zeros = quantize_asym(w, g_of_k, k // group, bits)

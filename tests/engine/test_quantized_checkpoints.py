@@ -91,6 +91,18 @@ def test_act_order_projections_of_one_input_in_different_orders_are_refused(tmp_
         load_model(str(dest), torch.float32, torch.device("cpu"))
 
 
+def test_an_act_order_module_whose_g_idx_keeps_its_inputs_in_place_loads(tmp_path: Path) -> None:
+    from worker.models.loader import load_model
+
+    src = build_tiny_checkpoint(tmp_path / "float", "llama", seed=2)
+    dest = tmp_path / "gptq"
+    # o_proj's 64 inputs ordered within each half, a group of 32: its g_idx is k // 32
+    quantise_checkpoint(src, dest, "gptq", 4, 32, act_order=True, row_shares=2)
+    model = load_model(str(dest), torch.float32, torch.device("cpu")).model
+    o_proj = model.layers[0].self_attn.o_proj  # type: ignore[union-attr]
+    assert torch.equal(o_proj.in_perm, torch.arange(64))
+
+
 def test_a_quantised_module_missing_a_part_names_it(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -186,7 +186,7 @@ class GGUFCheckpoint:
                 group = 16 if e.type_name == "Q6_K" else 32
                 half = e.type_name in gguf_quants.F16_GROUPS
                 own[hf.removesuffix(".weight")] = QuantizedModule(
-                    "groups", bits, group, table="f16" if half else "f32"
+                    "groups", bits, group, table="f16" if half else "f32", fmt=f"GGUF {e.type_name}"
                 )
             elif hf.endswith(".weight") and e.type_name not in FLOAT_TYPES:
                 raise CheckpointError(
@@ -204,6 +204,7 @@ class GGUFCheckpoint:
                     max(own[n].bits for n in present),
                     math.gcd(*(own[n].group for n in present)),
                     table="f32" if any(own[n].table == "f32" for n in present) else "f16",
+                    fmt="GGUF " + "/".join(sorted({own[n].fmt.removeprefix("GGUF ") for n in present})),
                 )
                 for n in present:
                     out[n] = widest

@@ -33,7 +33,15 @@ from worker.models.lora import LoraState
 from worker.models.mlp import MLP
 from worker.models.moe import MoE, gpt_oss_layout
 from worker.models.quant_loading import QuantizedModule
-from worker.models.sharding import decoder_shards, shard_spec, vocab_rows
+from worker.models.sharding import (
+    ROW_PARALLEL,
+    ShardingError,
+    act_order_share,
+    decoder_shards,
+    row_parallel_groups,
+    shard_spec,
+    vocab_rows,
+)
 from worker.models.spec import DecoderSpec
 from worker.models.stack_layers import build_stack
 from worker.models.weights import Slot, WeightSource, fill
@@ -482,6 +490,8 @@ class LlamaFamilyModel(nn.Module):
                     f"quantised modules {parts}: the parts of batchq's fused {name} must be quantised alike"
                 )
             q = kinds.pop()
+            if self.tp is not None and q.kind == "groups" and name.endswith(ROW_PARALLEL):
+                row_parallel_groups(parts[0], q.fmt, q.group, lin.in_features, self.tp.size)
             try:
                 if q.kind == "groups":
                     table = torch.float16 if q.table == "f16" else torch.float32
@@ -515,6 +525,11 @@ class LlamaFamilyModel(nn.Module):
                         f"(act-order), but batchq runs them as one fused {ours}"
                     )
                 perms.setdefault(ours, (module, perm))
+                if self.tp is not None and ours.endswith(ROW_PARALLEL):  # the rank's inputs only
+                    try:
+                        perm = act_order_share(module, perm, self.tp.rank, self.tp.size)
+                    except ShardingError as e:
+                        raise CheckpointError(str(e)) from None
                 lin.in_perm.copy_(perm)
                 return
         raise CheckpointError(f"tensor {name!r}: the model has no act-order linear of that name")

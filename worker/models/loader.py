@@ -9,9 +9,11 @@ decoder are imported where they are used: `worker` imports this module's neighbo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -33,8 +35,6 @@ from worker.models.sharding import ShardingError
 from worker.models.spec import UnsupportedLayers, activation
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     import torch
     from torch import Tensor
 
@@ -159,11 +159,12 @@ def load_model(
     ours: LlamaFamilyModel | TransformersModel
     headless = False
     gguf = gguf_source(ckpt)  # a GGUF's metadata folder: its weights are in the file
-    if tp is not None and tp.size > 1:
-        _check_tensor_parallel(model, path, gguf)
+    if tp is not None and tp.size > 1 and path != "native":
+        raise ModelLoadError(f"model {model!r} runs on the transformers fallback, which has no tensor "
+                             "parallelism: use tensor_parallel_size = 1")  # fmt: skip
     if path == "native" and gguf is not None:
         with reading(model, "its weights"):
-            ours = _native_gguf(model, gguf, decoder, max_len, dtype, device)
+            ours = _native_gguf(model, gguf, decoder, max_len, dtype, device, tp)
     elif path == "native":
         with reading(model, "its weights"):
             ours, headless = _native(
@@ -186,16 +187,6 @@ def load_model(
         implementation=path,
         embedding_only=headless,
     )
-
-
-def _check_tensor_parallel(model: str, path: str, gguf: Path | None) -> None:
-    """Refuse by name what tensor parallelism does not run: Hugging Face's own layers and GGUF files."""
-    if path != "native":
-        raise ModelLoadError(f"model {model!r} runs on the transformers fallback, which has no tensor "
-                             "parallelism: use tensor_parallel_size = 1")  # fmt: skip
-    if gguf is not None:
-        raise ModelLoadError(f"model {model!r}: tensor parallelism does not shard GGUF files yet; use a "
-                             "safetensors checkpoint or tensor_parallel_size = 1")  # fmt: skip
 
 
 def _fallback(
@@ -262,25 +253,31 @@ def _native(
             log.info("a bare decoder's checkpoint (no 'model.' prefix%s)",
                      ", no LM head: embedding requests only" if headless else "")  # fmt: skip
         rotary, local = _rotary(model, decoder, max_len, device)
-        if tp is not None and tp.size > 1 and quant is not None:
-            raise ModelLoadError(f"model {model!r}: tensor parallelism does not shard quantised ({quant.method}) "
-                                 "checkpoints yet; use a float checkpoint or tensor_parallel_size = 1")  # fmt: skip
-        try:
-            ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local, tp)
-        except ShardingError as e:
-            raise ModelLoadError(f"model {model!r}: {e}") from None
         if quant is not None and spec.moe is not None:
             raise ModelLoadError(
                 f"model {model!r}: a quantised ({quant.method}) mixture-of-experts checkpoint; batchq loads "
                 "MoE experts from float checkpoints only"
             )
-        if quant is not None:  # its linears stay quantised as the checkpoint ships them
-            modules = quantised_linears(quant, names)
+        modules = {} if quant is None else quantised_linears(quant, names)
+        with _splitting(
+            model
+        ):  # a rank's share of it; its quantised linears kept as the checkpoint ships them
+            ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local, tp)
             ours.prepare_quantized(modules)
+        if quant is not None:
             tensors = assemble(quant, modules, tensors)
             log.info("%s checkpoint: %d linear layers kept quantised", quant.method, len(modules))
         ours.load_weights(tensors, checkpoint.where)
     return ours.eval(), headless
+
+
+@contextlib.contextmanager
+def _splitting(model: str) -> Iterator[None]:
+    """A model the tensor-parallel group cannot split (ShardingError) as one ModelLoadError line."""
+    try:
+        yield
+    except ShardingError as e:
+        raise ModelLoadError(f"model {model!r}: {e}") from None
 
 
 def _bare_decoder(names: set[str]) -> bool:
@@ -295,9 +292,16 @@ def _causal_lm_name(name: str) -> str:
 
 
 def _native_gguf(
-    model: str, gguf: Path, hf_config: Any, max_len: int, dtype: torch.dtype, device: torch.device
+    model: str,
+    gguf: Path,
+    hf_config: Any,
+    max_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup | None = None,
 ) -> LlamaFamilyModel:
-    """Our decoder with a GGUF file's weights, its linears kept in the file's quantisation (gguf_weights)."""
+    """Our decoder with a GGUF file's weights, its linears kept in the file's quantisation (gguf_weights).
+    tp: this rank's group (its share of each tensor kept, the tensor decoded whole first)."""
     from worker.models.gguf_weights import GGUFCheckpoint
     from worker.models.llama import FUSED_PARTS, LlamaFamilyModel
 
@@ -310,9 +314,10 @@ def _native_gguf(
         raise ModelLoadError(f"model {model!r}: a mixture-of-experts GGUF; batchq loads MoE experts from "
                              "safetensors / pytorch_model.bin checkpoints only")  # fmt: skip
     rotary, local = _rotary(model, hf_config, max_len, device)
-    ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local)
-    modules = checkpoint.keep_quantised(ours.hf_linear_modules(), FUSED_PARTS)
-    ours.prepare_quantized(modules)
+    with _splitting(model):
+        ours = LlamaFamilyModel.empty(spec, rotary, dtype, device, local, tp)
+        modules = checkpoint.keep_quantised(ours.hf_linear_modules(), FUSED_PARTS)
+        ours.prepare_quantized(modules)
     log.info("GGUF %s: %d linear layers kept quantised", gguf.name, len(modules))
     ours.load_weights(checkpoint.tensors(), checkpoint.where)
     return ours.eval()

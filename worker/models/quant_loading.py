@@ -6,7 +6,8 @@ beside a float weight. `assemble` collects a linear's parts, turns them into bat
 (quant_formats.py) once the last arrives, and passes them on under the names the decoder's quantised
 Linear takes: `<linear>.weight` (q, or the FP8 weight), `<linear>.group_table` ([out, groups, 2] s and o),
 `<linear>.in_perm` (act-order's input order), `<linear>.scale` (FP8's per-output scale). Every other
-tensor passes through untouched.
+tensor passes through untouched. Under tensor parallelism these are whole, and each rank keeps its share
+of them (sharding.decoder_shards): a module's converted tensors are the most a rank holds beyond its own.
 
 `quantised_linears` tells the loader, from the checkpoint's tensor names alone, which of Hugging Face's
 linear modules are quantised and how, so the decoder can be built with room for them before any bytes
@@ -16,7 +17,7 @@ are read.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,6 +40,8 @@ class QuantizedModule:
     group: int = 0
     act_order: bool = False
     table: str = "f32"  # the (s, o) table's float type: "f32", or "f16" where the values are float16 (GGUF's)
+    # the format, for messages ("GPTQ", "GGUF Q4_K"): fused parts of two formats stored alike are alike
+    fmt: str = field(default="", compare=False)
 
 
 def quantised_linears(cfg: QuantConfig, names: set[str]) -> dict[str, QuantizedModule]:
@@ -47,13 +50,13 @@ def quantised_linears(cfg: QuantConfig, names: set[str]) -> dict[str, QuantizedM
     if cfg.method == "fp8":
         for n in names:
             if n.endswith(".weight_scale"):
-                out[n.removesuffix(".weight_scale")] = QuantizedModule("fp8")
+                out[n.removesuffix(".weight_scale")] = QuantizedModule("fp8", fmt="FP8")
         return out
     for n in names:
         if n.endswith(".qweight"):
             prefix = n.removesuffix(".qweight")
             act = cfg.method == "gptq" and cfg.desc_act and prefix + ".g_idx" in names
-            out[prefix] = QuantizedModule("groups", cfg.bits, cfg.group, act)
+            out[prefix] = QuantizedModule("groups", cfg.bits, cfg.group, act, fmt=cfg.method.upper())
     return out
 
 
@@ -98,15 +101,17 @@ def assemble(
         parts[part] = src if part == "weight" else _materialise(src)  # an FP8 weight is read in place later
         want = needed[cfg.method] | ({"g_idx"} if modules[prefix].act_order else set())
         if want <= parts.keys():
-            yield from _converted(cfg, prefix, pending.pop(prefix))
+            yield from _converted(cfg, prefix, pending.pop(prefix), modules[prefix].act_order)
     if pending:
         prefix, parts = next(iter(pending.items()))
         raise CheckpointError(f"quantised module {prefix!r}: the checkpoint holds only its {sorted(parts)}")
 
 
 def _converted(
-    cfg: QuantConfig, prefix: str, parts: dict[str, Tensor | WeightSource]
+    cfg: QuantConfig, prefix: str, parts: dict[str, Tensor | WeightSource], act_order: bool = False
 ) -> Iterator[tuple[str, Tensor | WeightSource]]:
+    """act_order: the decoder's linear has room for an input order (quantised_linears), which it then
+    takes even where this module's g_idx keeps the inputs in place."""
     t = {k: v for k, v in parts.items() if isinstance(v, Tensor)}
     try:
         if cfg.method == "fp8":
@@ -133,5 +138,5 @@ def _converted(
         raise CheckpointError(f"quantised module {prefix!r}: {e}") from None
     yield prefix + ".weight", ql.q
     yield prefix + ".group_table", torch.stack((ql.s, ql.o), dim=-1)
-    if ql.perm is not None:
-        yield prefix + ".in_perm", ql.perm
+    if ql.perm is not None or act_order:
+        yield prefix + ".in_perm", torch.arange(ql.q.shape[1]) if ql.perm is None else ql.perm

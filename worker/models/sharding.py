@@ -5,6 +5,10 @@ A row-parallel projection's partial outputs are summed over the ranks; the logit
 
 KV heads are split where they divide among the ranks, and replicated where there are fewer of them than
 ranks (each rank keeps the one its query heads read). What a rank reads of a checkpoint tensor is a `Shard`.
+
+A quantised linear is split in batchq's form (quant_loading.py, gguf_weights.py: q [out, in] unpacked, an
+(s, o) table per group of inputs), never in its packed words, so only its groups bound a split: output rows
+split anywhere, a row-parallel projection's inputs only into whole groups (`row_parallel_groups`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 from torch import Tensor
 
 from worker.models.spec import DecoderSpec
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by their inputs, their partial outputs summed over the ranks
 
 
 class ShardingError(ValueError):
@@ -55,6 +61,32 @@ def shard_spec(spec: DecoderSpec, size: int) -> DecoderSpec:
     return dataclasses.replace(
         spec, num_heads=h // size, num_kv_heads=max(1, kv // size), intermediate_size=inter // size, moe=moe
     )
+
+
+def row_parallel_groups(module: str, fmt: str, group: int, inputs: int, size: int) -> None:
+    """Refuse a row-parallel projection quantised in groups of `group` input rows (`module`: Hugging Face's
+    name; fmt: its format) whose share of a rank, `inputs` of them, is not whole groups."""
+    if inputs % group:
+        raise ShardingError(
+            f"tensor_parallel_size {size}: quantised module {module!r} ({fmt}, groups of {group} input rows): "
+            f"its {inputs * size} inputs give {inputs} a rank, not whole groups; use tensor_parallel_size = 1"
+        )
+
+
+def act_order_share(module: str, perm: Tensor, rank: int, size: int) -> Tensor:
+    """Rank `rank`'s share of a row-parallel projection's act-order input order (GPTQ's g_idx, as the
+    permutation `perm` that sorts the input rows by group): the order of its own inputs. A row-parallel split
+    keeps whole groups, so each group's rows must lie in one rank's inputs, and the groups in rank order:
+    where act-order scattered them (as GPTQ's desc_act does, by the Hessian), ShardingError."""
+    k = perm.shape[0]
+    n = k // size
+    if not torch.equal(perm // n, torch.arange(k, device=perm.device) // n):
+        raise ShardingError(
+            f"tensor_parallel_size {size}: quantised module {module!r} (GPTQ act-order): its g_idx groups input "
+            "rows of more than one rank's share, which a row-parallel split cannot; use a checkpoint without "
+            "desc_act, or tensor_parallel_size = 1"
+        )
+    return perm[rank * n : rank * n + n] - rank * n
 
 
 def vocab_rows(vocab: int, size: int) -> int:
@@ -119,13 +151,15 @@ def decoder_shards(
             "up_proj": Shard((i_all, *tail), 0, (span,)),
             "gate_up_proj": Shard((2 * i_all, *tail), 0, (span, (i_all + span[0], i_all + span[1]))),
         }
-    if module in ("o_proj", "down_proj") and kind == "weight":
+    if module in ROW_PARALLEL and kind in ("weight", "group_table"):
+        # the rank's input columns: of a quantised weight, its q's and its whole groups' (s, o) (every
+        # rank's share is whole groups: LlamaFamilyModel.prepare_quantized refuses where it is not)
         n = t.shape[1]
-        return {module: Shard((hidden, n * size), 1, ((rank * n, rank * n + n),))}
-    if module in ("lm_head", "embed_tokens") and kind == "weight":
+        return {module: Shard((hidden, n * size, *t.shape[2:]), 1, ((rank * n, rank * n + n),))}
+    if module in ("lm_head", "embed_tokens") and kind in ("weight", "group_table", "scale"):
         rows, vocab = vocab_rows(full.vocab_size, size), full.vocab_size
         span = (min(rank * rows, vocab), min(rank * rows + rows, vocab))
-        return {module: Shard((vocab, hidden), 0, (span,), rows)}
+        return {module: Shard((vocab, *tail), 0, (span,), rows)}
     if module == "self_attn" and kind == "sinks":
         h = local.num_heads
         return {module: Shard((full.num_heads,), 0, ((rank * h, rank * h + h),))}
