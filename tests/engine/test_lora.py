@@ -76,11 +76,13 @@ def check_row(ref: object, prompt: list[int], res: EngineResult, label_ids: list
         )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "phi3"])
-def test_a_mixed_batch_answers_as_peft_row_by_row(tmp_path: Path, arch: str) -> None:
+# cpu_kernels auto: lora.c's grouped pass; torch: each adapter's rows through the linear method
+@pytest.mark.parametrize("arch,kernels", [("llama", "auto"), ("qwen2", "auto"), ("gemma2", "auto"), ("phi3", "auto"),
+                                          ("llama", "torch")])  # fmt: skip
+def test_a_mixed_batch_answers_as_peft_row_by_row(tmp_path: Path, arch: str, kernels: str) -> None:
     base = build_tiny_checkpoint(tmp_path / "base", arch, seed=4)
     loras = adapters(base, tmp_path, arch)
-    e = engine(base, loras)
+    e = engine(base, loras, cpu_kernels=kernels)
     greedy = GenerationParams(max_new_tokens=6, temperature=0.0, logprobs=True)
     label = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
     reqs, want = [], {}
@@ -92,6 +94,8 @@ def test_a_mixed_batch_answers_as_peft_row_by_row(tmp_path: Path, arch: str) -> 
                 want[rid] = (name, prompt)
     results = e.generate(reqs)
     assert all(r.finish_reason != "error" for r in results), [r.error for r in results if r.error]
+    layer = e.model_runner.model.layers[0].self_attn.qkv_proj.lora
+    assert (layer.grouped is None) == (kernels == "torch")
     refs = {name: peft_reference(base, None if name is None else loras[name]) for name in (None, *loras)}
     label_ids = e.prompts.label_ids(LABELS)
     for res in results:

@@ -18,9 +18,16 @@ from typing import Any
 
 import pytest
 
-from worker.kernels import native_attention, native_build, native_linear, native_moe, native_stack
+from worker.kernels import (
+    native_attention,
+    native_build,
+    native_linear,
+    native_lora,
+    native_moe,
+    native_stack,
+)
 
-BINDINGS = (native_attention, native_linear, native_moe, native_stack)
+BINDINGS = (native_attention, native_linear, native_lora, native_moe, native_stack)
 # C scalar types -> the ctypes type of that width; every pointer is passed as c_void_p
 SCALARS: dict[str, Any] = {
     "void": None,

@@ -38,7 +38,7 @@ class LoraManager:
     def __init__(self, cfg: EngineConfig, model: Any, backend: Backend, base_names: list[str]) -> None:
         self.cfg, self.model, self.backend = cfg, model, backend
         self.base_names = base_names
-        self.state, self.targets = enable_lora(model, cfg.max_loras)
+        self.state, self.targets = enable_lora(model, cfg.max_loras, cfg.max_lora_rank)
         self.layers = {t.name: t.layer for t in self.targets.values()}
         self.paths = {name: Path(path) for name, path in cfg.lora.items()}
         self.adapters: dict[str, LoraAdapter] = {}

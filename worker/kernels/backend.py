@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from worker.kernels import native_attention, native_linear, native_stack
+from worker.kernels import native_attention, native_linear, native_lora, native_stack
 from worker.kernels.experts import ExpertActivation, Experts
 from worker.kernels.linear_methods import (
     TORCH_LINEAR,
@@ -165,6 +165,24 @@ def select_attention(
 
 
 @dataclass(frozen=True)
+class LoraGrouped:
+    """LoRA adapters' rows in one pass: `run(x, y, a_stack, b_stack, slots)` adds each row's B(A x) to y
+    [T, out] in place, a_stack [S, R, in], slots [T] int32 (-1: none), one row at a time in an order fixed
+    by the shapes (a row's delta never depends on the step's other rows). b_stack is [S, out, R], or
+    [S, R, out] where `b_transposed` (lora.c streams B's rows along the outputs)."""
+
+    name: str
+    run: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    b_transposed: bool
+    # whether its sums' order follows R (Triton's tiles over the ranks): the stacks then keep one width
+    fixed_width: bool
+    library: Callable[[], object] | None = None  # a C kernel's loader: built on first use
+
+    def available(self) -> bool:
+        return self.library is None or self.library() is not None
+
+
+@dataclass(frozen=True)
 class Backend:
     """One engine's kernels (see the module docstring). Frozen: chosen once, at load."""
 
@@ -184,11 +202,9 @@ class Backend:
     # how linear.c streams the weights on this machine (platform.probes.kept_linear_tuning), in every C kernel call of
     # the linear and MoE methods and the decode stack; only the speed depends on it
     linear_tuning: LinearTuning = DEFAULT_TUNING
-    # LoRA adapters, every row's delta in one grouped pass: (x [T, in], y [T, out], a_stack [S, R, in],
-    # b_stack [S, out, R], slots [T]) adds each row's B(A x) to y in place (Triton's BGMV kernels, one row
-    # per program: a row's delta never depends on the step's other rows); None: each adapter's rows through
+    # LoRA adapters, every row's delta in one grouped pass (LoraGrouped); None: each adapter's rows through
     # `linear` (models/lora.py)
-    lora_grouped: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None] | None = None
+    lora_grouped: LoraGrouped | None = None
 
     @property
     def name(self) -> str:
@@ -329,7 +345,8 @@ def select_backend(
         device, settings.attention_backend, c and native_attention.library() is not None, invariant
     )
     if attention.name == "triton":  # quantised weights through Triton's GEMM, the rest through F.linear
-        lora = importlib.import_module("worker.kernels.triton_lora").lora_grouped
+        triton_lora = importlib.import_module("worker.kernels.triton_lora")
+        lora = LoraGrouped("triton", triton_lora.lora_grouped, False, True)
         if not invariant:
             return Backend(attention, TritonLinear(), moe=TritonMoE(), lora_grouped=lora)
         # batch-invariant: unquantised weights through triton_invariant's fixed-tile GEMM, RMSNorm one row
@@ -357,4 +374,6 @@ def select_backend(
         moe=PackedMoE(linear_tuning),
         act_mul=native_linear.act_mul,
         linear_tuning=linear_tuning,
+        # lora.c, built where adapters are served (LoraGrouped.available), not for every model
+        lora_grouped=LoraGrouped("c", native_lora.lora_grouped, True, False, native_lora.library),
     )

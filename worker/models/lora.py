@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from worker.kernels.backend import Backend
+    from worker.kernels.backend import Backend, LoraGrouped
     from worker.models.layers import Linear
 
 PREFIX = "base_model.model."  # PEFT's names: the wrapped model's, under this prefix
@@ -258,48 +258,54 @@ class LoraLayer:
     backend's method); on CUDA, stacked A [slots, R, in] and B [slots, out, R] (R: the widest pair's
     ranks, zero-padded) for the grouped Triton kernels."""
 
-    def __init__(self, base: Linear, state: LoraState, max_loras: int) -> None:
-        self.base, self.state = base, state
-        self.pairs: list[tuple[Linear, Linear] | None] = [None] * max_loras
+    def __init__(self, base: Linear, state: LoraState, max_loras: int, max_width: int) -> None:
+        """max_width: the most ranks an adapter's pair may have here (max_lora_rank per part it targets)."""
+        self.base, self.state, self.max_width = base, state, max_width
+        self.pairs: list[tuple[Linear, Linear] | None] = [None] * max_loras  # without a grouped pass
+        self.raw: list[tuple[Tensor, Tensor] | None] = [None] * max_loras  # with one: (A, B) of each slot
         self.a_stack: Tensor | None = None
         self.b_stack: Tensor | None = None
-        self.grouped: Any = None  # the backend's grouped pass (Backend.lora_grouped), where it has one
+        self.grouped: LoraGrouped | None = None  # the backend's grouped pass, where it has one (and it built)
 
     def install(self, slot: int, pair: tuple[Tensor, Tensor] | None, backend: Backend) -> None:
         """Put an adapter's pair for this linear in `slot` (None: the adapter leaves this linear alone), in
-        the backend's kernels: the linear method's for each adapter's rows, or stacked for its grouped pass."""
+        the backend's kernels: stacked for its grouped pass, or each a linear in the linear method."""
         from worker.models.layers import Linear
 
-        if pair is None:
+        grouped = backend.lora_grouped
+        self.grouped = grouped if grouped is not None and grouped.available() else None
+        device = self.base.weight.device
+        if self.grouped is not None:
+            self.raw[slot] = None if pair is None else (pair[0].to(device), pair[1].to(device))
+            self._stack()
+        elif pair is None:
             self.pairs[slot] = None
         else:
             a, b = pair
-            device = self.base.weight.device
             shrink, expand = Linear(a.shape[1], a.shape[0], False), Linear(b.shape[1], b.shape[0], False)
             for lin, w in ((shrink, a), (expand, b)):
                 lin.weight = torch.nn.Parameter(w.to(device), requires_grad=False)
                 lin.use_method(backend.linear_method(lin.weight))
             self.pairs[slot] = (shrink, expand)
-        self.grouped = backend.lora_grouped
-        if self.grouped is not None:
-            self._stack()
 
     def _stack(self) -> None:
-        present = [p for p in self.pairs if p is not None]
+        """The slots' pairs stacked, zero-padded to one width: the widest resident pair's, or, where the
+        grouped pass's sums follow that width (Triton's tiles over the ranks), the most any adapter may
+        have, so that a row's numbers never follow which adapters are resident."""
+        assert self.grouped is not None
+        present = [p for p in self.raw if p is not None]
         if not present:
             self.a_stack = self.b_stack = None
             return
-        width = max(s.out_features for s, _ in present)
-        first = present[0][0].weight
-        a = torch.zeros(len(self.pairs), width, self.base.in_features, dtype=first.dtype, device=first.device)
-        b = torch.zeros(
-            len(self.pairs), self.base.out_features, width, dtype=first.dtype, device=first.device
-        )
-        for i, p in enumerate(self.pairs):
+        width = self.max_width if self.grouped.fixed_width else max(a.shape[0] for a, _ in present)
+        like = present[0][0]
+        a = torch.zeros(len(self.raw), width, self.base.in_features, dtype=like.dtype, device=like.device)
+        b = torch.zeros(len(self.raw), self.base.out_features, width, dtype=like.dtype, device=like.device)
+        for i, p in enumerate(self.raw):
             if p is not None:
-                a[i, : p[0].out_features] = p[0].unpacked()
-                b[i, :, : p[1].in_features] = p[1].unpacked()
-        self.a_stack, self.b_stack = a, b
+                a[i, : p[0].shape[0]] = p[0]
+                b[i, :, : p[1].shape[1]] = p[1]
+        self.a_stack, self.b_stack = a, b.transpose(1, 2).contiguous() if self.grouped.b_transposed else b
 
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """y (the base product of x) plus each row's adapter's B(A x)."""
@@ -307,7 +313,7 @@ class LoraLayer:
         if step is None:
             return y
         if self.grouped is not None and self.a_stack is not None and self.b_stack is not None:
-            self.grouped(x, y, self.a_stack, self.b_stack, step.slots)
+            self.grouped.run(x, y, self.a_stack, self.b_stack, step.slots)
             return y
         for slot, rows in step.groups:
             pair = self.pairs[slot]
@@ -343,7 +349,7 @@ def lora_targets(model: Any) -> dict[str, LoraTarget]:
     return out
 
 
-def enable_lora(model: Any, max_loras: int) -> tuple[LoraState, dict[str, LoraTarget]]:
+def enable_lora(model: Any, max_loras: int, max_rank: int) -> tuple[LoraState, dict[str, LoraTarget]]:
     """Slots for `max_loras` adapters on every linear an adapter may target in `model` (a native decoder,
     whose forward skips the C decode stack while a step has adapter rows). -> the state its LoraLayers
     share (model.lora), and lora_targets(model)."""
@@ -352,7 +358,11 @@ def enable_lora(model: Any, max_loras: int) -> tuple[LoraState, dict[str, LoraTa
                         "tensor_parallel_size = 1 (data_parallel_size scales out)")  # fmt: skip
     model.lora = state = LoraState()
     targets = lora_targets(model)
+    parts: dict[str, int] = {}  # the parts an adapter may target in each linear (q, k, v: 3)
+    for t in targets.values():
+        whole = (t.start, t.stop) == (0, t.layer.out_features)
+        parts[t.name] = parts.get(t.name, 0) + (0 if whole else 1)
     for t in targets.values():
         if t.layer.lora is None:
-            t.layer.lora = LoraLayer(t.layer, state, max_loras)
+            t.layer.lora = LoraLayer(t.layer, state, max_loras, max_rank * max(1, parts[t.name]))
     return state, targets
