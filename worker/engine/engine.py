@@ -27,6 +27,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, detokenizer_plan
 from worker.engine.embedding import EmbeddingRequests
 from worker.engine.grammar import Grammars
+from worker.engine.images import Images
 from worker.engine.kv_pool import size_kv_pool
 from worker.engine.kv_window import SlidingWindow
 from worker.engine.lora import adapters, lora_manager
@@ -49,6 +50,7 @@ from worker.engine.request import (
 from worker.engine.samples import SampleGroup, combine, plan_samples, sample_seed
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import RowLogprobs, Sequence
+from worker.engine.step_extras import serve_extras
 from worker.engine.stop_rules import StopRules
 from worker.engine.tensor_parallel import ShardedModel, load_sharded
 from worker.engine_config import EngineConfig
@@ -121,8 +123,7 @@ class Engine:
         if self.pooling.refused:
             log.warning("embedding requests will be refused: %s", self.pooling.refused)
         self.stop_rules = StopRules(self.eos_token_ids, cfg.repetition_window, cfg.repetition_repeats)
-        # the detokenizer's table of the vocabulary, built here rather than at the first request
-        log.info("detokenizer: %s", detokenizer_plan(self.tokenizer).describe())
+        log.info("detokenizer: %s", detokenizer_plan(self.tokenizer).describe())  # (its table built now)
         self.fingerprint = engine_fingerprint_of(
             loaded, model_runner, cfg, self.eos_token_ids, max_model_len, compute_dtype, batch_invariant,
             self.reasoning,
@@ -142,7 +143,8 @@ class Engine:
         self.counters = EngineCounters()
         self.cpu_share = cpu_share  # the platform's co-tenant watch: the thread count follows free cores
         self.loras = lora_manager(cfg, loaded, model_runner.backend)  # None: no LoRA adapters served
-        self.scheduler.loras = model_runner.loras = self.loras
+        self.images = self.prompts.images = None if loaded.vision is None else Images(loaded.vision)
+        self.takes_images = serve_extras(model_runner, self.scheduler, self.loras, self.images)
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> Engine:
@@ -207,6 +209,8 @@ class Engine:
 
     def add_request(self, req: EngineRequest) -> None:
         """Thread-safe; the request is validated and tokenised at the start of the next step."""
+        if req.images and self.images is not None:  # decoded on CPU threads while it waits
+            self.images.start(req)
         with self._lock:
             self._inbox.append((req, time.monotonic()))
 
@@ -422,13 +426,9 @@ class Engine:
             window_idle_blocks=(
                 0 if self.idle_window is None else self.scheduler.window_idle_blocks(self.idle_window)
             ),
-            expert_tokens=self._expert_tokens(),
+            expert_tokens=dict(getattr(self.model_runner.model, "expert_tokens", dict)()),
             **vars(self.counters),
         )
-
-    def _expert_tokens(self) -> dict[int, list[int]]:
-        read = getattr(self.model_runner.model, "expert_tokens", None)  # the native decoder's
-        return {} if read is None else dict(read())
 
     def abort_all(self, error: EngineError) -> list[EngineResult]:
         """Fail every request the engine holds (used after an unexpected internal error)."""
@@ -448,6 +448,8 @@ class Engine:
     def _intake(self) -> list[EngineResult]:
         with self._lock:
             pending, self._inbox = self._inbox, []
+            if self.images is not None:  # a request joins once its images are decoded (or it is cancelled)
+                pending, self._inbox = self.images.split(pending, self._cancelled)
             cancelled, self._cancelled = self._cancelled, set()
         results: list[EngineResult] = []
         now = time.monotonic()

@@ -220,3 +220,14 @@ def calibrate_kv_scales(model: AnyModel, ids: list[int], device: torch.device) -
     ]
     model.set_kv_scales(scales)
     return scales
+
+
+def copy_kv_blocks(kv_caches: list[KVCache], axis: int, copies: list[tuple[int, int]]) -> None:
+    """Copy each (source, destination) block's K/V in every layer, along the cache layout's block axis."""
+    device = kv_caches[0][0].device
+    src = torch.tensor([a for a, _ in copies], device=device)
+    dst = torch.tensor([b for _, b in copies], device=device)
+    for k, v in kv_caches:
+        for cache in (k, v):
+            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # index ops on FP8
+            raw.index_copy_(axis, dst, raw.index_select(axis, src))

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from worker.engine.request import EngineRequest, RequestError
-from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
 from worker.engine_config import EngineConfig
 from worker.kernels.backend import Backend
@@ -146,16 +145,6 @@ class LoraManager:
     def set_step(self, step: LoraStep | None) -> None:
         """The adapters of the model's next forward pass."""
         self.state.step = step
-
-
-def lora_rows(batch: ScheduledBatch) -> list[int] | None:
-    """The rows of each of a step's sequences (ModelRunner.step_inputs packs them so): one per decoding
-    sequence, then each prompt chunk's tokens. None: one each (a decode step)."""
-    if batch.phase == "decode":
-        return None
-    nd = batch.num_decode if batch.phase != "prefill" else 0
-    chunks = batch.chunks or [len(s.prefill_ids) - s.num_computed for s in batch.seqs[nd:]]
-    return [1] * nd + chunks
 
 
 def lora_manager(cfg: EngineConfig, loaded: LoadedModel, backend: Backend) -> LoraManager | None:

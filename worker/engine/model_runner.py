@@ -24,12 +24,13 @@ from torch import Tensor
 
 from worker.engine.block_manager import TableRows
 from worker.engine.grammar import mask_logits
-from worker.engine.lora import lora_rows
+from worker.engine.kv_pool import copy_kv_blocks
 from worker.engine.params import GenerationParams
 from worker.engine.pooling import PoolRows, pool
 from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch, Tables
 from worker.engine.sequence import RowLogprobs, Sequence
+from worker.engine.step_extras import batch_rows, step_extras
 from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.llama import LlamaFamilyModel
@@ -50,6 +51,7 @@ _SAMPLING_ROWS_KEPT = 4096  # distinct sampling rows interned before the table s
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graphs import CudaGraphRunner
+    from worker.engine.images import Images
     from worker.engine.lora import LoraManager
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,7 @@ class ModelRunner:
         self._block_axis = next(i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
         self.graphs: CudaGraphRunner | None = None
         self.loras: LoraManager | None = None  # the engine's, where it serves LoRA adapters
+        self.images: Images | None = None  # the engine's, where its model takes images
         self._sampling_rows: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # sampling_row's
         self._rows_data: object = None  # the block manager's table buffer last viewed, and the view
         self._rows_view = torch.empty(0, 0, dtype=torch.int32)
@@ -162,12 +165,14 @@ class ModelRunner:
                 model, backend, self.kv_caches, block_size, num_blocks, max_num_seqs, max_model_len, device
             )
 
-    def _adapt(self, seqs: list[Sequence], counts: list[int] | None = None) -> bool:
-        """Set each row's LoRA adapter (`counts` rows per seq, default 1) for the next forward; -> any?"""
-        if self.loras is None:
-            return False
-        self.loras.set_step(step := self.loras.step_of(seqs, counts, self.device))
-        return step is not None
+    def _extras(self, seqs: list[Sequence], counts: list[int] | None, positions: Tensor) -> Tensor:
+        """Set the step's LoRA rows and image embeddings on the model (step_extras.py) for `seqs`, `counts`
+        rows each (default 1); -> the model's positions ([3, T] under M-RoPE with images)."""
+        if self.loras is None and self.images is None:
+            return positions
+        extras = step_extras(self.loras, self.images, seqs, counts, positions, self.device)
+        extras.apply(self.model)
+        return extras.positions(positions)
 
     def _tensor(self, data: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -300,15 +305,14 @@ class ModelRunner:
         """Run the forward pass, writing the batch's K/V into the pool. -> logits [S, vocab] float32 of
         the sequences sampled from, and which of the batch's sequences they are."""
         g = self.graphs
-        if self.loras is not None:  # graphs hold the base model's kernels only
-            g = None if self._adapt(batch.seqs, lora_rows(batch)) else g
         if batch.phase == "decode" and g is not None and g.can_run(len(batch.seqs), batch.block_tables):
             logits = g.run(
                 [s.last_token for s in batch.seqs], [s.num_tokens for s in batch.seqs], batch.block_tables
             )
             return logits, list(range(len(batch.seqs)))
         step = self.step_inputs(batch)
-        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
+        positions = self._extras(batch.seqs, batch_rows(batch), step.positions)
+        hidden = self.model(step.input_ids, positions, step.meta, self.kv_caches, self.backend)
         rows = hidden if step.every_row else hidden[step.logits_index]  # hidden: [T, hidden]
         return self.model.compute_logits(rows), step.sampled
 
@@ -327,19 +331,23 @@ class ModelRunner:
         if previous is not None:
             source = torch.frombuffer(array("q", map(_INFLIGHT_ROW, seqs)), dtype=torch.int64).to(self.device)
         threads = torch.get_num_threads()
-        adapters = None if self.loras is None else self.loras.step_of(seqs, None, self.device)
+        extras = None
+        if self.loras is not None or self.images is not None:
+            extras = step_extras(self.loras, self.images, seqs, None, step.positions, self.device)
 
         @torch.inference_mode()
         def work() -> DecodeDone:
             t0 = time.monotonic()
-            if self.loras is not None:  # set here: the step before it ran on this thread with its own
-                self.loras.set_step(adapters)
+            positions = step.positions
+            if extras is not None:  # set here: the step before it ran on this thread with its own
+                extras.apply(self.model)
+                positions = extras.positions(positions)
             if torch.get_num_threads() != threads:  # (OpenMP's thread count is each thread's own)
                 torch.set_num_threads(threads)
             ids = step.input_ids
             if previous is not None and source is not None:
                 ids = previous.result().tokens.index_select(0, source)
-            hidden = self.model(ids, step.positions, step.meta, self.kv_caches, self.backend)
+            hidden = self.model(ids, positions, step.meta, self.kv_caches, self.backend)
             tokens = self.sampler(self.model.compute_logits(hidden), sampling)
             return DecodeDone(tokens, time.monotonic() - t0)
 
@@ -369,8 +377,8 @@ class ModelRunner:
         """A step with embedding inputs among its chunks: their hidden states are pooled, never sampled
         from; the other sequences sample as in any step."""
         step = self.step_inputs(batch)
-        self._adapt(batch.seqs, lora_rows(batch))
-        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches, self.backend)
+        positions = self._extras(batch.seqs, batch_rows(batch), step.positions)
+        hidden = self.model(step.input_ids, positions, step.meta, self.kv_caches, self.backend)
         nd = batch.num_decode
         rows, at = [], nd  # the chunks' rows follow the decode rows, one each
         for j, n in enumerate(batch.chunks):
@@ -548,7 +556,7 @@ class ModelRunner:
                 sizes.append(len(label) + 1)
             per_seq.append(len(ids) - at)
         positions, meta, _ = self._packed(rows, lens, starts, context)
-        self._adapt(seqs, per_seq)
+        positions = self._extras(seqs, per_seq, positions)
         hidden = self.model(self._tensor(ids), positions, meta, self.kv_caches, self.backend)  # [T, hidden]
         picked = hidden[self._tensor(wanted)]
         target_t = self._tensor(targets)
@@ -587,14 +595,3 @@ class ModelRunner:
             out.append(ScoredLabels(sums[labels.start : labels.stop], per_label))
             at = labels.stop
         return out
-
-
-def copy_kv_blocks(kv_caches: list[KVCache], axis: int, copies: list[tuple[int, int]]) -> None:
-    """Copy each (source, destination) block's K/V in every layer, along the cache layout's block axis."""
-    device = kv_caches[0][0].device
-    src = torch.tensor([a for a, _ in copies], device=device)
-    dst = torch.tensor([b for _, b in copies], device=device)
-    for k, v in kv_caches:
-        for cache in (k, v):
-            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # index ops on FP8
-            raw.index_copy_(axis, dst, raw.index_select(axis, src))

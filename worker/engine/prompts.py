@@ -9,7 +9,7 @@ request's error result.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -18,6 +18,10 @@ from worker.engine.params import Constraint
 from worker.engine.reasoning import ReasoningMarkers, ReasoningState
 from worker.engine.request import EngineRequest, RequestError
 from worker.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from worker.engine.images import Images
+    from worker.models.vision import PreparedImages
 from worker.engine_config import Pooling
 
 MAX_LABEL_TOKENS = 64  # a `choices` label longer than this (tokenised alone) is refused
@@ -43,11 +47,12 @@ class PromptBuilder:
         self.matcher = matcher  # a fresh grammar matcher for a constraint (grammar.Grammars.matcher)
         self.reasoning = reasoning  # the model's reasoning markers (chat requests are split by them)
         self.hidden_size = hidden_size  # an embedding's full width (None: not checked)
+        self.images: Images | None = None  # a vision-language model's (engine/images.py)
 
     def sequence(self, req: EngineRequest, received: float) -> Sequence:
         """The request as a waiting Sequence; `received` (monotonic) starts its clock unless it has one."""
         params = req.params
-        ids = self.tokenize(req)
+        ids, prepared = self._with_images(req, self.tokenize(req))
         labels = self.label_ids(params.choices) if params.choices else None
         # A reasoning model's chat request thinks before it answers (vLLM applies its reasoning parsers to
         # chat requests alone); one whose template closed the thinking answers at once, like any other.
@@ -102,7 +107,7 @@ class PromptBuilder:
             if self.matcher is None:
                 raise RequestError("unsupported", "this engine cannot constrain outputs")
             matcher = self.matcher(params.constraint)
-        return Sequence(
+        seq = Sequence(
             request_id=req.request_id,
             params=params,
             prompt_ids=ids,
@@ -116,6 +121,21 @@ class PromptBuilder:
             reasoning=reasoning,
             reasoning_detokenizer=IncrementalDetokenizer(self.tokenizer) if reasoning is not None else None,
         )
+        if prepared is not None:
+            self._attach_images(seq, prepared)
+        return seq
+
+    def _with_images(self, req: EngineRequest, ids: list[int]) -> tuple[list[int], PreparedImages | None]:
+        """The prompt with its images' tokens in place (engine/images.py), and the images processed."""
+        if not req.images:
+            return ids, None
+        if self.images is None:
+            raise RequestError("unsupported", f"model {self.model_name!r} takes no images")
+        return self.images.expand(req, ids)
+
+    def _attach_images(self, seq: Sequence, prepared: PreparedImages) -> None:
+        assert self.images is not None
+        self.images.attach(seq, prepared)
 
     def embedding_sequences(self, req: EngineRequest, received: float, pooling: Pooling) -> list[Sequence]:
         """An embedding request's inputs as waiting prefill-only sequences, one per input."""

@@ -40,9 +40,11 @@ class EngineRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     # An embedding request: prefill only (no decode, no sampling), one pooled vector per input
     embedding: EmbeddingInputs | None = None
-    lora: str | None = (
-        None  # the LoRA adapter (EngineConfig.lora, lora_dir) that runs it; None: the base model
-    )
+    # the LoRA adapter (EngineConfig.lora, lora_dir) that runs it; None: the base model
+    lora: str | None = None
+    # An image request: each image part's encoded bytes, in the order of the parts across `messages` (whose
+    # content lists hold {"type": "image"} where each stands)
+    images: list[bytes] | None = None
 
 
 class RequestError(ValueError):

@@ -284,11 +284,11 @@ class Scheduler:
         bm = self.block_manager
         if bm.prefix_caching:  # without it there is nothing to register
             for seq in batch.seqs[: batch.num_decode]:
-                bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_tokens)
+                bm.cache_computed(seq.request_id, seq.hashed_prompt, seq.output_ids, seq.num_tokens)
         done: list[Sequence] = []
         for seq, chunk in zip(batch.seqs[batch.num_decode :], batch.chunks, strict=True):
             seq.num_computed += chunk
-            bm.cache_computed(seq.request_id, seq.prompt_ids, seq.output_ids, seq.num_computed)
+            bm.cache_computed(seq.request_id, seq.hashed_prompt, seq.output_ids, seq.num_computed)
             if seq.num_computed == len(seq.prefill_ids):
                 seq.prefilled = True
                 done.append(seq)
@@ -415,7 +415,7 @@ class Scheduler:
                 break
             ids = seq.prefill_ids
             if seq.prompt_hashes is None:
-                seq.prompt_hashes = bm.prompt_hashes(ids, seq.lora_digest)
+                seq.prompt_hashes = bm.prompt_hashes(seq.hashed_prefill, seq.lora_digest)
             mean = seq.pooling == "mean"  # every input token's hidden state is needed: computed, not cached
             hit = PrefixHit() if mean else bm.match_prefix(seq.prompt_hashes)
             if not mean and hit.end < len(seq.prompt_hashes) and seq.prompt_hashes[hit.end] in computing:

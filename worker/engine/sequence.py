@@ -96,6 +96,11 @@ class Sequence:
     lora: str | None = None
     lora_digest: str = ""
     lora_slot: int = -1
+    # An image request (engine/images.py): its images' embeddings, M-RoPE positions and placeholders' rows;
+    # and its prompt as the prefix cache hashes it (an image's tokens named by the image's content, not by
+    # the one placeholder id every image's tokens share)
+    vision: Any = None
+    hash_ids: list[int] | None = None
 
     def settle_text(self) -> None:
         """Bring `text` up to its generated ids where it waits (defer_text): the detokenizer takes the ids it
@@ -118,6 +123,16 @@ class Sequence:
     def prefill_ids(self) -> list[int]:
         """What a prefill computes: the prompt, and after a preemption the tokens generated so far too."""
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def hashed_prompt(self) -> list[int]:
+        """The prompt as the prefix cache hashes it (hash_ids where images are in it)."""
+        return self.prompt_ids if self.hash_ids is None else self.hash_ids
+
+    @property
+    def hashed_prefill(self) -> list[int]:
+        """prefill_ids as the prefix cache hashes them."""
+        return self.hashed_prompt + self.output_ids if self.output_ids else self.hashed_prompt
 
     @property
     def remaining_tokens(self) -> int:

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from worker.engine.assembly import build_model
-from worker.engine.model_runner import copy_kv_blocks
+from worker.engine.kv_pool import copy_kv_blocks
 from worker.engine_config import EngineConfig
 from worker.kernels.backend import Backend, torch_backend
 from worker.models.layers import AttentionMetadata, KVCache

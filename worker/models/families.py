@@ -50,6 +50,8 @@ SUPPORTED: dict[str, Family] = {
     "phi3": Family(windows="every_layer"),
     "qwen2": Family(qkv_bias=True, windows="layer_types"),
     "qwen3": Family(qk_norm="head", windows="layer_types"),
+    "qwen2_vl": Family(text_config=True),  # its vision tower runs beside the decoder (models/vision.py)
+    "qwen2_vl_text": Family(qkv_bias=True, windows="layer_types"),
 }
 
 
@@ -66,13 +68,20 @@ TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", 
                  ("language_model.lm_head.", "lm_head."))  # fmt: skip
 
 
+# What an image-text checkpoint holds beside its decoder, where the decoder's own tensors are "model.*"
+# (Qwen2-VL's original layout keeps its decoder there and its tower under "visual.")
+NOT_TEXT = ("model.vision_tower.", "model.multi_modal_projector.", "model.visual.", "visual.")
+
+
 def text_weight(name: str) -> str | None:
     """An image-text checkpoint's tensor `name` as the text decoder's causal LM names it, or None (not the
     decoder's)."""
     for prefix, ours in TEXT_PREFIXES:
         if name.startswith(prefix):
             return ours + name.removeprefix(prefix)
-    return name if name.startswith("lm_head.") else None
+    if name.startswith(NOT_TEXT):
+        return None
+    return name if name.startswith(("lm_head.", "model.")) else None
 
 
 def check_architecture(

@@ -240,7 +240,12 @@ class RotaryTable(nn.Module):
     """
 
     def __init__(
-        self, inv_freq: Tensor, attention_scaling: float, max_len: int, long: tuple[Tensor, int] | None = None
+        self,
+        inv_freq: Tensor,
+        attention_scaling: float,
+        max_len: int,
+        long: tuple[Tensor, int] | None = None,
+        mrope_section: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         pos = torch.arange(max_len, dtype=torch.float32)
@@ -252,9 +257,25 @@ class RotaryTable(nn.Module):
         self.dim = emb.shape[1]
         self.cos = nn.Buffer(emb.cos() * attention_scaling, persistent=False)  # [max_len, dim]
         self.sin = nn.Buffer(emb.sin() * attention_scaling, persistent=False)
+        # M-RoPE: which of a token's (temporal, height, width) positions each column rotates by: the
+        # frequencies in mrope_section's runs, the runs taking the three in turn (Hugging Face's
+        # recomposition), the same for both halves
+        self.component: Tensor | None
+        component = None
+        if mrope_section is not None:
+            half = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+            assert half.numel() == self.dim // 2, "mrope_section must cover the rotary frequencies"
+            component = torch.cat((half, half))
+        self.register_buffer("component", component, persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        # positions: [T] -> cos, sin: [T, 1, head_dim]
+        # positions: [T], or [3, T] under M-RoPE (each token's temporal, height, width) -> cos, sin:
+        # [T, 1, head_dim]
+        if positions.dim() == 2:
+            assert self.component is not None, "three positions per token need M-RoPE's sections"
+            rows = positions[self.component].t().contiguous()  # [T, dim]: each column's position
+            cols = torch.arange(self.dim, device=positions.device)
+            return self.cos[rows, cols].to(dtype).unsqueeze(1), self.sin[rows, cols].to(dtype).unsqueeze(1)
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 

@@ -194,6 +194,7 @@ class LlamaFamilyModel(nn.Module):
         self.logits_scaling = spec.logits_scaling
         self._stack: tuple[list[KVCache], DecodeStack | None] | None = None  # (its caches, the stack)
         self.lora: LoraState | None = None  # where LoRA adapters are served (enable_lora)
+        self.injected: tuple[Tensor, Tensor] | None = None  # this step's (rows, embeddings) of images' tokens
 
     @property
     def decode_stack_unsupported(self) -> str | None:
@@ -207,6 +208,8 @@ class LlamaFamilyModel(nn.Module):
             return "OLMo 2's norms: after each sublayer, and over whole q / k projections"
         if self.rotary.dim != self.spec.head_dim:
             return "a partial rotary factor"
+        if self.spec.mrope_section is not None:
+            return "M-RoPE (three positions per token)"
         if any(lin.in_perm is not None for lin in self.linears()):
             return "an input permutation (GPTQ act-order)"
         return None
@@ -340,6 +343,8 @@ class LlamaFamilyModel(nn.Module):
     ) -> Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         h = self.embed(input_ids)
+        if self.injected is not None:  # images' embeddings at their tokens (this step's, set by the runner)
+            h = h.index_copy(0, self.injected[0], self.injected[1].to(h.dtype))
         adapted = self.lora is not None and self.lora.step is not None  # the stack runs base weights only
         if (
             meta.phase == "decode"

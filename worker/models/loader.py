@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import sys
 from collections.abc import Iterator
@@ -33,6 +34,9 @@ from worker.models.quant_formats import QuantFormatError, quant_config
 from worker.models.resolve import gguf_checkpoint, gguf_source, resolve_checkpoint, weights_folder
 from worker.models.sharding import ShardingError
 from worker.models.spec import UnsupportedLayers, activation
+
+# M-RoPE decoders' rotary modules (a text decoder of an image-text model, without a causal LM class)
+MROPE_ROTARY = {"qwen2_vl_text": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLRotaryEmbedding")}
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +64,9 @@ class LoadedModel:
     # A checkpoint of the bare decoder with no LM head (Qwen3-Embedding-8B): its tied table stands in for the
     # head it lacks, and it answers embedding requests only
     embedding_only: bool = False
+    vision: Any = (
+        None  # an image-text model's vision side (models/vision.py VisionTower), where it runs images
+    )
 
 
 def collect_eos_ids(hf_config: Any, generation_config: Any) -> list[int]:
@@ -157,7 +164,7 @@ def load_model(
         gen_config = GenerationConfig.from_model_config(hf_config)
     max_len = context_length(decoder)
     ours: LlamaFamilyModel | TransformersModel
-    headless = False
+    headless, vision = False, None
     gguf = gguf_source(ckpt)  # a GGUF's metadata folder: its weights are in the file
     if tp is not None and tp.size > 1 and path != "native":
         raise ModelLoadError(f"model {model!r} runs on the transformers fallback, which has no tensor "
@@ -170,6 +177,7 @@ def load_model(
             ours, headless = _native(
                 model, weights_folder(ckpt), hf_config, decoder, max_len, dtype, device, tp
             )
+            vision = _vision(model, weights_folder(ckpt), hf_config, dtype, device, tp)
     else:  # Hugging Face's model, from the dequantised checkpoint of a GGUF
         source = str(gguf_checkpoint(gguf)) if gguf else ckpt
         ours = _fallback(model, source, max_len, fallback_dtype or dtype, device)
@@ -186,7 +194,22 @@ def load_model(
         checkpoint_dir=ckpt,
         implementation=path,
         embedding_only=headless,
+        vision=vision,
     )
+
+
+def _vision(
+    model: str, folder: Path, hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TPGroup | None
+) -> Any:
+    """An image-text checkpoint's vision side where batchq runs its images (models/vision.py), else None."""
+    from worker.models.vision import ImageError, load_vision
+
+    if tp is not None and tp.size > 1:
+        return None  # (a tensor-parallel engine serves such a model's text only)
+    try:
+        return load_vision(folder, hf_config, dtype, device)
+    except ImageError as e:
+        raise ModelLoadError(f"model {model!r}: {e}") from None
 
 
 def _fallback(
@@ -368,10 +391,14 @@ def _rotary(
 
     from worker.models.layers import RotaryTable
 
-    cls = causal_lm_class(model, hf_config)
-    rotary_cls = getattr(
-        sys.modules[cls.__module__], cls.__name__.removesuffix("ForCausalLM") + "RotaryEmbedding"
-    )
+    mrope = MROPE_ROTARY.get(str(getattr(hf_config, "model_type", None)))
+    if mrope is not None:  # a vision-language decoder: no causal LM class of its own
+        rotary_cls = getattr(importlib.import_module(mrope[0]), mrope[1])
+    else:
+        cls = causal_lm_class(model, hf_config)
+        rotary_cls = getattr(
+            sys.modules[cls.__module__], cls.__name__.removesuffix("ForCausalLM") + "RotaryEmbedding"
+        )
     rotary_hf = rotary_cls(config=hf_config)
     if hasattr(rotary_hf, "inv_freq"):
         tables = [(rotary_hf.inv_freq, rotary_hf.attention_scaling), None]
@@ -395,6 +422,9 @@ def _rotary(
             long_rope[1], long_rope[1], long_rope[1],
         )  # fmt: skip
     with torch.device(device):  # float32 (exact), cast per step
-        main = RotaryTable(inv_freq, float(tables[0][1]), max_len, long_rope)
+        section = getattr(rotary_hf, "mrope_section", None) if mrope is not None else None
+        main = RotaryTable(
+            inv_freq, float(tables[0][1]), max_len, long_rope, tuple(section) if section else None
+        )
         local = tables[1]
         return main, None if local is None else RotaryTable(local[0].to(device), float(local[1]), max_len)

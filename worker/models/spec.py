@@ -24,7 +24,8 @@ LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # the types 
 # The MLP activations the native decoder computes, by transformers' ACT2FN names (Gemma's tanh GELU too)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 HIDDEN_ACTIVATION = ("gemma2", "gemma3_text")  # model types whose MLP reads config.hidden_activation
-TEXT_CONFIG = {"gemma3": "gemma3_text"}  # image-text model types -> their decoder's (in text_config)
+# image-text model types -> their decoder's (in text_config)
+TEXT_CONFIG = {"gemma3": "gemma3_text", "qwen2_vl": "qwen2_vl_text"}
 
 
 def activation(cfg: Any) -> Any:
@@ -157,6 +158,9 @@ class DecoderSpec:
     embedding_normalizer: float | None = None
     final_softcap: float | None = None
     local_rope: bool = False
+    # M-RoPE (Qwen2-VL): the rotary frequencies in sections of (temporal, height, width) positions, in
+    # pairs of head dims; None: one position per token
+    mrope_section: tuple[int, ...] | None = None
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None for full attention."""
@@ -193,6 +197,7 @@ class DecoderSpec:
             attention_multiplier = float(cfg.query_pre_attn_scalar) ** -0.5
         rope = getattr(cfg, "rope_parameters", None)
         local_rope = gemma and isinstance(rope, dict) and "sliding_attention" in rope
+        mrope = rope.get("mrope_section") if isinstance(rope, dict) else None
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -223,4 +228,5 @@ class DecoderSpec:
             embedding_normalizer=float(cfg.hidden_size) ** 0.5 if gemma else None,
             final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
             local_rope=local_rope,
+            mrope_section=tuple(int(x) for x in mrope) if mrope else None,
         )

@@ -1,0 +1,140 @@
+"""Images through the engine library on a tiny random Qwen2-VL (its vision tower, merger and decoder random,
+norms and biases perturbed): requests of 1-3 images of different sizes and text-only requests in one batch
+answer as Hugging Face's float32 generate does, token for token; `choices` over an image scores its labels
+as HF's log-probabilities do (within 1e-4). The prefix cache reuses an image's KV for another question about
+it, and never gives one image's KV to another image behind the same text. Bad images are refused alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.tiny_models import EOS_ID
+from tests.tiny_vision import IMAGE_PAD, build_tiny_qwen2_vl, hf_vl, hf_vl_generate, hf_vl_logprobs, png
+from worker.engine.engine import Engine
+from worker.engine.params import GenerationParams
+from worker.engine.request import EngineRequest
+from worker.engine_config import EngineConfig
+
+LABELS = ("cat", "dog", "bird")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Engine, Any]:
+    path = build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"), seed=3)
+    engine = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_gb=0.02,
+                                      block_size=4))  # fmt: skip
+    return path, engine, hf_vl(path)
+
+
+def chat(n_images: int, question: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+def reference_inputs(
+    engine: Engine, messages: list[dict[str, Any]], images: list[bytes]
+) -> tuple[list[int], Any, Any]:
+    """What HF's Qwen2-VL processor gives: the template's ids with each image's placeholder repeated to its
+    tokens, the images' patches and grids (its PIL image processor, from the checkpoint's config)."""
+    import io
+
+    from PIL import Image
+
+    tok = engine.tokenizer
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False).input_ids  # fmt: skip
+    if not images:
+        return ids, None, None
+    assert engine.images is not None
+    proc = engine.images.tower.processor
+    out = proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+    grids = out["image_grid_thw"]
+    expanded, it = [], iter(grids)
+    for t in ids:
+        expanded += [IMAGE_PAD] * int(next(it).prod() // 4) if t == IMAGE_PAD else [t]
+    return expanded, out["pixel_values"], grids
+
+
+def test_image_and_text_rows_answer_as_hf_generate(tiny: tuple[Path, Engine, Any]) -> None:
+    _, engine, hf = tiny
+    assert engine.takes_images
+    cases = [
+        (chat(1, "What is in this picture?"), [png(56, 56, 1)]),
+        (chat(2, "Compare them."), [png(84, 56, 2), png(60, 90, 3)]),
+        (chat(3, "Three?"), [png(30, 30, 4), png(112, 56, 5), png(56, 84, 6)]),
+        ([{"role": "user", "content": "Only text here, no image at all."}], []),
+        (chat(1, "Describe it."), [png(56, 56, 1)]),  # the first image again, another question
+    ]
+    greedy = GenerationParams(max_new_tokens=8, temperature=0.0)
+    reqs = [
+        EngineRequest(f"r{i}", greedy, messages=m, images=imgs or None) for i, (m, imgs) in enumerate(cases)
+    ]
+    results = engine.generate(reqs)
+    for (messages, images), res in zip(cases, results, strict=True):
+        assert res.error is None, res.error
+        ids, pixels, grids = reference_inputs(engine, messages, images)
+        assert res.prompt_tokens == len(ids)
+        assert res.token_ids == hf_vl_generate(hf, ids, pixels, grids, 8), res.request_id
+    # the same image asked another question: its blocks came from the prefix cache
+    assert results[4].cached_tokens > 0
+
+
+def test_choices_over_an_image_score_as_hf(tiny: tuple[Path, Engine, Any]) -> None:
+    _, engine, hf = tiny
+    messages, images = chat(1, "Which animal?"), [png(70, 56, 9)]
+    label = GenerationParams(max_new_tokens=1, temperature=0.0, choices=LABELS)
+    (res,) = engine.generate([EngineRequest("l", label, messages=messages, images=images)])
+    assert res.label_scores is not None
+    ids, pixels, grids = reference_inputs(engine, messages, images)
+    for score, lab in zip(res.label_scores, engine.prompts.label_ids(LABELS), strict=True):
+        lp = hf_vl_logprobs(hf, ids + lab, pixels, grids)
+        want = sum(float(lp[len(ids) - 1 + i, t]) for i, t in enumerate([*lab, EOS_ID]))
+        assert abs(score.logprob - want) < 1e-4, (score.label, score.logprob, want)
+
+
+def test_another_image_behind_the_same_text_gets_no_cached_kv(tiny: tuple[Path, Engine, Any]) -> None:
+    _, engine, hf = tiny
+    greedy = GenerationParams(max_new_tokens=4, temperature=0.0)
+    messages = chat(1, "Same words each time, a different picture.")
+    first = engine.generate([EngineRequest("a", greedy, messages=messages, images=[png(56, 56, 20)])])[0]
+    second = engine.generate([EngineRequest("b", greedy, messages=messages, images=[png(56, 56, 21)])])[0]
+    # the text before the image may be shared; no block holding an image token is
+    assert second.cached_tokens <= 4 * (
+        (len(reference_inputs(engine, messages, [png(56, 56, 21)])[0]) - 1) // 4
+    )
+    ids, pixels, grids = reference_inputs(engine, messages, [png(56, 56, 21)])
+    first_image = ids.index(IMAGE_PAD)
+    assert second.cached_tokens <= first_image
+    assert second.token_ids == hf_vl_generate(hf, ids, pixels, grids, 4)
+    assert first.error is None
+
+
+def test_bad_images_are_refused_alone(tiny: tuple[Path, Engine, Any]) -> None:
+    _, engine, _ = tiny
+    greedy = GenerationParams(max_new_tokens=2, temperature=0.0)
+    out = engine.generate([
+        EngineRequest("bad", greedy, messages=chat(1, "?"), images=[b"not an image"]),
+        EngineRequest("mismatch", greedy, messages=chat(2, "?"), images=[png(56, 56, 1)]),
+        EngineRequest("good", greedy, messages=chat(1, "?"), images=[png(56, 56, 1)]),
+    ])  # fmt: skip
+    assert out[0].error is not None and "image 0: not a decodable image" in out[0].error.message
+    assert out[1].error is not None and "2 image placeholders for 1 images" in out[1].error.message
+    assert out[2].error is None
+
+
+def test_a_text_model_refuses_images(tmp_path: Path) -> None:
+    from tests.tiny_models import build_tiny_checkpoint
+
+    e = Engine.load(EngineConfig(model=str(build_tiny_checkpoint(tmp_path / "t", "llama")), device="cpu",
+                                 dtype="float32", kv_cache_gb=0.01))  # fmt: skip
+    assert not e.takes_images
+    (res,) = e.generate([EngineRequest("x", GenerationParams(max_new_tokens=2), messages=chat(1, "?"),
+                                       images=[png(56, 56, 1)])])  # fmt: skip
+    assert (
+        res.error is not None and res.error.type == "unsupported" and "takes no images" in res.error.message
+    )
+    _ = torch  # (torch imported for the fixtures' tensors)

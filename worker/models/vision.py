@@ -1,0 +1,171 @@
+"""An image-text checkpoint's vision side, beside batchq's own decoder: the image processor that turns an
+image into patches (the checkpoint's preprocessor_config.json through Hugging Face's PIL backend: no
+torchvision), the vision tower that turns them into embeddings at the decoder's width (Hugging Face's own
+module, its weights from the checkpoint's files), and where the embeddings go in the prompt.
+
+Qwen2-VL: an image of grid (t, h, w) patches takes t * h * w / merge^2 `<|image_pad|>` tokens (the chat
+template writes one per image; `expand` repeats it), and its tokens rotate by three positions each (M-RoPE:
+temporal, height, width; `mrope_positions`, Hugging Face's get_rope_index for one sequence).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# The tower's tensors in an image-text checkpoint, by layout: Qwen2-VL's original names and transformers'
+# newer ones.
+TOWER_PREFIXES = ("visual.", "model.visual.")
+
+
+class ImageError(ValueError):
+    """An image the model cannot take (undecodable, or of a mode or size the processor refuses)."""
+
+
+@dataclass
+class PreparedImages:
+    """A request's images, processed: patches [N, C * t * p * p] of all of them, each one's grid (t, h, w)
+    of patches, the decoder tokens each takes, and each one's content digest (sha256 of its bytes)."""
+
+    pixel_values: Tensor
+    grids: list[tuple[int, int, int]]
+    tokens: list[int]
+    digests: list[str]
+
+
+class VisionTower:
+    """hf_config: the image-text model's config (its vision_config, the image token's id)."""
+
+    def __init__(self, folder: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        vision = hf_config.vision_config
+        self.image_token_id = int(hf_config.image_token_id)
+        self.merge = int(vision.spatial_merge_size)
+        self.dtype, self.device = dtype, device
+        processor = folder / "preprocessor_config.json"
+        settings = json.loads(processor.read_text()) if processor.is_file() else {}
+        settings = {k: v for k, v in settings.items() if k not in ("image_processor_type", "processor_class")}
+        settings.setdefault("patch_size", vision.patch_size)
+        settings.setdefault("temporal_patch_size", vision.temporal_patch_size)
+        settings.setdefault("merge_size", self.merge)
+        self.processor = Qwen2VLImageProcessorPil(**settings)
+        with torch.device("meta"):
+            tower = Qwen2VisionTransformerPretrainedModel._from_config(vision, dtype=dtype)  # type: ignore[no-untyped-call]
+        state = _tower_weights(folder)
+        tower.load_state_dict(state, strict=True, assign=True)
+        # (the rotary's inv_freq buffers Hugging Face computes; they are no checkpoint tensors)
+        inv_freq = tower.rotary_pos_emb.compute_axial_rope_parameters(vision)[0]
+        tower.rotary_pos_emb.inv_freq, tower.rotary_pos_emb.original_inv_freq = inv_freq, inv_freq.clone()
+        left = [n for n, b in tower.named_buffers() if b.is_meta]
+        assert not left, f"vision tower buffers not set: {left}"
+        self.tower = tower.to(device=device, dtype=dtype).eval()
+        log.info("vision tower: %d blocks, %d patches of %d px per token side; images merged %dx%d per token",
+                 vision.depth, vision.patch_size, vision.patch_size, self.merge, self.merge)  # fmt: skip
+
+    def prepare(self, images: list[bytes]) -> PreparedImages:
+        """Decode and process a request's images (CPU work, off the engine's step): ImageError names which
+        image cannot be taken."""
+        from PIL import Image
+
+        pixels, grids, tokens, digests = [], [], [], []
+        for i, data in enumerate(images):
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    rgb = im.convert("RGB")
+            except Exception as e:  # Pillow raises several types for a file it cannot decode
+                raise ImageError(f"image {i}: not a decodable image ({e})") from None
+            out = self.processor(images=[rgb], return_tensors="pt")
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            pixels.append(out["pixel_values"])
+            grids.append((grid[0], grid[1], grid[2]))
+            tokens.append(grid[0] * grid[1] * grid[2] // self.merge**2)
+            digests.append(hashlib.sha256(data).hexdigest())
+        return PreparedImages(torch.cat(pixels), grids, tokens, digests)
+
+    @torch.inference_mode()
+    def encode(self, prepared: PreparedImages) -> list[Tensor]:
+        """Each image's embeddings [tokens, decoder hidden], one image per call of the tower: an image's
+        numbers never depend on the others encoded beside it."""
+        out, at = [], 0
+        for (t, h, w), n in zip(prepared.grids, prepared.tokens, strict=True):
+            patches = prepared.pixel_values[at : at + t * h * w].to(self.device, self.dtype)
+            at += t * h * w
+            grid = torch.tensor([[t, h, w]], device=self.device)
+            emb = self.tower(patches, grid_thw=grid).pooler_output
+            assert emb.shape[0] == n, f"the tower gave {emb.shape[0]} embeddings for an image of {n} tokens"
+            out.append(emb)
+        return out
+
+    def expand(self, ids: list[int], tokens: list[int]) -> list[int]:
+        """The prompt's ids with each image's one placeholder repeated to the tokens it takes (in order);
+        ImageError where the prompt's placeholders and the images do not pair up."""
+        found = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(found) != len(tokens):
+            raise ImageError(f"the prompt has {len(found)} image placeholders for {len(tokens)} images")
+        out, last = [], 0
+        for at, n in zip(found, tokens, strict=True):
+            out += ids[last:at] + [self.image_token_id] * n
+            last = at + 1
+        return out + ids[last:]
+
+    def mrope_positions(self, ids: list[int], grids: list[tuple[int, int, int]]) -> tuple[Tensor, int]:
+        """Each prompt token's (temporal, height, width) positions [3, len] and the delta that later tokens
+        add to their own position (Hugging Face's get_rope_index): text runs count on from the largest
+        position so far; an image's tokens take its grid's coordinates after it."""
+        cols: list[Tensor] = []
+        cur, i, image = 0, 0, iter(grids)
+        while i < len(ids):
+            j = i
+            is_image = ids[i] == self.image_token_id
+            while j < len(ids) and (ids[j] == self.image_token_id) == is_image:
+                j += 1
+            if not is_image:
+                cols.append(torch.arange(cur, cur + j - i).expand(3, -1))
+                cur += j - i
+            else:
+                t, h, w = next(image)
+                gh, gw = h // self.merge, w // self.merge
+                tt, hh, ww = torch.meshgrid(
+                    torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"
+                )
+                cols.append(torch.stack([tt, hh, ww]).reshape(3, -1) + cur)
+                cur += max(gh, gw)
+            i = j
+        pos = torch.cat(cols, dim=1) if cols else torch.zeros(3, 0, dtype=torch.int64)
+        return pos, int(pos.max()) + 1 - len(ids) if len(ids) else 0
+
+
+def _tower_weights(folder: Path) -> dict[str, Tensor]:
+    from safetensors import safe_open
+
+    state: dict[str, Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                for prefix in TOWER_PREFIXES:
+                    if name.startswith(prefix):
+                        state[name.removeprefix(prefix)] = st.get_tensor(name)
+    if not state:
+        raise ImageError(
+            f"{folder}: no vision tower tensors ({' / '.join(TOWER_PREFIXES)}*) in its safetensors"
+        )
+    return state
+
+
+def load_vision(folder: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> VisionTower | None:
+    """The vision side of an image-text checkpoint batchq runs images through (Qwen2-VL), else None."""
+    if getattr(hf_config, "model_type", None) != "qwen2_vl":
+        return None
+    return VisionTower(folder, hf_config, dtype, device)
