@@ -104,3 +104,33 @@ def hf_vl_logprobs(
         kwargs = {"pixel_values": pixel_values, "image_grid_thw": grids,
                   "mm_token_type_ids": (input_ids == IMAGE_PAD).int()}  # fmt: skip
     return torch.log_softmax(hf(input_ids=input_ids, **kwargs).logits[0].float(), dim=-1)
+
+
+LLAVA_PREPROCESSOR = {"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28},
+                      "image_mean": [0.48, 0.46, 0.41], "image_std": [0.27, 0.26, 0.28]}  # fmt: skip
+
+
+def build_tiny_llava(path: Path, seed: int = 0) -> Path:
+    """A tiny random LLaVA-1.5 (LlavaForConditionalGeneration: a 2-layer CLIP tower of 28 px images in 14 px
+    patches, so 4 tokens an image, a projector and a Llama decoder), with the vision tokenizer (its image
+    placeholder is <|image_pad|>) and a preprocessor_config.json for its PIL image processor."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=28, patch_size=14, projection_dim=32)  # fmt: skip
+    text = LlamaConfig(vocab_size=VL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)  # fmt: skip
+    cfg = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_index=IMAGE_PAD,
+                      vision_feature_layer=-2, vision_feature_select_strategy="default", image_seq_length=4,
+                      tie_word_embeddings=False)  # fmt: skip
+    model = LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * NORM_NOISE)
+    model.save_pretrained(path)
+    vl_tokenizer().save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(LLAVA_PREPROCESSOR))
+    return path

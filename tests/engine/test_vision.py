@@ -2,7 +2,8 @@
 norms and biases perturbed): requests of 1-3 images of different sizes and text-only requests in one batch
 answer as Hugging Face's float32 generate does, token for token; `choices` over an image scores its labels
 as HF's log-probabilities do (within 1e-4). The prefix cache reuses an image's KV for another question about
-it, and never gives one image's KV to another image behind the same text. Bad images are refused alone."""
+it, and never gives one image's KV to another image behind the same text. Bad images are refused alone.
+A tiny LLaVA-1.5 (CLIP tower, projector, Llama decoder) answers as its HF generate too."""
 
 from __future__ import annotations
 
@@ -138,3 +139,41 @@ def test_a_text_model_refuses_images(tmp_path: Path) -> None:
         res.error is not None and res.error.type == "unsupported" and "takes no images" in res.error.message
     )
     _ = torch  # (torch imported for the fixtures' tensors)
+
+
+def test_llava_image_and_text_rows_answer_as_hf_generate(tmp_path: Path) -> None:
+    import io
+
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration
+
+    from tests.tiny_vision import build_tiny_llava
+
+    path = build_tiny_llava(tmp_path / "llava", seed=2)
+    e = Engine.load(
+        EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_gb=0.02, block_size=4)
+    )
+    hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    cases = [(chat(2, "What differs?"), [png(56, 40, 1), png(30, 60, 2)]), (chat(1, "And this?"), [png(80, 80, 3)]),
+             ([{"role": "user", "content": "Text alone."}], [])]  # fmt: skip
+    greedy = GenerationParams(max_new_tokens=8, temperature=0.0)
+    out = e.generate([EngineRequest(f"r{i}", greedy, messages=m, images=imgs or None)
+                      for i, (m, imgs) in enumerate(cases)])  # fmt: skip
+    tok = e.tokenizer
+    for (messages, images), res in zip(cases, out, strict=True):
+        assert res.error is None, res.error
+        ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False).input_ids  # fmt: skip
+        expanded = [
+            x for t in ids for x in ([IMAGE_PAD] * 4 if t == IMAGE_PAD else [t])
+        ]  # 28 px / 14: 4 tokens
+        x = torch.tensor([expanded])
+        kwargs: dict[str, Any] = {}
+        if images:
+            assert e.images is not None
+            rgb = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+            kwargs["pixel_values"] = e.images.tower.processor(images=rgb, return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            want = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                               **kwargs)[0, len(expanded) :].tolist()  # fmt: skip
+        assert res.token_ids == want, res.request_id

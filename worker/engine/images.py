@@ -9,6 +9,7 @@ never depend on what else is encoded), and each step places them at their tokens
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ class SeqImages:
     token's row in `embeds` (-1: not an image's)."""
 
     prepared: PreparedImages
-    positions: Tensor
+    positions: Tensor | None  # None: a decoder of one position per token (LLaVA)
     delta: int
     feature_row: Tensor
     embeds: Tensor | None = None
@@ -40,11 +41,21 @@ class Images:
         self.tower = tower
         self._pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="batchq-images")
         self._prep: dict[str, Future[PreparedImages]] = {}
+        # seconds spent decoding and processing images (summed over the threads) and in the tower
+        self.prepare_s = self.encode_s = 0.0
+        self.images = 0
 
     def start(self, req: EngineRequest) -> None:
         """Begin decoding the request's images (thread-safe: called where the request is added)."""
         if req.images:
-            self._prep[req.request_id] = self._pool.submit(self.tower.prepare, req.images)
+            self._prep[req.request_id] = self._pool.submit(self._prepare, req.images)
+
+    def _prepare(self, images: list[bytes]) -> PreparedImages:
+        t0 = time.perf_counter()
+        try:
+            return self.tower.prepare(images)
+        finally:
+            self.prepare_s += time.perf_counter() - t0  # (a float add: no lock needed for a statistic)
 
     def ready(self, req: EngineRequest) -> bool:
         fut = self._prep.get(req.request_id)
@@ -77,7 +88,7 @@ class Images:
     def attach(self, seq: Sequence, prepared: PreparedImages) -> None:
         """The sequence's SeqImages and its prompt as the prefix cache hashes it."""
         ids = seq.prompt_ids
-        positions, delta = self.tower.mrope_positions(ids, prepared.grids)
+        positions, delta = self.tower.mrope_positions(ids, prepared.grids) if self.tower.mrope else (None, 0)
         image = torch.tensor(ids) == self.tower.image_token_id
         feature_row = torch.full((len(ids),), -1, dtype=torch.int64)
         feature_row[image] = torch.arange(int(image.sum()))
@@ -96,14 +107,17 @@ class Images:
     def encode(self, seq: Sequence) -> Tensor:
         vision: SeqImages = seq.vision
         if vision.embeds is None:
+            t0 = time.perf_counter()
             vision.embeds = torch.cat(self.tower.encode(vision.prepared))
+            self.encode_s += time.perf_counter() - t0
+            self.images += len(vision.prepared.tokens)
         return vision.embeds
 
 
 @dataclass
 class StepImages:
-    """A step's M-RoPE positions [3, T] and the (rows, embeddings) of its images' tokens, or None where no
-    image token is computed."""
+    """A step's positions ([3, T] under M-RoPE) and the (rows, embeddings) of its images' tokens (None where
+    no image token is computed)."""
 
     positions: Tensor
     injected: tuple[Tensor, Tensor] | None
@@ -119,7 +133,7 @@ def step_images(
         return None
     counts = counts or [1] * len(seqs)
     pos = positions.cpu()
-    three = pos.expand(3, -1).clone()
+    three = pos.expand(3, -1).clone() if images.tower.mrope else None
     rows: list[Tensor] = []
     values: list[Tensor] = []
     at = 0
@@ -127,9 +141,10 @@ def step_images(
         vision: SeqImages | None = seq.vision
         if vision is not None:
             p = pos[at : at + n]
-            prompt = p < vision.positions.shape[1]
-            inside = p.clamp(max=vision.positions.shape[1] - 1)
-            three[:, at : at + n] = torch.where(prompt, vision.positions[:, inside], p + vision.delta)
+            prompt = p < vision.feature_row.shape[0]
+            inside = p.clamp(max=vision.feature_row.shape[0] - 1)
+            if three is not None and vision.positions is not None:
+                three[:, at : at + n] = torch.where(prompt, vision.positions[:, inside], p + vision.delta)
             feature = torch.where(prompt, vision.feature_row[inside], -1)
             hit = (feature >= 0).nonzero().flatten()
             if hit.numel():
@@ -140,4 +155,4 @@ def step_images(
     injected = None
     if rows:
         injected = (torch.cat(rows).to(device), torch.cat(values).to(device))
-    return StepImages(three.to(device), injected)
+    return StepImages(positions if three is None else three.to(device), injected)

@@ -51,6 +51,7 @@ SUPPORTED: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True, windows="layer_types"),
     "qwen3": Family(qk_norm="head", windows="layer_types"),
     "qwen2_vl": Family(text_config=True),  # its vision tower runs beside the decoder (models/vision.py)
+    "llava": Family(text_config=True),  # LLaVA-1.5: a CLIP tower and projector beside its text family
     "qwen2_vl_text": Family(qkv_bias=True, windows="layer_types"),
 }
 

@@ -1,9 +1,9 @@
 """An image-text checkpoint's vision side, beside batchq's own decoder: the image processor that turns an
 image into patches (the checkpoint's preprocessor_config.json through Hugging Face's PIL backend: no
 torchvision), the vision tower that turns them into embeddings at the decoder's width (Hugging Face's own
-module, its weights from the checkpoint's files), and where the embeddings go in the prompt.
+modules, their weights from the checkpoint's files), and where the embeddings go in the prompt.
 
-Qwen2-VL: an image of grid (t, h, w) patches takes t * h * w / merge^2 `<|image_pad|>` tokens (the chat
+LLaVA-1.5: each image is the tower's square, a fixed count of `<image>` tokens (LlavaTower). Qwen2-VL: an image of grid (t, h, w) patches takes t * h * w / merge^2 `<|image_pad|>` tokens (the chat
 template writes one per image; `expand` repeats it), and its tokens rotate by three positions each (M-RoPE:
 temporal, height, width; `mrope_positions`, Hugging Face's get_rope_index for one sequence).
 """
@@ -44,7 +44,50 @@ class PreparedImages:
 
 
 class VisionTower:
+    """What every family's vision side does: `prepare` a request's images (CPU work), `encode` them into
+    the decoder's embeddings, `expand` the prompt's placeholders; `mrope`: whether its decoder rotates
+    image tokens by three positions each (`mrope_positions`)."""
+
+    image_token_id: int
+    mrope = False
+
+    def prepare(self, images: list[bytes]) -> PreparedImages:
+        raise NotImplementedError
+
+    def encode(self, prepared: PreparedImages) -> list[Tensor]:
+        raise NotImplementedError
+
+    def mrope_positions(self, ids: list[int], grids: list[tuple[int, int, int]]) -> tuple[Tensor, int]:
+        raise NotImplementedError
+
+    def expand(self, ids: list[int], tokens: list[int]) -> list[int]:
+        """The prompt's ids with each image's one placeholder repeated to the tokens it takes (in order);
+        ImageError where the prompt's placeholders and the images do not pair up."""
+        found = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(found) != len(tokens):
+            raise ImageError(f"the prompt has {len(found)} image placeholders for {len(tokens)} images")
+        out, last = [], 0
+        for at, n in zip(found, tokens, strict=True):
+            out += ids[last:at] + [self.image_token_id] * n
+            last = at + 1
+        return out + ids[last:]
+
+
+def decoded(i: int, data: bytes) -> Any:
+    """Image `i` of a request as RGB (Pillow), or ImageError saying why it is not one."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return im.convert("RGB")
+    except Exception as e:  # Pillow raises several types for a file it cannot decode
+        raise ImageError(f"image {i}: not a decodable image ({e})") from None
+
+
+class Qwen2VLTower(VisionTower):
     """hf_config: the image-text model's config (its vision_config, the image token's id)."""
+
+    mrope = True
 
     def __init__(self, folder: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -77,16 +120,9 @@ class VisionTower:
     def prepare(self, images: list[bytes]) -> PreparedImages:
         """Decode and process a request's images (CPU work, off the engine's step): ImageError names which
         image cannot be taken."""
-        from PIL import Image
-
         pixels, grids, tokens, digests = [], [], [], []
         for i, data in enumerate(images):
-            try:
-                with Image.open(io.BytesIO(data)) as im:
-                    rgb = im.convert("RGB")
-            except Exception as e:  # Pillow raises several types for a file it cannot decode
-                raise ImageError(f"image {i}: not a decodable image ({e})") from None
-            out = self.processor(images=[rgb], return_tensors="pt")
+            out = self.processor(images=[decoded(i, data)], return_tensors="pt")
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             pixels.append(out["pixel_values"])
             grids.append((grid[0], grid[1], grid[2]))
@@ -107,18 +143,6 @@ class VisionTower:
             assert emb.shape[0] == n, f"the tower gave {emb.shape[0]} embeddings for an image of {n} tokens"
             out.append(emb)
         return out
-
-    def expand(self, ids: list[int], tokens: list[int]) -> list[int]:
-        """The prompt's ids with each image's one placeholder repeated to the tokens it takes (in order);
-        ImageError where the prompt's placeholders and the images do not pair up."""
-        found = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(found) != len(tokens):
-            raise ImageError(f"the prompt has {len(found)} image placeholders for {len(tokens)} images")
-        out, last = [], 0
-        for at, n in zip(found, tokens, strict=True):
-            out += ids[last:at] + [self.image_token_id] * n
-            last = at + 1
-        return out + ids[last:]
 
     def mrope_positions(self, ids: list[int], grids: list[tuple[int, int, int]]) -> tuple[Tensor, int]:
         """Each prompt token's (temporal, height, width) positions [3, len] and the delta that later tokens
@@ -147,25 +171,90 @@ class VisionTower:
         return pos, int(pos.max()) + 1 - len(ids) if len(ids) else 0
 
 
-def _tower_weights(folder: Path) -> dict[str, Tensor]:
+def _tower_weights(folder: Path, prefixes: tuple[str, ...] = TOWER_PREFIXES) -> dict[str, Tensor]:
+    """The checkpoint's tensors under `prefixes` (any of them), the prefix taken off."""
     from safetensors import safe_open
 
     state: dict[str, Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                for prefix in TOWER_PREFIXES:
+                for prefix in prefixes:
                     if name.startswith(prefix):
                         state[name.removeprefix(prefix)] = st.get_tensor(name)
     if not state:
-        raise ImageError(
-            f"{folder}: no vision tower tensors ({' / '.join(TOWER_PREFIXES)}*) in its safetensors"
-        )
+        raise ImageError(f"{folder}: no tensors named {' / '.join(prefixes)}* in its safetensors")
     return state
 
 
+class LlavaTower(VisionTower):
+    """LLaVA-1.5: a CLIP vision tower (one of its hidden layers, the class token dropped under the
+    "default" strategy) and a two-layer projector; every image is resized and cropped to the tower's
+    square, (size / patch)^2 tokens. The decoder is the text config's family, 1-D positions."""
+
+    def __init__(self, folder: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
+        from transformers import AutoModel
+        from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        vision = hf_config.vision_config
+        self.image_token_id = int(hf_config.image_token_id)
+        self.layer, self.strategy = hf_config.vision_feature_layer, hf_config.vision_feature_select_strategy
+        if not isinstance(self.layer, int) or self.strategy not in ("default", "full"):
+            raise ImageError(f"LLaVA vision_feature_layer {self.layer!r} / select strategy {self.strategy!r}: "
+                             "batchq takes one layer, and the default or full strategy")  # fmt: skip
+        self.dtype, self.device = dtype, device
+        side = int(vision.image_size) // int(vision.patch_size)
+        self.tokens = side * side + (1 if self.strategy == "full" else 0)
+        processor = folder / "preprocessor_config.json"
+        settings = json.loads(processor.read_text()) if processor.is_file() else {}
+        settings = {k: v for k, v in settings.items() if k not in ("image_processor_type", "processor_class")}
+        self.processor = LlavaImageProcessorPil(**settings)
+        tower = AutoModel.from_config(vision)  # type: ignore[no-untyped-call]
+        projector = LlavaMultiModalProjector(hf_config)
+        weights = _tower_weights(folder, ("vision_tower.", "model.vision_tower."))
+        tower.load_state_dict(_matching(weights, tower.state_dict()), strict=True)
+        state = _tower_weights(folder, ("multi_modal_projector.", "model.multi_modal_projector."))
+        projector.load_state_dict(state, strict=True)
+        self.tower = tower.to(device=device, dtype=dtype).eval()
+        self.projector = projector.to(device=device, dtype=dtype).eval()
+
+    def prepare(self, images: list[bytes]) -> PreparedImages:
+        pixels, digests = [], []
+        for i, data in enumerate(images):
+            pixels.append(self.processor(images=[decoded(i, data)], return_tensors="pt")["pixel_values"])
+            digests.append(hashlib.sha256(data).hexdigest())
+        n = len(images)
+        return PreparedImages(torch.cat(pixels), [(1, 0, 0)] * n, [self.tokens] * n, digests)
+
+    @torch.inference_mode()
+    def encode(self, prepared: PreparedImages) -> list[Tensor]:
+        out = []
+        for px in prepared.pixel_values:  # one image per call: its numbers never follow the others'
+            hidden = self.tower(px[None].to(self.device, self.dtype), output_hidden_states=True).hidden_states
+            feats = hidden[self.layer]
+            out.append(self.projector(feats[:, 1:] if self.strategy == "default" else feats)[0])
+        return out
+
+
+def _matching(weights: dict[str, Tensor], wanted: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A tower's checkpoint tensors under the module's own names: checkpoints name CLIP's tensors with
+    and without its "vision_model." level."""
+    out = {}
+    for name, t in weights.items():
+        for cand in (name, "vision_model." + name, name.removeprefix("vision_model.")):
+            if cand in wanted:
+                out[cand] = t
+                break
+        else:
+            raise ImageError(f"vision tower tensor {name!r}: the tower has no such parameter")
+    return out
+
+
+FAMILIES = {"qwen2_vl": Qwen2VLTower, "llava": LlavaTower}
+
+
 def load_vision(folder: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> VisionTower | None:
-    """The vision side of an image-text checkpoint batchq runs images through (Qwen2-VL), else None."""
-    if getattr(hf_config, "model_type", None) != "qwen2_vl":
-        return None
-    return VisionTower(folder, hf_config, dtype, device)
+    """The vision side of an image-text checkpoint batchq runs images through (FAMILIES), else None."""
+    family = FAMILIES.get(str(getattr(hf_config, "model_type", None)))
+    return None if family is None else family(folder, hf_config, dtype, device)
