@@ -123,7 +123,7 @@ def _near_miss(model: type[BaseModel], loc: tuple[str | int, ...]) -> str | None
     if not isinstance(name, str):
         return None
     known = sorted({n for m in models for n in _accepted_names(m)})
-    match = difflib.get_close_matches(name, known, n=1)
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.65)  # (0.6 offers "lora" for "colour")
     return match[0] if match else None
 
 
