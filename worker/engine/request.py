@@ -43,6 +43,10 @@ class EngineRequest:
     lora: str | None = (
         None  # the LoRA adapter (EngineConfig.lora, lora_dir) that runs it; None: the base model
     )
+    # A chat request's images: their encoded bytes as given (PNG, JPEG, ...), one per {"type": "image"} part
+    # of `messages`, in the order the parts appear across the messages. A message with images has `content`
+    # as a list of {"type": "text", "text"} and {"type": "image"} parts; any other message a string.
+    images: list[bytes] | None = None
 
 
 class RequestError(ValueError):
