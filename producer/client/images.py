@@ -226,9 +226,10 @@ def image_problem(data: bytes, limits: ImageLimits) -> str | None:
     decodable by Pillow, or more pixels than the limit (checked from the header, before decoding)."""
     from PIL import Image, UnidentifiedImageError  # here: a submit without images never loads Pillow
 
-    if len(data) > limits.bytes:
-        size = f"{len(data):,}" if len(data) <= limits.bytes + 1 else "more than"
-        return f"the image is {size} bytes, over the limit of {limits.bytes:,} bytes"
+    if len(data) > limits.bytes + 1:
+        return f"the image is {len(data):,} bytes, over the limit of {limits.bytes:,} bytes"
+    if len(data) > limits.bytes:  # (a file is read to one byte past the limit: its size is not known)
+        return f"the image is over the limit of {limits.bytes:,} bytes"
     try:
         # Pillow warns of a size past its own bomb limit: the pixel limit below refuses it with a reason.
         with warnings.catch_warnings():
