@@ -278,7 +278,13 @@ def parse_line(
     ):  # (absent otherwise, as it was before adapters)
         record["lora"] = aliases.get(line.lora, line.lora) if aliases else line.lora
     unset = _UNSET[line.temperature is None, line.max_new_tokens is None]
-    images = messages is not None and any(m.has_images for m in messages)
+    # The bytes first: a line without the word shows no image (unless it spells it with \u escapes), so
+    # text-only chat lines skip a Python walk over their messages (a tenth of pass 1's profile).
+    images = (
+        messages is not None
+        and (b"image_url" in raw or b"\\u" in raw)
+        and any(m.has_images for m in messages)
+    )
     return ParsedLine(
         line_no, index, record, chat, body_model, "body." if openai else "", unset=unset, images=images
     )

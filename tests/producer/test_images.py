@@ -237,3 +237,27 @@ def test_producer_submit_lists_every_bad_image_by_line_and_field_and_enqueues_no
         assert r.zcard(keys.DEFAULT_QUEUE) == 1
     finally:
         r.close()
+
+
+async def test_an_image_part_spelt_with_unicode_escapes_is_still_an_image(redis: Redis) -> None:
+    # (submit looks for the bytes "image_url" before it walks a chat line's messages)
+    line = orjson.dumps(chat("e", image(data_url(PHOTO)))).replace(b'"image_url"', b'"\\u0069mage_url"')
+    assert b"image_url" not in line
+    await submit_stream(redis, io.BytesIO(line + b"\n"), batch_id="b1")
+    assert await image_keys(redis) == {keys.image(sha(PHOTO)): PHOTO}
+    assert (await queued(redis, "b1", 0)).messages[0].content[0].image_url.url == image_ref(sha(PHOTO))  # type: ignore[index, union-attr]
+
+
+def test_make_runs_check_resolves_file_images_in_the_files_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from producer.cli.check import check_file
+
+    (tmp_path / "cat.png").write_bytes(PHOTO)
+    good = write(tmp_path / "good.jsonl", chat("a", image("file://cat.png")))
+    assert check_file(str(good)) == 0
+    bad = write(tmp_path / "bad.jsonl", chat("a", image("file://dog.png")))
+    assert check_file(str(bad)) == 2
+    assert f"line 1: messages.0.content.0.image_url.url: no such file: {tmp_path.resolve()}/dog.png" in (
+        capsys.readouterr().err
+    )
