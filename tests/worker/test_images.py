@@ -188,3 +188,24 @@ async def test_http_images_are_fetched_only_where_allowed_and_within_the_byte_li
     big, missing = got[urls[1]], got[urls[2]]
     assert isinstance(big, ImageError) and f"is more than {len(B) * 2:,} bytes" in str(big)
     assert isinstance(missing, ImageError) and "HTTP 404" in str(missing)
+
+
+async def test_a_cached_answer_needs_no_image(redis: Redis, redis_url: str, seeing: AsyncEngine) -> None:
+    """The result cache is looked up before images are read: an answer stored under the request's key (its
+    images' references) answers it even once its image has expired."""
+    from arq.constants import job_key_prefix
+
+    from producer.wire.result_cache import CachedAnswer
+    from worker.queue.cached_results import key_of
+
+    line = chat("a", text("what?"), image(data_url(A)), temperature=0)
+    bid = (await submit_stream(redis, io.BytesIO(orjson.dumps(line) + b"\n"))).batch_id
+    payload = await redis.get(job_key_prefix + keys.job_id(bid, 0))
+    key = key_of(InstantEngine.fingerprint, Request.model_validate(orjson.loads(payload or b"")["a"][0]))
+    assert key is not None
+    await redis.set(
+        key, CachedAnswer(text="cat", finish_reason="eos", prompt_tokens=5, completion_tokens=1).to_json()
+    )
+    await redis.delete(keys.image(sha(A)))
+    got = await run_burst(config(redis_url), seeing, bid)
+    assert (got["a"].text, got["a"].cached) == ("cat", True)

@@ -134,25 +134,30 @@ class JobHandler:
         held = set(self.held())
         # a job in `held` lost its lease in an outage and the claim took it again: it is running here
         accepted = [a for job in jobs if job.job_id not in held and (a := self._accept(job)) is not None]
-        lookups = [a for a in accepted if a.cache_key is not None and a.req.result_cache]
-        if lookups:
-            raws = await retrying(self._mget, [a.cache_key or "" for a in lookups])
-            for a, raw in zip(lookups, raws, strict=True):
-                if raw is not None:
-                    self._answer_from_cache(a, CachedAnswer.from_json(raw))
-            answered = {a.job_id for a, raw in zip(lookups, raws, strict=True) if raw is not None}
-            accepted = [a for a in accepted if a.job_id not in answered]
-        images: Images = {}
-        urls = [u for a in accepted for u in a.images]
-        if urls:
-            self._starting = {a.job_id for a in accepted}
-            try:
+        self._starting = {a.job_id for a in accepted}  # their leases are renewed while this awaits
+        try:
+            accepted = await self._not_cached(accepted)
+            images: Images = {}
+            if urls := [u for a in accepted for u in a.images]:
                 images = await retrying(self.image_source.stored, urls)
                 images.update(await self.image_source.fetched(urls))
-            finally:
-                self._starting = set()
+        finally:
+            self._starting = set()
         for a in accepted:
             self._start(a, images)
+
+    async def _not_cached(self, accepted: list[Accepted]) -> list[Accepted]:
+        """Answer the requests whose answer the result cache holds (one MGET); the others."""
+        lookups = [a for a in accepted if a.cache_key is not None and a.req.result_cache]
+        if not lookups:
+            return accepted
+        raws = await retrying(self._mget, [a.cache_key or "" for a in lookups])
+        answered = set()
+        for a, raw in zip(lookups, raws, strict=True):
+            if raw is not None:
+                self._answer_from_cache(a, CachedAnswer.from_json(raw))
+                answered.add(a.job_id)
+        return [a for a in accepted if a.job_id not in answered]
 
     async def _mget(self, cache_keys: list[str]) -> list[bytes | None]:
         return list(await done(self.redis.mget(cache_keys)))
