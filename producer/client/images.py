@@ -193,7 +193,10 @@ class ImageChecks:
             )
         folder = self.folder.resolve()
         written = unquote(url[len(_FILE) :])
-        target = (folder / written).resolve()
+        try:
+            target = (folder / written).resolve()
+        except (OSError, ValueError) as e:  # a NUL byte, a symlink loop
+            raise _Refused(f"{written!r} is not a path that resolves ({e})") from None
         if not target.is_relative_to(folder):
             raise _Refused(f"{written!r} resolves to {target}, outside the JSONL file's folder {folder}")
         try:
