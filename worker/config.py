@@ -88,6 +88,15 @@ class WorkerConfig(BaseModel):
         gt=0,
         description="how long cached answers are kept (7 days)",
     )
+    image_urls: bool = Field(
+        default=False,
+        description="fetch the http(s) image URLs of chat requests (else submit refuses them: images are "
+        "sent in the batch, stored in Redis)",
+    )
+    image_fetch_timeout_s: float = Field(default=10.0, gt=0, description="with image_urls: per image fetched")
+    image_fetch_max_bytes: int = Field(
+        default=20 * 1024 * 1024, ge=1, description="with image_urls: the largest image fetched (20 MiB)"
+    )
 
     engine_stand_in: bool = Field(
         default=False,

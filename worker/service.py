@@ -69,6 +69,8 @@ async def publish_serving(handler: JobHandler) -> None:
         cfg.result_cache,
         core.embedding_size,
         "none" if markers is None else markers.kind,
+        handler.takes_images,
+        cfg.image_urls,
     )
 
 

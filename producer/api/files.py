@@ -1,7 +1,9 @@
 """Files of the HTTP API, in Redis: uploaded batch input files, and the output and error files of batches.
 
 An upload is validated line by line exactly as `producer submit` validates (submit.validate_to_spool, in a
-thread) and refused whole, with line numbers, when a line is bad. A file's content is never held in memory
+thread) and refused whole, with line numbers, when a line is bad; its images are checked as submit checks
+them against the server's queue (an upload has no folder: file:// images are refused), and stored only when
+a batch runs the file. A file's content is never held in memory
 whole: the multipart parser spools the upload to a temporary file, which goes to Redis in blocks of
 BLOCK_BYTES (keys.api_file_content); a download streams the blocks back one at a time. The file's hash
 (keys.api_file) is written last, so a file exists only once all of it is stored.
@@ -21,7 +23,9 @@ from typing import IO, TYPE_CHECKING, Any
 from redis.asyncio import Redis
 
 from producer.api.common import ApiError, list_object, not_found, page_ids
-from producer.client.submit import SubmitReport, validate_to_spool
+from producer.client.images import ImageChecks
+from producer.client.live_workers import queue_serving
+from producer.client.submit import SubmitChecks, SubmitReport, validate_to_spool
 from producer.wire import keys
 from producer.wire.lua import done
 
@@ -153,8 +157,9 @@ class FileWriter:
 
 
 class FileStore:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, queue: str | None = None) -> None:
         self.redis = redis
+        self.queue = queue  # the server's queue, whose workers say whether they take images
 
     def writer(self, owner: str, *, file_id: str, filename: str, purpose: str, ttl_s: int) -> FileWriter:
         now = int(time.time())
@@ -166,7 +171,10 @@ class FileStore:
         lines; nothing is stored then."""
         report = SubmitReport(batch_id="upload")  # the records are counted, never kept
         counter = _KindCounter()
-        await asyncio.to_thread(validate_to_spool, stream, counter, report, defaults=None, model=None)
+        checks = SubmitChecks(images=ImageChecks.for_queue(await queue_serving(self.redis, self.queue)))
+        await asyncio.to_thread(
+            validate_to_spool, stream, counter, report, defaults=None, model=None, checks=checks
+        )
         if report.invalid:
             raise ApiError(400, _invalid_message(report), param="file", code="invalid_file")
         if report.total == 0:

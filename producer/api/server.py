@@ -129,7 +129,7 @@ class Api:
     def __init__(self, client: BatchqClient, settings: ServerSettings) -> None:
         self.client = client
         self.redis = client.redis
-        self.files = FileStore(client.redis)
+        self.files = FileStore(client.redis, settings.queue)
         self.batches = BatchStore(
             client,
             self.files,

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from producer.client.submit import SubmitReport, validate_to_spool
+from producer.client.images import ImageChecks
+from producer.client.submit import SubmitChecks, SubmitReport, validate_to_spool
 
 OK, INVALID = 0, 2
 
@@ -20,9 +22,10 @@ OK, INVALID = 0, 2
 def check_file(path: str, model: str | None = None) -> int:
     """Validate `path` line by line; print what is wrong with it on stderr. Returns the exit status."""
     report = SubmitReport(batch_id="check")
+    checks = SubmitChecks(images=ImageChecks(folder=Path(path).absolute().parent))  # file:// images as submit
     try:
         with open(path, "rb") as stream, open(os.devnull, "wb") as spool:
-            validate_to_spool(stream, spool, report, defaults=None, model=model)
+            validate_to_spool(stream, spool, report, defaults=None, model=model, checks=checks)
     except OSError as e:
         print(f"error: {path}: {e.strerror or e}", file=sys.stderr)
         return INVALID

@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from producer.cli.progress import Progress
 from producer.client.batchq_client import BatchqClient, WaitTimeout
 from producer.client.grammars import grammar_problem
+from producer.client.images import ImageLimits
 from producer.client.live_workers import NoWorkerWarning
 from producer.client.openai_format import is_error_line, openai_line, output_model_and_created
 from producer.client.submit import InputError, SubmitReport, new_batch_id
@@ -280,6 +281,14 @@ def _applied_defaults(report: SubmitReport) -> str | None:
     return "defaults applied: " + ", ".join(parts) + (f" to {counts.pop()}{of}" if one_count else "")
 
 
+def _image_limits(args: argparse.Namespace) -> ImageLimits:
+    bad = [f"--{k.replace('_', '-')}" for k in ("max_image_mb", "max_image_pixels", "max_images_per_request")
+           if getattr(args, k) <= 0]  # fmt: skip
+    if bad:
+        raise InputError(f"{', '.join(bad)}: must be greater than 0")
+    return ImageLimits(int(args.max_image_mb * 2**20), args.max_image_pixels, args.max_images_per_request)
+
+
 async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
     defaults = _defaults(args)
     batch_id = args.batch_id or new_batch_id()
@@ -297,6 +306,7 @@ async def submit(client: BatchqClient, args: argparse.Namespace) -> int:
             result_cache=not args.no_result_cache,
             on_created=created.append,
             owner=owner_from_env(),  # $BATCHQ_API_KEY: the team whose console (`producer serve`) lists it
+            image_limits=_image_limits(args),
         )
     except (asyncio.CancelledError, RedisError):
         if created:  # interrupted mid-enqueue: the same command with this id finishes it, nothing twice

@@ -7,6 +7,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from producer.cli import commands, local_redis, top
+from producer.client.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
 from producer.wire import keys
 
 EXIT_CODES = """exit status:
@@ -143,6 +144,13 @@ def _submit_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reasoning-effort", metavar="EFFORT", help="low | medium | high ..., for templates that read it"
     )
+    g = p.add_argument_group("images (image_url content parts of chat lines)")
+    g.add_argument("--max-image-mb", type=float, default=MAX_IMAGE_BYTES / 2**20, metavar="MB",
+                   help=f"largest image, in MiB (default {MAX_IMAGE_BYTES / 2**20:g})")  # fmt: skip
+    g.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, metavar="N",
+                   help=f"most pixels (width x height) of one image (default {MAX_IMAGE_PIXELS:,})")  # fmt: skip
+    g.add_argument("--max-images-per-request", type=int, default=MAX_IMAGES_PER_REQUEST, metavar="N",
+                   help=f"most images one request shows (default {MAX_IMAGES_PER_REQUEST})")  # fmt: skip
     p.add_argument(
         "--skip-invalid",
         action="store_true",

@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from redis.asyncio import Redis
 
+from producer.client.images import ImageLimits
 from producer.client.live_workers import live_workers
 from producer.client.retry import RetryReport, Selection, finish_reasons, retry_batch
 from producer.client.submit import InputError, SubmitReport, submit_stream
@@ -96,6 +97,7 @@ class BatchqClient:
         on_created: Callable[[str], None] | None = None,
         offload: bool = False,
         owner: str | None = None,
+        image_limits: ImageLimits | None = None,
     ) -> SubmitReport:
         """Submit a JSONL file ("-" reads stdin). Raises InputError, and enqueues nothing, on bad input.
 
@@ -104,7 +106,8 @@ class BatchqClient:
         `model`: for lines that name none; `model_aliases`: {name a line gives: model the workers serve}.
         result_cache=False: every request is computed afresh, even where workers hold its answer.
         offload=True: validate the lines in a thread, so that the caller's event loop (a server's) keeps
-        serving meanwhile."""
+        serving meanwhile. `image_limits`: what one image and one request may hold; file:// image paths
+        resolve in the file's folder (stdin's: the current directory; an open stream has none)."""
         opts: dict[str, Any] = dict(
             batch_id=batch_id,
             queue=queue,
@@ -117,17 +120,18 @@ class BatchqClient:
             on_created=on_created,
             offload=offload,
             owner=owner,
+            image_limits=image_limits,
         )
         if not isinstance(path_or_stdin, str | Path):
             return await submit_stream(self.redis, path_or_stdin, **opts)
         if str(path_or_stdin) == "-":
-            return await submit_stream(self.redis, sys.stdin.buffer, **opts)
+            return await submit_stream(self.redis, sys.stdin.buffer, image_folder=Path.cwd(), **opts)
         path = Path(path_or_stdin)
         if not path.exists() or path.is_dir():  # pipes such as <(zcat x.gz) are fine, folders are not
             raise InputError(f"no such file: {path}")
         with path.open("rb") as f:
             try:
-                return await submit_stream(self.redis, f, **opts)
+                return await submit_stream(self.redis, f, image_folder=path.absolute().parent, **opts)
             except InputError as e:
                 e.args = (f"{path}: {e}",)  # name the file in the one-line message
                 raise

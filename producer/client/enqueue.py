@@ -193,6 +193,8 @@ def excerpt(req: dict[str, Any]) -> str:
         messages = req.get("messages") or [{}]
         users = [m for m in messages if m.get("role") == "user"]
         text = (users or messages)[-1].get("content") or ""
+        if isinstance(text, list):  # text parts, or a message with images: its text, each image a mark
+            text = " ".join(p["text"] if p.get("type") == "text" else "[image]" for p in text)
     raw = str(text)
     if len(raw) > 8 * EXCERPT_CHARS:  # a prompt may be long: its ends are enough
         raw = raw[: 4 * EXCERPT_CHARS] + " " + raw[-4 * EXCERPT_CHARS :]

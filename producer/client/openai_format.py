@@ -33,6 +33,11 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "invalid_schema": (400, "invalid_request_error", "response_format"),
     "invalid_regex": (400, "invalid_request_error", "regex"),
     "invalid_choices": (400, "invalid_request_error", "choices"),
+    # an image the worker cannot have (worker/queue/images.py): expired, unreachable, or not to be fetched
+    "image_not_found": (400, "invalid_request_error", "messages"),
+    "image_fetch_failed": (400, "invalid_request_error", "messages"),
+    "image_url_refused": (400, "invalid_request_error", "messages"),
+    "images_unsupported": (400, "invalid_request_error", "messages"),
 }
 _SERVER_ERROR = (500, "server_error", None)
 _EXPIRED = "This request could not be executed before the completion window expired."

@@ -12,14 +12,17 @@ passes' public names are importable from here too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import IO
 
 from redis.asyncio import Redis
 
 from producer.client.enqueue import EXCERPT_CHARS, create_batch, enqueue_spool, excerpt
+from producer.client.images import ImageChecks, ImageLimits, ImageSpool, store_images
 from producer.client.live_workers import ignores_reasoning, live_workers, queue_serving, reasoning_ignored
 from producer.client.validate import (
     DIGEST_BYTES,
@@ -43,6 +46,7 @@ __all__ = [
     "EXCERPT_CHARS",
     "JSON_AT",
     "MAX_REPORTED",
+    "ImageLimits",
     "InputError",
     "SubmitChecks",
     "SubmitReport",
@@ -73,6 +77,8 @@ async def submit_stream(
     on_created: Callable[[str], None] | None = None,
     offload: bool = False,
     owner: str | None = None,
+    image_limits: ImageLimits | None = None,
+    image_folder: Path | None = None,
 ) -> SubmitReport:
     """Validate all of `stream`, then enqueue it as one batch. Raises InputError before enqueuing anything.
 
@@ -84,13 +90,22 @@ async def submit_stream(
     result cache holds are answered now and never enqueued (result_cache=False: none are).
     `offload`: validate (pass 1, CPU-bound) in a thread, so that a server's event loop keeps serving.
     `owner`: the owner id (producer/wire/owner.py) of the team the batch belongs to: its console lists it.
+    `image_limits`: what an image and a request may hold; `image_folder`: where file:// image paths
+    resolve (the JSONL file's folder; None refuses them). The images are stored in Redis, once each, before
+    the jobs that show them are enqueued, for `result_ttl_s` (producer/client/images.py).
     """
     report = SubmitReport(batch_id=check_batch_id(batch_id) if batch_id else new_batch_id())
     qname = keys.queue_name(queue)
     aliases = dict(model_aliases or {})
     model = aliases.get(model, model) if model else None
-    checks = await submit_checks(redis, qname, result_cache=result_cache, aliases=aliases)
-    with tempfile.TemporaryFile(prefix="batchq-spool-") as spool:
+    checks = await submit_checks(
+        redis, qname, result_cache=result_cache, aliases=aliases, image_limits=image_limits,
+        image_folder=image_folder,
+    )  # fmt: skip
+    with contextlib.ExitStack() as files:
+        spool = files.enter_context(tempfile.TemporaryFile(prefix="batchq-spool-"))
+        images = files.enter_context(tempfile.TemporaryFile(prefix="batchq-images-"))
+        checks.images.spool = ImageSpool(images)
         validate = functools.partial(
             validate_to_spool,
             stream,
@@ -119,17 +134,25 @@ async def submit_stream(
         )  # fmt: skip
         if on_created is not None:
             on_created(report.batch_id)
+        await store_images(redis, checks.images.spool, result_ttl_s)  # before a job can ask for them
         await enqueue_spool(redis, spool, report, queue=qname, fresh=fresh)
     return report
 
 
 async def submit_checks(
-    redis: Redis, queue: str, *, result_cache: bool, aliases: Mapping[str, str]
+    redis: Redis,
+    queue: str,
+    *,
+    result_cache: bool,
+    aliases: Mapping[str, str],
+    image_limits: ImageLimits | None = None,
+    image_folder: Path | None = None,
 ) -> SubmitChecks:
     """What serves `queue` (as its workers last published it) and whether a live worker serves it now."""
     serving = await queue_serving(redis, queue)
+    images = ImageChecks.for_queue(serving, image_limits, image_folder)
     if serving is None:
-        return SubmitChecks(aliases=aliases)
+        return SubmitChecks(aliases=aliases, images=images)
     live = any(w.model == serving.model for w in await live_workers(redis, queue))
     return SubmitChecks(
         serving=serving,
@@ -137,4 +160,5 @@ async def submit_checks(
         live_model=serving.model if live else None,
         aliases=aliases,
         ignores_reasoning=live and ignores_reasoning(serving),
+        images=images,
     )

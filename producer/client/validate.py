@@ -20,6 +20,7 @@ from typing import IO, Any
 import orjson
 
 from producer.client.grammars import grammar_problem
+from producer.client.images import ImageChecks
 from producer.client.jsonl import LineError, ParsedLine, parse_line, read_lines
 from producer.client.live_workers import sets_reasoning
 from producer.wire.request_params import SamplingParams, defaults_base
@@ -99,6 +100,7 @@ class SubmitChecks:
     live_model: str | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
     ignores_reasoning: bool = False  # live_model has no reasoning markers (live_workers.ignores_reasoning)
+    images: ImageChecks = field(default_factory=ImageChecks)  # and where a request's images are kept
 
 
 def validate_to_spool(
@@ -137,8 +139,8 @@ def validate_to_spool(
             first = seen.setdefault(rid, line_no if rid != str(line_no) or _has_id(raw) else -line_no)
             if abs(first) != line_no:
                 parsed = [LineError(line_no, "id", _duplicate(rid, line_no, first, raw))]
-            elif (problem := _check_request(rec, serving)) is not None:
-                parsed = [LineError(line_no, parsed.fields_at + problem[0], problem[1], rid)]
+            elif problems := _problems(parsed, serving, checks.images):
+                parsed = problems
             else:
                 if parsed.body_model and not report.body_model:
                     report.body_model = parsed.body_model
@@ -208,6 +210,16 @@ def _duplicate(rid: str, line_no: int, first: int, raw: bytes | None) -> str:
     if not _has_id(raw):
         return f"duplicate id {rid!r} (the id given to line {line_no}, which has none of its own; {where})"
     return f"duplicate id {rid!r} ({where})"
+
+
+def _problems(parsed: ParsedLine, serving: QueueServing | None, images: ImageChecks) -> list[LineError]:
+    """Why a valid line still cannot run (see _check_request); a line with images has them checked, and
+    its record rewritten to refer to them, once nothing else is wrong with it."""
+    rec = parsed.record
+    problem = _check_request(rec, serving)
+    if problem is not None:
+        return [LineError(parsed.line_no, parsed.fields_at + problem[0], problem[1], rec["id"])]
+    return images.take(rec, parsed.line_no, parsed.fields_at) if parsed.images else []
 
 
 def _check_request(rec: dict[str, Any], serving: QueueServing | None) -> tuple[str, str] | None:

@@ -112,6 +112,13 @@ def result_cache(digest: str) -> str:
     return f"{PREFIX}result-cache:{digest}"
 
 
+def image(digest: str) -> str:
+    """string with TTL: an image's bytes as given (PNG, JPEG, ...), stored once by submit under the sha256 of
+    those bytes (hex) for every request that shows it (producer/wire/images.py); its TTL is the longest
+    result TTL of the batches that stored it, counted from their submit."""
+    return f"{PREFIX}image:{digest}"
+
+
 def queue_serving(queue: str) -> str:
     """string with TTL: JSON of what serves `queue` (producer/wire/workers.py QueueServing: the model, the
     engine fingerprint, the context length), set by each worker at start-up and with every heartbeat;

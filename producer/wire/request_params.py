@@ -12,7 +12,9 @@ from pydantic import (
     AliasChoices,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -298,14 +300,83 @@ BUILTIN_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256}
 CHOICES_TEMPERATURE = 0.0
 
 
+class TextPart(StrictModel):
+    """OpenAI's text content part."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(StrictModel):
+    """Where an image part's image is: a data: URL, a file:// path or an http(s) URL as a user writes it,
+    and on the queue a reference to the image submit stored (producer/wire/images.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = (
+        None  # accepted and ignored: the model sees the image as given
+    )
+
+
+class ImagePart(StrictModel):
+    """OpenAI's image content part: `{"type": "image_url", "image_url": {"url": ..., "detail": ...}}`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+CONTENT_PART_TYPES = ("text", "image_url")
+
+
+def _tag(kind: str) -> str:
+    # Tags of the content unions appear in pydantic's error locations; their angle brackets let field_path
+    # drop them, so an error names the field as the user wrote it (messages.0.content.1.image_url.url).
+    return f"<{kind}>"
+
+
+def _part_tag(v: Any) -> str | None:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return _tag(kind) if kind in CONTENT_PART_TYPES else None
+
+
+def _content_tag(v: Any) -> str:
+    return _tag("parts") if isinstance(v, list) else _tag("text")
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag(_tag("text"))] | Annotated[ImagePart, Tag(_tag("image_url"))],
+    Discriminator(_part_tag),
+]
+
+
+def field_loc(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    """A pydantic error location as the path of the field the user wrote: the content unions' tags left out."""
+    return tuple(p for p in loc if not (isinstance(p, str) and p.startswith("<") and p.endswith(">")))
+
+
+def field_path(loc: tuple[str | int, ...]) -> str:
+    """field_loc, dotted: messages.0.content.1.image_url.url."""
+    return ".".join(map(str, field_loc(loc)))
+
+
 class ChatMessage(StrictModel):
-    """A chat message. `content` may also come as OpenAI's list of content parts: text parts are joined
-    with newlines (as vLLM does); any other part (image, audio, file) is refused by its type."""
+    """A chat message. `content` may also come as OpenAI's list of content parts: text and image_url parts.
+    A list of text parts alone is joined with newlines into one string (as vLLM does), so a text-only
+    message is a string whichever way it was written; a message with an image keeps its parts, in order.
+    Any other part (audio, file) is refused by its type."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: Annotated[
+        Annotated[str, Tag(_tag("text"))] | Annotated[list[ContentPart], Tag(_tag("parts"))],
+        Discriminator(_content_tag),
+    ]
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -316,11 +387,17 @@ class ChatMessage(StrictModel):
         texts = []
         for i, part in enumerate(v):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            if kind not in CONTENT_PART_TYPES:
                 what = f"type {kind!r}" if kind is not None else "a part without a type"
-                raise ValueError(f"content part {i}: {what} is unsupported (text parts only)")
+                raise ValueError(f"content part {i}: {what} is unsupported (text and image_url parts only)")
+            if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                return v  # an image, or a malformed text part: validated part by part, errors by path
             texts.append(part["text"])
         return "\n".join(texts)
+
+    @property
+    def has_images(self) -> bool:
+        return not isinstance(self.content, str)
 
 
 EncodingFormat = Literal["float", "base64"]

@@ -5,7 +5,8 @@ anything else (an unset temperature samples at the engine's default of 1) is nev
 sha256 of:
 - the engine fingerprint of the workers that serve the queue (worker/engine/fingerprint.py: weights,
   dtype, numerics version, device, attention path, output-shaping settings, tokenizer and chat template);
-- the request's prompt or messages, as the worker receives them;
+- the request's prompt or messages, as the worker receives them (an image as its reference, which names
+  its content: producer/wire/images.py; a request with an http(s) image URL is never cached);
 - every resolved parameter that can change the output: greedy decoding ignores seed, top_p, top_k and
   min_p, and timeout_s never counts. n and best_of count where they change the answer (n > 1, best_of >
   n): an n=1 request keeps the key it always had, and a cached n > 1 answer holds all n samples.
@@ -29,6 +30,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from producer.wire import keys
+from producer.wire.images import has_web_images
 from producer.wire.results import ChoiceLogprobs, Completion, FinishReason, LabelScore, Result, Timing, Usage
 
 _NEVER = frozenset({"timeout_s"})  # parameters that cannot change the output
@@ -50,6 +52,8 @@ def request_key(
     output is not determined."""
     greedy = params.get("temperature") == 0
     if not greedy and params.get("seed") is None:
+        return None
+    if messages is not None and has_web_images(messages):
         return None
     drop = _NEVER | _GREEDY_IGNORES if greedy else _NEVER
     fields = {k: v for k, v in params.items() if v is not None and k not in drop}

@@ -77,8 +77,9 @@ class QueueServing(BaseModel):
     """What serves a queue, as its workers publish it (keys.queue_serving; one model per queue, see
     worker/service.py bind_queue): the model name requests must name or leave unset, the engine
     fingerprint the result cache keys with (when the workers use the result cache), the longest
-    sequence (prompt + output) the engine serves, and how the model marks its thinking. It outlives the
-    workers (its TTL is the result cache's), so it also describes a queue whose workers are all gone."""
+    sequence (prompt + output) the engine serves, how the model marks its thinking, and whether it takes
+    images (and fetches http(s) image URLs). It outlives the workers (its TTL is the result cache's), so it
+    also describes a queue whose workers are all gone."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -90,3 +91,9 @@ class QueueServing(BaseModel):
     # its reasoning parser (worker/engine/reasoning.py): "think", "harmony", or "none" where the model has no
     # reasoning markers and ignores max_reasoning_tokens / reasoning_effort (None: a worker that did not say)
     reasoning: str | None = None
+    # whether its model takes images in chat messages (None: a worker that did not say: submit lets image
+    # lines through, and such a worker answers each with an error)
+    images: bool | None = None
+    # whether its workers fetch http(s) image URLs themselves (worker setting image_urls); else submit
+    # refuses them: only images it stored can be counted on to be there, and to be what was validated
+    image_urls: bool = False

@@ -95,8 +95,12 @@ def _chat(**body: object) -> bytes:
         ),
         (_chat(logit_bias={"7": 1, "007": 2}), "line 1: body.logit_bias: a token id is given twice"),
         (
+            _chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
+            "line 1: body.messages.0.content: content part 0: type 'input_audio' is unsupported",
+        ),
+        (
             _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]),
-            "line 1: body.messages.0.content: content part 0: type 'image_url' is unsupported",
+            "line 1: body.messages.0.content.0.image_url.url: unsupported image URL 'u'",
         ),
         (
             orjson.dumps({"url": "/v1/completions", "body": {"prompt": "x", "echo": True}}),

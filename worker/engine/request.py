@@ -42,8 +42,9 @@ class EngineRequest:
     embedding: EmbeddingInputs | None = None
     # the LoRA adapter (EngineConfig.lora, lora_dir) that runs it; None: the base model
     lora: str | None = None
-    # An image request: each image part's encoded bytes, in the order of the parts across `messages` (whose
-    # content lists hold {"type": "image"} where each stands)
+    # A chat request's images: their encoded bytes as given (PNG, JPEG, ...), one per {"type": "image"} part
+    # of `messages`, in the order the parts appear across the messages. A message with images has `content`
+    # as a list of {"type": "text", "text"} and {"type": "image"} parts; any other message a string.
     images: list[bytes] | None = None
 
 

@@ -12,11 +12,12 @@ import base64
 import sys
 import time
 from array import array
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from producer.wire.request_params import CHOICES_TEMPERATURE, Request, SamplingParams
+from producer.wire.request_params import CHOICES_TEMPERATURE, ChatMessage, Request, SamplingParams, TextPart
 from producer.wire.results import (
     ChoiceLogprobs,
     Completion,
@@ -30,6 +31,7 @@ from producer.wire.results import (
 from producer.wire.results import TokenLogprob as ContractTokenLogprob
 from worker.engine.params import NO_CONSTRAINT, Constraint, GenerationParams
 from worker.engine.request import EmbeddingInputs, EngineRequest, EngineResult, TokenLogprob
+from worker.queue.images import ImageError
 
 # Contract fields with another type in the engine; every other field keeps its name and value.
 _TUPLES = ("stop", "stop_token_ids", "choices")
@@ -66,20 +68,61 @@ def constraint(params: SamplingParams) -> Constraint:
     return NO_CONSTRAINT
 
 
-def engine_request(req: Request, request_id: str, lora: str | None = None) -> EngineRequest:
+def engine_request(
+    req: Request,
+    request_id: str,
+    lora: str | None = None,
+    images: Mapping[str, bytes | ImageError] | None = None,
+) -> EngineRequest:
     """`request_id` is the job id (unique across batches); the request's clock starts now. lora: the LoRA
-    adapter that runs it (None: the base model)."""
+    adapter that runs it (None: the base model). `images`: the bytes of the request's image parts by url
+    (worker/queue/images.py); raises the ImageError of one that cannot be had."""
     emb = req.embedding
+    messages, shown = engine_messages(req.messages, images or {}) if req.messages else (None, None)
     return EngineRequest(
         request_id=request_id,
         params=generation_params(req.params),
         prompt=req.prompt,
-        messages=[m.model_dump(exclude_none=True) for m in req.messages] if req.messages else None,
+        messages=messages,
         started_at=time.monotonic(),
         chat_template_kwargs=template_kwargs(req.params),
         embedding=None if emb is None else EmbeddingInputs(emb.input, emb.dimensions),
         lora=lora,
+        images=shown,
     )
+
+
+def engine_messages(
+    messages: list[ChatMessage], images: Mapping[str, bytes | ImageError]
+) -> tuple[list[dict[str, Any]], list[bytes] | None]:
+    """The messages as the engine takes them, and their images' bytes in the order their parts appear. A
+    text-only message is {"role", "content": str} exactly as ever (its template rendering and cache key
+    stay); a message with images has its parts, an image as {"type": "image"}, the placeholder HF chat
+    templates render."""
+    out: list[dict[str, Any]] = []
+    shown: list[bytes] = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, str):
+            out.append(m.model_dump(exclude_none=True))
+            continue
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(m.content):
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+                continue
+            data = images.get(part.image_url.url)
+            if isinstance(data, ImageError):
+                raise ImageError(data.error_type, f"messages.{i}.content.{j}.image_url.url: {data}")
+            if data is None:
+                raise ImageError(
+                    "invalid_request",
+                    f"messages.{i}.content.{j}.image_url.url: not an image submit stored "
+                    f"({part.image_url.url[:40]!r}...): submit the batch with producer submit",
+                )
+            shown.append(data)
+            parts.append({"type": "image"})
+        out.append({**m.model_dump(exclude_none=True, exclude={"content"}), "content": parts})
+    return out, shown or None
 
 
 def template_kwargs(params: SamplingParams) -> dict[str, Any] | None:

@@ -46,13 +46,14 @@ class ResultCache:
 
     async def publish(
         self, queue: str, model: str, max_model_len: int, enabled: bool, embedding_size: int | None = None,
-        reasoning: str | None = None,
+        reasoning: str | None = None, images: bool = False, image_urls: bool = False,
     ) -> None:  # fmt: skip
         """Tell producers what serves this queue: submit checks requests against it (and warns of reasoning
-        fields a model without reasoning markers ignores: `reasoning` "none") and, when `enabled`, answers
-        what the result cache holds at once."""
+        fields a model without reasoning markers ignores: `reasoning` "none"; refuses image lines where the
+        model takes no `images`, and http(s) image URLs unless the workers fetch them: `image_urls`) and,
+        when `enabled`, answers what the result cache holds at once."""
         serving = QueueServing(
             model=model, fingerprint=self.fingerprint, max_model_len=max_model_len, result_cache=enabled,
-            embedding_size=embedding_size, reasoning=reasoning,
+            embedding_size=embedding_size, reasoning=reasoning, images=images, image_urls=image_urls,
         )  # fmt: skip
         await done(self.redis.set(keys.queue_serving(queue), serving.model_dump_json(), ex=self.ttl_s))

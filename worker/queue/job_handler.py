@@ -35,6 +35,7 @@ from worker.engine.async_engine import AsyncEngine
 from worker.engine.request import EngineRequest, EngineResult
 from worker.queue.adapter import cancelled_result, engine_request, error_result, to_result
 from worker.queue.cached_results import ResultCache, key_of
+from worker.queue.images import IMAGES_UNSUPPORTED, ImageError, Images, ImageSource, image_urls
 from worker.queue.metrics import REDIS_ERRORS_SEEN, WorkerMetrics
 
 log = logging.getLogger("batchq.worker")
@@ -69,12 +70,25 @@ def model_not_found(asked: str, cfg: WorkerConfig, adapters: bool = False) -> st
 
 
 @dataclass(slots=True)
-class Running:
-    """A request the engine has (or the result-cache lookup is about to decide on)."""
+class Accepted:
+    """A claimed job that is to run: what its result-cache lookup and its engine request are made of."""
 
     job_id: str
     req: Request
     raw: bytes  # the request's queue payload, kept with a retryable result
+    lora: str | None
+    picked_at: float
+    cache_key: str | None
+    images: list[str]  # the urls of its image parts, in order
+
+
+@dataclass(slots=True)
+class Running:
+    """A request the engine has."""
+
+    job_id: str
+    req: Request
+    raw: bytes
     ereq: EngineRequest
     picked_at: float
     cache_key: str | None
@@ -102,39 +116,53 @@ class JobHandler:
         self.ready = asyncio.Event()  # set when the buffer has endings to write
         self.freed = asyncio.Event()  # set when a held job was written: a slot for a new claim
         self._writing: set[str] = set()  # job ids of the write in progress
+        self._starting: set[str] = set()  # job ids whose images are being read
+        self.image_source = ImageSource(self.redis, self.cfg)
+        # (the stand-in engine, and engines that predate images, have no takes_images)
+        self.takes_images = bool(getattr(self.engine.core, "takes_images", False))
 
     def held(self) -> list[str]:
-        """Job ids this worker holds leases on: with the engine, or ended and not written yet."""
-        return [*self.inflight, *(f.job_id for f in self.buffer), *self._writing]
+        """Job ids this worker holds leases on: with the engine, having their images read, or ended and
+        not written yet."""
+        return [*self.inflight, *self._starting, *(f.job_id for f in self.buffer), *self._writing]
 
     # ---- taking claimed jobs ----
 
     async def take(self, jobs: list[Claimed]) -> None:
-        """Start every claimed job; the determined ones the result cache holds are answered from it."""
-        lookups: list[Running] = []
+        """Start every claimed job; the determined ones the result cache holds are answered from it, the
+        others go to the engine once their images are read."""
         held = set(self.held())
-        for job in jobs:
-            if job.job_id in held:
-                continue  # our lease lapsed in an outage and the claim took it again: it is running here
-            run = self._accept(job)
-            if run is None:
-                continue
-            if run.cache_key is not None and run.req.result_cache:
-                lookups.append(run)
-            else:
-                self._submit(run)
-        if lookups:
-            raws = await retrying(self._mget, [r.cache_key or "" for r in lookups])
-            for run, raw in zip(lookups, raws, strict=True):
-                if raw is None:
-                    self._submit(run)
-                else:
-                    self._answer_from_cache(run, CachedAnswer.from_json(raw))
+        # a job in `held` lost its lease in an outage and the claim took it again: it is running here
+        accepted = [a for job in jobs if job.job_id not in held and (a := self._accept(job)) is not None]
+        self._starting = {a.job_id for a in accepted}  # their leases are renewed while this awaits
+        try:
+            accepted = await self._not_cached(accepted)
+            images: Images = {}
+            if urls := [u for a in accepted for u in a.images]:
+                images = await retrying(self.image_source.stored, urls)
+                images.update(await self.image_source.fetched(urls))
+        finally:
+            self._starting = set()
+        for a in accepted:
+            self._start(a, images)
+
+    async def _not_cached(self, accepted: list[Accepted]) -> list[Accepted]:
+        """Answer the requests whose answer the result cache holds (one MGET); the others."""
+        lookups = [a for a in accepted if a.cache_key is not None and a.req.result_cache]
+        if not lookups:
+            return accepted
+        raws = await retrying(self._mget, [a.cache_key or "" for a in lookups])
+        answered = set()
+        for a, raw in zip(lookups, raws, strict=True):
+            if raw is not None:
+                self._answer_from_cache(a, CachedAnswer.from_json(raw))
+                answered.add(a.job_id)
+        return [a for a in accepted if a.job_id not in answered]
 
     async def _mget(self, cache_keys: list[str]) -> list[bytes | None]:
         return list(await done(self.redis.mget(cache_keys)))
 
-    def _accept(self, job: Claimed) -> Running | None:
+    def _accept(self, job: Claimed) -> Accepted | None:
         """The job as a request to run, or None when it ended here (its ending is in the buffer)."""
         batch_id, index, attempt = keys.split_job_id(job.job_id)
         try:
@@ -147,35 +175,48 @@ class JobHandler:
             )
             return None
         raw = orjson.dumps(payload)
+        refused = None
+        lora, wrong_model = self._adapter(req)
+        urls = image_urls(req)
         if job.job_try > self.cfg.max_tries:
             msg = (
                 f"request failed {self.cfg.max_tries} times: a worker died or was killed while running it "
                 f"(max_tries={self.cfg.max_tries})"
             )
-            self._end_req(
-                job.job_id, req, raw, error_result(req.id, req.index, "max_tries_exceeded", msg, req)
-            )
-            return None
-        lora, refused = self._adapter(req)
+            refused = error_result(req.id, req.index, "max_tries_exceeded", msg, req)
+        elif wrong_model is not None:
+            refused = error_result(req.id, req.index, MODEL_NOT_FOUND, wrong_model, req)
+        elif job.cancelled:
+            refused = cancelled_result(req)
+        elif urls and not self.takes_images:
+            msg = f"the model {self.cfg.engine.model!r} serving this queue takes no images (text only)"
+            refused = error_result(req.id, req.index, IMAGES_UNSUPPORTED, msg, req)
         if refused is not None:
-            self._end_req(
-                job.job_id, req, raw, error_result(req.id, req.index, MODEL_NOT_FOUND, refused, req)
-            )
-            return None
-        if job.cancelled:
-            self._end_req(job.job_id, req, raw, cancelled_result(req))
-            return None
-        try:
-            ereq = engine_request(req, job.job_id, lora)
-        except ValueError as e:  # the contract admits what the engine refuses: a bug, reported per request
-            self._end_req(
-                job.job_id, req, raw, error_result(req.id, req.index, "invalid_request", str(e), req)
-            )
+            self._end_req(job.job_id, req, raw, refused)
             return None
         key = None
         if self.cfg.result_cache and (fingerprint := self._fingerprint(lora)) is not None:
             key = key_of(fingerprint, req)
-        return Running(job.job_id, req, raw, ereq, time.time(), key)
+        return Accepted(job.job_id, req, raw, lora, time.time(), key, urls)
+
+    def _start(self, a: Accepted, images: Images) -> None:
+        """Hand an accepted job to the engine (an image it cannot have, or a request the engine refuses,
+        ends it here)."""
+        req = a.req
+        try:
+            ereq = engine_request(req, a.job_id, a.lora, images)
+        except ImageError as e:
+            self._end_req(a.job_id, req, a.raw, error_result(req.id, req.index, e.error_type, str(e), req))
+            return
+        except ValueError as e:  # the contract admits what the engine refuses: a bug, reported per request
+            self._end_req(
+                a.job_id, req, a.raw, error_result(req.id, req.index, "invalid_request", str(e), req)
+            )
+            return
+        run = Running(a.job_id, req, a.raw, ereq, a.picked_at, a.cache_key)
+        self.inflight[run.job_id] = run
+        fut = self.engine.submit(run.ereq)
+        fut.add_done_callback(functools.partial(self._engine_done, run))
 
     def _adapter(self, req: Request) -> tuple[str | None, str | None]:
         """(the LoRA adapter that runs the request, None for the base model; why it cannot run here, or
@@ -200,19 +241,14 @@ class JobHandler:
         digest = loras.digest(lora)
         return None if digest is None else f"{self.result_cache.fingerprint}\0lora:{digest}"
 
-    def _submit(self, run: Running) -> None:
-        self.inflight[run.job_id] = run
-        fut = self.engine.submit(run.ereq)
-        fut.add_done_callback(functools.partial(self._engine_done, run))
-
-    def _answer_from_cache(self, run: Running, answer: CachedAnswer) -> None:
-        req = run.req
-        timing = Timing(queued_s=_queued_s(req, run.picked_at), total_s=time.time() - run.picked_at)
+    def _answer_from_cache(self, a: Accepted, answer: CachedAnswer) -> None:
+        req = a.req
+        timing = Timing(queued_s=_queued_s(req, a.picked_at), total_s=time.time() - a.picked_at)
         result = answer.result(req.id, req.index, req.metadata, timing=timing, worker=self.cfg.worker_id)
         if result.model is None:  # stored before answers named their model: it is this queue's
             result.model = self.cfg.engine.model
         self.from_cache += 1
-        self._end_req(run.job_id, req, run.raw, result)
+        self._end_req(a.job_id, req, a.raw, result)
 
     def _engine_done(self, run: Running, fut: asyncio.Future[EngineResult]) -> None:
         if run.handed_back or fut.cancelled() or self.inflight.pop(run.job_id, None) is None:
