@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
+# The end-to-end fixtures: a Redis of the test's own and real worker processes.
+from tests.worker.conftest import server, workers  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu", "gpu-tp")
