@@ -3,10 +3,12 @@ what an autoscaler reads, equal to `producer status`'s queued + running, from Re
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from producer.api.metrics import render
+from producer.api.serve import build_parser
 from producer.client.queue_load import QueueLoad, queue_loads
 from producer.wire import keys, store
 from tests.producer.test_store import batch, result
@@ -61,3 +63,10 @@ def test_the_metrics_text_parses_as_prometheus_gauges_one_series_per_queue() -> 
     pending = {s.labels["queue"]: s.value for s in families["batchq_queue_pending"].samples}
     assert pending == {"default": 7, 'we"ird\\q\n': 0}
     assert {s.labels["queue"]: s.value for s in families["batchq_queue_running"].samples}["default"] == 2
+
+
+def test_serve_refuses_an_empty_metrics_queue_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args(["--metrics-queue", "llama"]).metrics_queue == ["llama"]
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--metrics-queue", " "])
+    assert e.value.code == 2 and "--metrics-queue: expected a queue name" in capsys.readouterr().err
