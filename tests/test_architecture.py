@@ -39,7 +39,14 @@ CLIENT_PATHS = {
     "producer.client.submit": {"submit_stream", "create_batch", "enqueue_spool"},
     "producer.client.enqueue": {"create_batch", "enqueue_spool"},  # submit.py re-exports them from here
     "producer.client.retry": {"retry_batch"},
-    "producer.wire.store": {"get_status", "get_meta", "iter_results", "cancel_batch", "list_batches"},
+    "producer.wire.store": {
+        "get_status",
+        "get_meta",
+        "iter_results",
+        "cancel_batch",
+        "list_batches",
+        "all_statuses",
+    },
 }
 
 

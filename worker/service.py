@@ -127,9 +127,10 @@ async def serve(cfg: WorkerConfig) -> int:
     health.start_watchdog(aengine, cfg.stall_s)
     stats_log = health.StatsLogger(aengine)
     metrics_port = None
+    liveness = health.Liveness(aengine, cfg.stall_s)
     if cfg.metrics_port is not None:
-        metrics_port = handler.metrics.serve(cfg.metrics_port)
-        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics", metrics_port)
+        metrics_port = handler.metrics.serve(cfg.metrics_port, liveness.report)
+        log.info("Prometheus metrics on http://0.0.0.0:%d/metrics, health on /health", metrics_port)
     heartbeats = health.Heartbeats(cfg, aengine, metrics_port)
 
     async def log_stats() -> None:
@@ -146,6 +147,7 @@ async def serve(cfg: WorkerConfig) -> int:
         asyncio.create_task(_every(cfg.lease_s / 3, worker.renew_leases, "lease renewal")),
         asyncio.create_task(_every(cfg.heartbeat_s, heartbeat, "heartbeat")),
         asyncio.create_task(_every(cfg.log_interval_s, log_stats, "stats log")),
+        asyncio.create_task(liveness.beat()),
     ]
     main = asyncio.create_task(worker.main())
     stopping: list[asyncio.Task[None]] = []

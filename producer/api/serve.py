@@ -23,6 +23,9 @@ EPILOG = """example:
   BATCHQ_API_KEYS=sk-team-a,sk-team-b producer serve --port 8000
   producer serve --host 0.0.0.0 --api-keys-file /etc/batchq/api-keys --queue smollm2
 
+GET /health answers 200 while Redis does; GET /metrics (no key) gives each queue's pending work
+(batchq_queue_pending: queued + running) in Prometheus' text format, for an autoscaler.
+
 exit status:
   0  stopped by SIGTERM or Ctrl-C
   2  no API key (and no --allow-no-auth), an unreadable keys file, or a bad option
@@ -34,6 +37,12 @@ def _alias(value: str) -> tuple[str, str]:
     if not sep or not name.strip() or not served.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=SERVED_MODEL, got {value!r}")
     return name.strip(), served.strip()
+
+
+def _queue(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("expected a queue name, got an empty one")
+    return value.strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MB",
         help="largest upload (default 200, OpenAI's)",
     )
+    p.add_argument(
+        "--metrics-queue",
+        type=_queue,
+        action="append",
+        default=[],
+        metavar="QUEUE",
+        help="a queue whose pending work /metrics reports even before its first batch (repeatable; the "
+        "--queue one always is, and so is every queue a batch went to): one per autoscaled worker queue",
+    )
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
@@ -126,6 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model,
         model_aliases=tuple(args.model_alias),
         max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
+        metrics_queues=tuple(args.metrics_queue),
     )
     log.info(
         "serving %s over Redis %s, queue %s", where, mask_url(args.redis_url), keys.queue_name(args.queue)

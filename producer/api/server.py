@@ -31,6 +31,7 @@ from producer.api.batches import BatchStore
 from producer.api.common import ApiError, parse_limit
 from producer.api.console_api import CONSOLE_ENDPOINTS, SECURITY_HEADERS, Console, page_routes
 from producer.api.files import FileStore
+from producer.api.metrics import CONTENT_TYPE, render
 from producer.client.batchq_client import BatchqClient
 from producer.wire import keys
 from producer.wire.lua import done
@@ -49,6 +50,8 @@ class ServerSettings:
     model: str | None = None
     model_aliases: tuple[tuple[str, str], ...] = ()  # a line's body.model -> the model workers serve
     max_upload_bytes: int = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+    # Queues /metrics reports even before their first batch (the server's own `queue` always is).
+    metrics_queues: tuple[str, ...] = ()
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -226,6 +229,12 @@ def create_app(settings: ServerSettings) -> Starlette:
         await done(request.app.state.api.redis.ping())
         return _json({"status": "ok"})
 
+    async def metrics(request: Request) -> Response:
+        # No key: Prometheus scrapes it, and it tells only queue names and request counts.
+        api: Api = request.app.state.api
+        loads = await api.client.queue_loads((settings.queue, *settings.metrics_queues))
+        return Response(render(loads), media_type=CONTENT_TYPE)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         client = BatchqClient.from_url(settings.redis_url)
@@ -254,6 +263,7 @@ def create_app(settings: ServerSettings) -> Starlette:
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         route("/v1/files", Api.upload_file, "POST"),
         route("/v1/files", Api.list_files, "GET"),
         route("/v1/files/{file_id}", Api.get_file, "GET"),

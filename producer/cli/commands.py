@@ -357,9 +357,8 @@ async def status(client: BatchqClient, args: argparse.Namespace) -> int:
     print(f"batch      {s.batch_id}  ({s.state}{', partly enqueued' if partly else ''})")
     if partly:
         assert s.enqueued is not None
-        in_queue = max(0, s.enqueued - s.done - s.running)  # the rest of `queued` is in no queue yet
         print(
-            f"requests   total {s.total}  enqueued {s.enqueued}  queued {in_queue}  running {s.running}  "
+            f"requests   total {s.total}  enqueued {s.enqueued}  queued {s.in_queue}  running {s.running}  "
             f"not enqueued {s.total - s.enqueued}"
         )
         print(f"note       {_partly_enqueued(s)}")

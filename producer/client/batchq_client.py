@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from producer.client.images import ImageLimits
 from producer.client.live_workers import live_workers
+from producer.client.queue_load import QueueLoad, queue_loads
 from producer.client.retry import RetryReport, Selection, finish_reasons, retry_batch
 from producer.client.submit import InputError, SubmitReport, submit_stream
 from producer.wire import keys, store
@@ -210,6 +211,10 @@ class BatchqClient:
     async def workers(self, queue: str | None = None) -> list[Heartbeat]:
         """Live workers (those on `queue` only, when given), from their heartbeats."""
         return await live_workers(self.redis, queue)
+
+    async def queue_loads(self, always: Iterable[str | None] = ()) -> dict[str, QueueLoad]:
+        """Pending work (queued + running) per queue, by short name; the queues `always` even when idle."""
+        return await queue_loads(self.redis, always)
 
     async def batch_meta(self, batch_id: str) -> dict[str, str]:
         return await store.get_meta(self.redis, batch_id)

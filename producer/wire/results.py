@@ -236,6 +236,19 @@ class BatchStatus(StrictModel):
         """The submit has not (yet) put every request into Redis."""
         return self.enqueued is not None and self.enqueued < self.total
 
+    @property
+    def in_queue(self) -> int:
+        """Of `queued`, the requests in a queue now: a partly enqueued submit's rest is in none yet."""
+        if self.enqueued is None:
+            return self.queued
+        return max(0, self.enqueued - self.done - self.running)
+
+    @property
+    def pending(self) -> int:
+        """Work a worker has to do now: the requests in a queue plus those running. What an autoscaler
+        scales workers on (producer serve's /metrics, batchq_queue_pending)."""
+        return self.in_queue + self.running
+
     def finish_reasons(self) -> dict[str, int]:
         """How many results ended on each finish reason, those that occurred, in FinishReason's order. Where
         workers that did not count eos / stop / repetition wrote some results, those are together under

@@ -293,6 +293,24 @@ async def list_batches(redis: Redis, *, limit: int = 50) -> list[BatchStatus]:
     return out
 
 
+async def all_statuses(redis: Redis, *, chunk: int = CHUNK) -> AsyncIterator[BatchStatus]:
+    """Every batch in the index, oldest first, read in pipelined chunks; a batch whose keys expired is
+    skipped. A batch's meta and running set are read one after the other, not at one moment: a request
+    that ends in between may be counted as queued instead of running, but queued + running (its
+    `pending`) is exact as of the meta's read."""
+    ids = [_str(b) for b in await done(redis.zrange(keys.BATCHES, 0, -1))]
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        async with redis.pipeline(transaction=False) as pipe:
+            for batch_id in part:
+                pipe.hgetall(keys.batch_meta(batch_id))
+                pipe.scard(keys.batch_running(batch_id))
+            read = await pipe.execute()
+        for batch_id, meta, running in zip(part, read[::2], read[1::2], strict=True):
+            if meta and (b"total" in meta or "total" in meta):
+                yield _status(batch_id, meta, int(running))
+
+
 async def owned_batches(
     redis: Redis, *, owner: str | None, queue: str, limit: int = 100, scan: int = 1000
 ) -> list[BatchStatus]:

@@ -1,7 +1,8 @@
-"""Heartbeat key, periodic stats line, stall watchdog and `worker --check`."""
+"""Heartbeat key, periodic stats line, stall watchdog, the metrics port's /health and `worker --check`."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import os
@@ -171,6 +172,40 @@ def start_watchdog(engine: AsyncEngine, stall_s: float) -> threading.Thread:
     t = threading.Thread(target=watch, name="batchq-watchdog", daemon=True)
     t.start()
     return t
+
+
+class Liveness:
+    """What GET /health on the metrics port answers: Kubernetes' startup, readiness and liveness probes.
+
+    It is read from this process alone, never from Redis: in a Redis outage workers wait and reconnect
+    by themselves, and a probe that failed with Redis would have Kubernetes restart every worker at once
+    (and reload every model). `worker --check`, which reads the heartbeats in Redis, stays the probe of
+    docker compose and of an operator's shell. The server starts once the model is loaded, so a startup
+    probe on /health waits out the load.
+    """
+
+    def __init__(self, engine: AsyncEngine, stall_s: float) -> None:
+        self.engine, self.stall_s = engine, stall_s
+        self.pulse = time.monotonic()
+
+    async def beat(self) -> None:
+        """The event loop's pulse: the watchdog sees a stuck engine, this a stuck loop (no claims, no
+        lease renewals, no writes)."""
+        while True:
+            self.pulse = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    def report(self) -> tuple[bool, dict[str, object]]:
+        """(healthy, the JSON body): unhealthy when the engine has work and has made no progress for
+        stall_s (the watchdog exits soon after), or the event loop has not run for as long."""
+        now = time.monotonic()
+        progress_age, loop_age = now - self.engine.last_progress, now - self.pulse
+        body: dict[str, object] = {"progress_age_s": round(progress_age, 1), "loop_age_s": round(loop_age, 1)}
+        if self.engine.core.has_work() and progress_age > self.stall_s:
+            return False, {"status": "engine stalled", **body}
+        if loop_age > self.stall_s:
+            return False, {"status": "event loop stalled", **body}
+        return True, {"status": "ok", **body}
 
 
 async def check(redis: Redis, queue: str, worker_id: str | None) -> tuple[bool, str]:

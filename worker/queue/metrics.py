@@ -1,4 +1,5 @@
-"""Prometheus metrics of one worker (prometheus_client), served on `metrics_port` at /metrics.
+"""Prometheus metrics of one worker (prometheus_client), served on `metrics_port` at /metrics, with the
+worker's /health (health.Liveness) beside them.
 
 Two sources, and nothing counted twice:
 - `WorkerCollector` reads, at scrape time, what is already counted elsewhere: the engine's EngineStats
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import get_args
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
+import orjson
 import redis as sync_redis
 from prometheus_client import (
     CollectorRegistry,
@@ -26,9 +30,10 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from producer.wire import keys
@@ -223,6 +228,28 @@ class WorkerCollector(Collector):
         )
 
 
+Health = Callable[[], tuple[bool, dict[str, object]]]
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # a probe every few seconds: no log line each
+        pass
+
+
+def _app(registry: CollectorRegistry, health: Health) -> WSGIApplication:
+    """prometheus_client's app (it answers any other path with the metrics), and /health beside it."""
+    metrics: WSGIApplication = make_wsgi_app(registry)
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/health":
+            return metrics(environ, start_response)
+        ok, body = health()
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")])
+        return [orjson.dumps(body)]
+
+    return app
+
+
 class WorkerMetrics:
     """The worker's registry: the collector above, and what results add one by one."""
 
@@ -291,12 +318,14 @@ class WorkerMetrics:
         if t.total_s is not None:
             self._latency.observe((t.queued_s or 0.0) + t.total_s)
 
-    def serve(self, port: int) -> int:
-        """Serve /metrics on all interfaces, from a thread; -> the port (port 0 picks a free one)."""
+    def serve(self, port: int, health: Health) -> int:
+        """Serve /metrics and /health (`health()`: health.Liveness.report) on all interfaces, from a
+        thread; -> the port (port 0 picks a free one)."""
         try:
-            server, _thread = start_http_server(port, addr="0.0.0.0", registry=self.registry)
+            server = make_server("0.0.0.0", port, _app(self.registry, health), ThreadingWSGIServer, _Quiet)
         except OSError as e:
             raise ValueError(f"--metrics-port {port}: {e.strerror or e}") from None
+        threading.Thread(target=server.serve_forever, name="batchq-metrics", daemon=True).start()
 
         def shutdown() -> None:
             server.shutdown()
