@@ -6,8 +6,8 @@
     python benchmarks/image_bench.py --requests 128 --device cuda
 
 HF runs each request alone (its Qwen2-VL generate pads a batch's images and prompts; one at a time is
-how its examples run it), greedy, float32 on the CPU; the engine takes them all at once. Both outputs are
-compared token for token.
+how its examples run it), greedy with EOS ignored (ignore_eos; HF's eos_token_id=[]), float32 on the CPU;
+the engine takes them all at once. Both outputs are compared token for token.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
                 gen = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                   pixel_values=out["pixel_values"].to(args.device), image_grid_thw=grids.to(args.device),
                                   mm_token_type_ids=(input_ids == IMAGE_PAD).int(), max_new_tokens=args.max_new_tokens,
-                                  min_new_tokens=args.max_new_tokens, do_sample=False)  # fmt: skip
+                                  eos_token_id=[], do_sample=False)  # fmt: skip
             theirs.append(gen[0, len(expanded) :].tolist())
         hf_s = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in ours)
