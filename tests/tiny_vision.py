@@ -134,3 +134,32 @@ def build_tiny_llava(path: Path, seed: int = 0) -> Path:
     vl_tokenizer().save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(LLAVA_PREPROCESSOR))
     return path
+
+
+def build_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2.5-VL: Qwen2-VL's decoder and processor, its tower windowed (windows of 56 px,
+    full attention in its last block)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=VL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         initializer_range=0.2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           window_size=56, fullatt_block_indexes=[1], initializer_range=0.2),
+        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "ln_q" in name:
+                p.add_(torch.randn_like(p) * NORM_NOISE)
+    model.save_pretrained(path)
+    vl_tokenizer().save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    return path

@@ -3,7 +3,8 @@ norms and biases perturbed): requests of 1-3 images of different sizes and text-
 answer as Hugging Face's float32 generate does, token for token; `choices` over an image scores its labels
 as HF's log-probabilities do (within 1e-4). The prefix cache reuses an image's KV for another question about
 it, and never gives one image's KV to another image behind the same text. Bad images are refused alone.
-A tiny LLaVA-1.5 (CLIP tower, projector, Llama decoder) answers as its HF generate too."""
+A tiny LLaVA-1.5 (CLIP tower, projector, Llama decoder) and a tiny Qwen2.5-VL (its windowed tower) answer
+as their HF generate too."""
 
 from __future__ import annotations
 
@@ -177,3 +178,24 @@ def test_llava_image_and_text_rows_answer_as_hf_generate(tmp_path: Path) -> None
             want = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
                                **kwargs)[0, len(expanded) :].tolist()  # fmt: skip
         assert res.token_ids == want, res.request_id
+
+
+def test_qwen2_5_vl_answers_as_hf_generate(tmp_path: Path) -> None:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tests.tiny_vision import build_tiny_qwen2_5_vl
+
+    path = build_tiny_qwen2_5_vl(tmp_path / "qwen2.5-vl", seed=2)
+    e = Engine.load(
+        EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_gb=0.02, block_size=4)
+    )
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    cases = [(chat(2, "Both?"), [png(112, 84, 1), png(56, 56, 2)]), (chat(1, "This?"), [png(70, 98, 3)]),
+             ([{"role": "user", "content": "Text alone."}], [])]  # fmt: skip
+    greedy = GenerationParams(max_new_tokens=8, temperature=0.0)
+    out = e.generate([EngineRequest(f"r{i}", greedy, messages=m, images=imgs or None)
+                      for i, (m, imgs) in enumerate(cases)])  # fmt: skip
+    for (messages, images), res in zip(cases, out, strict=True):
+        assert res.error is None, res.error
+        ids, pixels, grids = reference_inputs(e, messages, images)
+        assert res.token_ids == hf_vl_generate(hf, ids, pixels, grids, 8), res.request_id

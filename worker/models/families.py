@@ -53,6 +53,8 @@ SUPPORTED: dict[str, Family] = {
     "qwen2_vl": Family(text_config=True),  # its vision tower runs beside the decoder (models/vision.py)
     "llava": Family(text_config=True),  # LLaVA-1.5: a CLIP tower and projector beside its text family
     "qwen2_vl_text": Family(qkv_bias=True, windows="layer_types"),
+    "qwen2_5_vl": Family(text_config=True),
+    "qwen2_5_vl_text": Family(qkv_bias=True, windows="layer_types"),
 }
 
 

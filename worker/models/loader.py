@@ -36,7 +36,10 @@ from worker.models.sharding import ShardingError
 from worker.models.spec import UnsupportedLayers, activation
 
 # M-RoPE decoders' rotary modules (a text decoder of an image-text model, without a causal LM class)
-MROPE_ROTARY = {"qwen2_vl_text": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLRotaryEmbedding")}
+MROPE_ROTARY = {
+    "qwen2_vl_text": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLRotaryEmbedding"),
+    "qwen2_5_vl_text": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLRotaryEmbedding"),
+}
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,12 @@ LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # the types 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 HIDDEN_ACTIVATION = ("gemma2", "gemma3_text")  # model types whose MLP reads config.hidden_activation
 # image-text model types -> their decoder's (in text_config)
-TEXT_CONFIG = {"gemma3": "gemma3_text", "qwen2_vl": "qwen2_vl_text", "llava": "llama"}
+TEXT_CONFIG = {
+    "gemma3": "gemma3_text",
+    "qwen2_vl": "qwen2_vl_text",
+    "qwen2_5_vl": "qwen2_5_vl_text",
+    "llava": "llama",
+}
 
 
 def activation(cfg: Any) -> Any:

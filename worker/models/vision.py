@@ -84,15 +84,28 @@ def decoded(i: int, data: bytes) -> Any:
         raise ImageError(f"image {i}: not a decodable image ({e})") from None
 
 
+# Hugging Face's tower module per Qwen family (Qwen2.5-VL's windows its attention in most blocks)
+QWEN_TOWERS = {
+    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+    "qwen2_5_vl": (
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+        "Qwen2_5_VisionTransformerPretrainedModel",
+    ),
+}
+
+
 class Qwen2VLTower(VisionTower):
     """hf_config: the image-text model's config (its vision_config, the image token's id)."""
 
     mrope = True
 
     def __init__(self, folder: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        import importlib
 
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        module, name = QWEN_TOWERS[hf_config.model_type]
+        tower_class: Any = getattr(importlib.import_module(module), name)
         vision = hf_config.vision_config
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(vision.spatial_merge_size)
@@ -105,7 +118,7 @@ class Qwen2VLTower(VisionTower):
         settings.setdefault("merge_size", self.merge)
         self.processor = Qwen2VLImageProcessorPil(**settings)
         with torch.device("meta"):
-            tower = Qwen2VisionTransformerPretrainedModel._from_config(vision, dtype=dtype)  # type: ignore[no-untyped-call]
+            tower = tower_class._from_config(vision, dtype=dtype)
         state = _tower_weights(folder)
         tower.load_state_dict(state, strict=True, assign=True)
         # (the rotary's inv_freq buffers Hugging Face computes; they are no checkpoint tensors)
@@ -114,8 +127,8 @@ class Qwen2VLTower(VisionTower):
         left = [n for n, b in tower.named_buffers() if b.is_meta]
         assert not left, f"vision tower buffers not set: {left}"
         self.tower = tower.to(device=device, dtype=dtype).eval()
-        log.info("vision tower: %d blocks, %d patches of %d px per token side; images merged %dx%d per token",
-                 vision.depth, vision.patch_size, vision.patch_size, self.merge, self.merge)  # fmt: skip
+        log.info("vision tower: %s, %d blocks, patches of %d px merged %dx%d per token", name, vision.depth,
+                 vision.patch_size, self.merge, self.merge)  # fmt: skip
 
     def prepare(self, images: list[bytes]) -> PreparedImages:
         """Decode and process a request's images (CPU work, off the engine's step): ImageError names which
@@ -251,7 +264,7 @@ def _matching(weights: dict[str, Tensor], wanted: dict[str, Tensor]) -> dict[str
     return out
 
 
-FAMILIES = {"qwen2_vl": Qwen2VLTower, "llava": LlavaTower}
+FAMILIES = {"qwen2_vl": Qwen2VLTower, "qwen2_5_vl": Qwen2VLTower, "llava": LlavaTower}
 
 
 def load_vision(folder: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> VisionTower | None:
