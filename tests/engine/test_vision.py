@@ -199,3 +199,23 @@ def test_qwen2_5_vl_answers_as_hf_generate(tmp_path: Path) -> None:
         assert res.error is None, res.error
         ids, pixels, grids = reference_inputs(e, messages, images)
         assert res.token_ids == hf_vl_generate(hf, ids, pixels, grids, 8), res.request_id
+
+
+def test_samples_and_a_json_schema_over_an_image(tiny: tuple[Path, Engine, Any]) -> None:
+    import json
+
+    from worker.engine.params import Constraint
+
+    _, engine, hf = tiny
+    messages, images = chat(1, "Two answers, then JSON."), [png(56, 84, 11)]
+    two = GenerationParams(max_new_tokens=6, temperature=0.0, n=2)
+    schema = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}}, "required": ["label"],
+              "additionalProperties": False}  # fmt: skip
+    constrained = GenerationParams(max_new_tokens=40, temperature=0.0,
+                                   constraint=Constraint("json_schema", json.dumps(schema)))  # fmt: skip
+    out = engine.generate([EngineRequest("two", two, messages=messages, images=images),
+                           EngineRequest("json", constrained, messages=messages, images=images)])  # fmt: skip
+    ids, pixels, grids = reference_inputs(engine, messages, images)
+    want = hf_vl_generate(hf, ids, pixels, grids, 6)
+    assert out[0].samples is not None and [s.token_ids for s in out[0].samples] == [want, want]
+    assert json.loads(out[1].text)["label"] in ("cat", "dog")
