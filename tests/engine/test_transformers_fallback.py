@@ -154,9 +154,9 @@ def test_what_the_fallback_cannot_run_exactly_is_refused_in_one_line(tmp_path: P
     with pytest.raises(ModelLoadError, match=r"unsupported architecture 't5' .*an encoder-decoder") as e:
         check_model_reference(str(t5))
     assert "\n" not in str(e.value)
-    # a multimodal model's head
+    # a multimodal model's head, of a family batchq does not run natively
     (t5 / "config.json").write_text(
-        json.dumps({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"]})
+        json.dumps({"model_type": "paligemma", "architectures": ["PaliGemmaForConditionalGeneration"]})
     )
     with pytest.raises(ModelLoadError, match=r"not a decoder-only \*ForCausalLM"):
         check_model_reference(str(t5))

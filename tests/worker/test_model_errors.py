@@ -162,8 +162,9 @@ def test_local_folders_and_files_that_are_no_checkpoint_are_refused_before_loadi
     with pytest.raises(
         ModelLoadError,
         match=r"unsupported architecture 'gpt2' .*not a decoder-only \*ForCausalLM; supported: gemma2, gemma3, "
-        r"gemma3_text, gpt_oss, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, "
-        r"qwen3_moe, and other \*ForCausalLM models through transformers",
+        r"gemma3_text, gpt_oss, granite, llama, llava, mistral, mixtral, olmo2, phi3, qwen2, qwen2_5_vl, "
+        r"qwen2_5_vl_text, qwen2_moe, qwen2_vl, qwen2_vl_text, qwen3, qwen3_moe, and other \*ForCausalLM models "
+        r"through transformers",
     ):
         check_model_reference(str(gpt2))
     (tmp_path / "model.gguf").write_bytes(b"not a gguf")
