@@ -27,6 +27,28 @@ PREPROCESSOR = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 16, "patch_size":
                 "merge_size": 2, "image_mean": [0.48, 0.46, 0.41], "image_std": [0.27, 0.26, 0.28]}  # fmt: skip
 
 
+# The Qwen-VL decoders' text config: a tiny Qwen2 with M-RoPE sections over its 8 rotary frequencies
+QWEN_TEXT = dict(vocab_size=VL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})  # fmt: skip
+VISION_IDS = dict(
+    video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END
+)
+
+
+def save_vl(model: Any, path: Path, preprocessor: dict[str, Any]) -> Path:
+    """`model` with its norms and biases perturbed, saved beside the vision tokenizer and `preprocessor`."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "ln_q" in name:
+                p.add_(torch.randn_like(p) * NORM_NOISE)
+    model.save_pretrained(path)
+    vl_tokenizer().save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return path
+
+
 def vl_tokenizer() -> Any:
     tok = byte_tokenizer(chat_template=False)
     tok.add_special_tokens({"additional_special_tokens": ["<unk>", "<s>", "</s>", "<|vision_start|>",
@@ -41,25 +63,11 @@ def build_tiny_qwen2_vl(path: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=VL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         initializer_range=0.2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        text_config=QWEN_TEXT, image_token_id=IMAGE_PAD, tie_word_embeddings=False, **VISION_IDS,
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=0.2),
-        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END, tie_word_embeddings=False,
     )  # fmt: skip
-    model = Qwen2VLForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias") or "ln_q" in name:
-                p.add_(torch.randn_like(p) * NORM_NOISE)
-    model.save_pretrained(path)
-    vl_tokenizer().save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
-    return path
+    return save_vl(Qwen2VLForConditionalGeneration(cfg), path, PREPROCESSOR)
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -125,15 +133,7 @@ def build_tiny_llava(path: Path, seed: int = 0) -> Path:
     cfg = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_index=IMAGE_PAD,
                       vision_feature_layer=-2, vision_feature_select_strategy="default", image_seq_length=4,
                       tie_word_embeddings=False)  # fmt: skip
-    model = LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * NORM_NOISE)
-    model.save_pretrained(path)
-    vl_tokenizer().save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps(LLAVA_PREPROCESSOR))
-    return path
+    return save_vl(LlavaForConditionalGeneration(cfg), path, LLAVA_PREPROCESSOR)
 
 
 def build_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
@@ -143,23 +143,9 @@ def build_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=VL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         initializer_range=0.2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        text_config=QWEN_TEXT, image_token_id=IMAGE_PAD, tie_word_embeddings=False, **VISION_IDS,
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
                            window_size=56, fullatt_block_indexes=[1], initializer_range=0.2),
-        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END, tie_word_embeddings=False,
     )  # fmt: skip
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias") or "ln_q" in name:
-                p.add_(torch.randn_like(p) * NORM_NOISE)
-    model.save_pretrained(path)
-    vl_tokenizer().save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
-    return path
+    return save_vl(Qwen2_5_VLForConditionalGeneration(cfg), path, PREPROCESSOR)

@@ -142,6 +142,20 @@ def test_a_text_model_refuses_images(tmp_path: Path) -> None:
     _ = torch  # (torch imported for the fixtures' tensors)
 
 
+Cases = list[tuple[list[dict[str, Any]], list[bytes]]]
+
+
+def family_answers(path: Path, cases: Cases) -> tuple[Engine, list[list[int]]]:
+    """A fresh engine of the checkpoint at `path`, and its greedy tokens for `cases` run in one batch."""
+    e = Engine.load(EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_gb=0.02,
+                                 block_size=4))  # fmt: skip
+    greedy = GenerationParams(max_new_tokens=8, temperature=0.0)
+    out = e.generate([EngineRequest(f"r{i}", greedy, messages=m, images=imgs or None)
+                      for i, (m, imgs) in enumerate(cases)])  # fmt: skip
+    assert all(r.error is None for r in out), [r.error for r in out]
+    return e, [r.token_ids for r in out]
+
+
 def test_llava_image_and_text_rows_answer_as_hf_generate(tmp_path: Path) -> None:
     import io
 
@@ -151,23 +165,15 @@ def test_llava_image_and_text_rows_answer_as_hf_generate(tmp_path: Path) -> None
     from tests.tiny_vision import build_tiny_llava
 
     path = build_tiny_llava(tmp_path / "llava", seed=2)
-    e = Engine.load(
-        EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_gb=0.02, block_size=4)
-    )
-    hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     cases = [(chat(2, "What differs?"), [png(56, 40, 1), png(30, 60, 2)]), (chat(1, "And this?"), [png(80, 80, 3)]),
              ([{"role": "user", "content": "Text alone."}], [])]  # fmt: skip
-    greedy = GenerationParams(max_new_tokens=8, temperature=0.0)
-    out = e.generate([EngineRequest(f"r{i}", greedy, messages=m, images=imgs or None)
-                      for i, (m, imgs) in enumerate(cases)])  # fmt: skip
+    e, answers = family_answers(path, cases)
+    hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     tok = e.tokenizer
-    for (messages, images), res in zip(cases, out, strict=True):
-        assert res.error is None, res.error
+    for (messages, images), got in zip(cases, answers, strict=True):
         ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                   add_special_tokens=False).input_ids  # fmt: skip
-        expanded = [
-            x for t in ids for x in ([IMAGE_PAD] * 4 if t == IMAGE_PAD else [t])
-        ]  # 28 px / 14: 4 tokens
+        expanded = [x for t in ids for x in ([IMAGE_PAD] * 4 if t == IMAGE_PAD else [t])]  # 28 px / 14: 4
         x = torch.tensor([expanded])
         kwargs: dict[str, Any] = {}
         if images:
@@ -177,7 +183,7 @@ def test_llava_image_and_text_rows_answer_as_hf_generate(tmp_path: Path) -> None
         with torch.no_grad():
             want = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
                                **kwargs)[0, len(expanded) :].tolist()  # fmt: skip
-        assert res.token_ids == want, res.request_id
+        assert got == want
 
 
 def test_qwen2_5_vl_answers_as_hf_generate(tmp_path: Path) -> None:
@@ -186,19 +192,13 @@ def test_qwen2_5_vl_answers_as_hf_generate(tmp_path: Path) -> None:
     from tests.tiny_vision import build_tiny_qwen2_5_vl
 
     path = build_tiny_qwen2_5_vl(tmp_path / "qwen2.5-vl", seed=2)
-    e = Engine.load(
-        EngineConfig(model=str(path), device="cpu", dtype="float32", kv_cache_gb=0.02, block_size=4)
-    )
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     cases = [(chat(2, "Both?"), [png(112, 84, 1), png(56, 56, 2)]), (chat(1, "This?"), [png(70, 98, 3)]),
              ([{"role": "user", "content": "Text alone."}], [])]  # fmt: skip
-    greedy = GenerationParams(max_new_tokens=8, temperature=0.0)
-    out = e.generate([EngineRequest(f"r{i}", greedy, messages=m, images=imgs or None)
-                      for i, (m, imgs) in enumerate(cases)])  # fmt: skip
-    for (messages, images), res in zip(cases, out, strict=True):
-        assert res.error is None, res.error
+    e, answers = family_answers(path, cases)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    for (messages, images), got in zip(cases, answers, strict=True):
         ids, pixels, grids = reference_inputs(e, messages, images)
-        assert res.token_ids == hf_vl_generate(hf, ids, pixels, grids, 8), res.request_id
+        assert got == hf_vl_generate(hf, ids, pixels, grids, 8)
 
 
 def test_samples_and_a_json_schema_over_an_image(tiny: tuple[Path, Engine, Any]) -> None:

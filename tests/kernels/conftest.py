@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+import triton
 
 ON_GPU = torch.cuda.is_available()
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # Hopper compiles need it
+ROOT = Path(__file__).resolve().parents[2]
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -37,3 +42,13 @@ def kernels() -> ModuleType:
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     return torch.device("cuda" if ON_GPU else "cpu")
+
+
+def in_fresh_process(*argv: str) -> None:
+    """`python argv` run from the repository without TRITON_INTERPRET, and succeeding: this process may
+    have built the kernels for the interpreter, which accepts what the compiler rejects."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences triton 3.9's warning about the coming default
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]

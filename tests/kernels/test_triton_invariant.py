@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -28,12 +25,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tests.kernels.conftest import ON_GPU
+from tests.kernels.conftest import ON_GPU, PTXAS, in_fresh_process
 from tests.kernels.paged_cases import GRID, Case, PagedCache, assert_close, build_cache, random_queries
 from worker.kernels import reference
 from worker.models.layers import RMSNorm
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # test_triton_compile's
 ROWS = (1, 3, 16, 33, 130)  # the GEMM's M: one and several row tiles of 128, a row at many offsets in them
 
 
@@ -352,10 +348,4 @@ def test_invariant_kernels_compile_to_sm90_cubins() -> None:
     # hopper_compile's check for these kernels, in a fresh process (this one may have built them for the
     # interpreter): the compiler rejects what the interpreter lets through, and the bfloat16 GEMM's fixed
     # tiles must land on the tensor cores' wgmma.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", SM90], cwd=Path(__file__).resolve().parents[2], env=env,
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    in_fresh_process("-c", SM90)

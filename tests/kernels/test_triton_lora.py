@@ -9,21 +9,16 @@ output tiles; float32 and bfloat16 (float16 once). Then batch invariance: a row'
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-import triton
 
-from tests.kernels.conftest import ON_GPU
+from tests.kernels.conftest import ON_GPU, PTXAS, in_fresh_process
 from worker.kernels import lora_ops
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # test_triton_compile's
 Shrink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -309,10 +304,4 @@ def test_lora_kernels_compile_to_sm90_cubins() -> None:
     # hopper_compile's check for these kernels, in a fresh process (this one may have built them for the
     # interpreter): the compiler rejects what the interpreter lets through (the branch on the row's slot,
     # the call into triton_invariant).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", SM90], cwd=Path(__file__).resolve().parents[2], env=env,
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    in_fresh_process("-c", SM90)
