@@ -407,7 +407,7 @@ async def retry(client: BatchqClient, args: argparse.Namespace) -> int:
         print(
             f"batch {report.batch_id}: {report.enqueued} of {report.selected} selected requests re-enqueued; "
             f"{report.in_flight} already being retried, {report.not_retryable} not retryable "
-            "(rejected at submit)"
+            "(rejected at submit, or their images expired)"
         )
     return OK
 

@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 
 from producer.client.jsonl import LineError
 from producer.wire import keys
-from producer.wire.images import IMAGE_REF_PREFIX, image_ref, is_web_url
+from producer.wire.images import IMAGE_REF_PREFIX, image_parts, image_ref, is_web_url, ref_digest
 from producer.wire.lua import LuaScript
 from producer.wire.workers import QueueServing
 
@@ -288,3 +288,12 @@ async def _set(redis: Redis, batch: list[tuple[str, bytes]], ttl_s: int) -> int:
     if raced:
         await _TOUCH(redis, raced, [ttl_s])
     return sum(1 for ok in stored if ok)
+
+
+async def keep_images(redis: Redis, request: dict[str, Any], ttl_s: int) -> bool:
+    """Keep the stored images a queued request refers to for at least `ttl_s` more (a retry runs it
+    again); False where one of them has expired (the request cannot run again without it)."""
+    digests = [d for _, _, url in image_parts(request.get("messages") or []) if (d := ref_digest(url))]
+    if not digests:
+        return True
+    return not await _TOUCH(redis, [keys.image(d) for d in digests], [ttl_s])

@@ -23,6 +23,7 @@ import orjson
 from arq.constants import job_key_prefix
 from redis.asyncio import Redis
 
+from producer.client.images import keep_images
 from producer.wire import keys
 from producer.wire.lua import LuaScript, done
 from producer.wire.store import batch_keys, current_attempts, get_status, iter_results
@@ -41,7 +42,7 @@ class RetryReport:
     selected: int = 0  # results whose finish reason was selected
     enqueued: int = 0  # new attempts enqueued by this call
     in_flight: int = 0  # selected, but already retried and not finished (or claimed by a concurrent retry)
-    not_retryable: int = 0  # no request kept (rejected at submit): would fail again
+    not_retryable: int = 0  # no request kept (rejected at submit), or its images expired: would fail again
 
     def to_dict(self) -> dict[str, int | str]:
         return {
@@ -75,6 +76,8 @@ async def retry_batch(redis: Redis, batch_id: str, reasons: frozenset[str]) -> R
         else:
             picked.append((result.index, result.attempt))
     ks = [queue, *batch_keys(batch_id)]
+    stored_ttl = await done(redis.hget(keys.batch_meta(batch_id), "result_ttl_s"))
+    ttl = int(stored_ttl) if stored_ttl else keys.DEFAULT_RESULT_TTL_S  # what its images are kept for again
     for start in range(0, len(picked), CHUNK):
         part = picked[start : start + CHUNK]
         raws = await done(redis.hmget(keys.batch_requests(batch_id), [str(i) for i, _ in part]))
@@ -85,6 +88,9 @@ async def retry_batch(redis: Redis, batch_id: str, reasons: frozenset[str]) -> R
                 report.not_retryable += 1
                 continue
             req = orjson.loads(raw)
+            if not await keep_images(redis, req, ttl):  # its stored images expired: it would fail again
+                report.not_retryable += 1
+                continue
             req["attempt"], req["enqueued_at"] = attempt + 1, now
             jid = keys.job_id(batch_id, index, attempt + 1)
             job: dict[str, object] = {

@@ -261,3 +261,29 @@ def test_make_runs_check_resolves_file_images_in_the_files_folder(
     assert f"line 1: messages.0.content.0.image_url.url: no such file: {tmp_path.resolve()}/dog.png" in (
         capsys.readouterr().err
     )
+
+
+async def test_a_retry_keeps_the_images_again_and_skips_a_request_whose_image_expired(
+    redis: Redis, tmp_path: Path
+) -> None:
+    """`producer retry` enqueues a failed image request again only while its images are stored, and keeps
+    them for the batch's result TTL again; one whose image expired would fail again: not retryable."""
+    from producer.client.retry import retry_batch
+    from producer.wire import store
+    from producer.wire.results import ErrorInfo, Result
+
+    path = write(tmp_path / "in.jsonl", chat("kept", image(data_url(PHOTO)), text("?")),
+                 chat("gone", image(data_url(OTHER)), text("?")))  # fmt: skip
+    await submit(redis, path, batch_id="b1", result_ttl_s=3600)
+    for index in (0, 1):  # both failed: a worker wrote errors, keeping their requests for a retry
+        req = await queued(redis, "b1", index)
+        err = Result(
+            id=req.id, index=index, finish_reason="error", error=ErrorInfo(type="engine_error", message="x")
+        )
+        raw = orjson.dumps(req.model_dump(mode="json", exclude_none=True))
+        assert await store.write_result(redis, "b1", err, request=raw)
+    await redis.expire(keys.image(sha(PHOTO)), 60)  # nearly gone: the retry keeps it for the batch's TTL
+    await redis.delete(keys.image(sha(OTHER)))  # gone
+    report = await retry_batch(redis, "b1", frozenset({"error"}))
+    assert (report.selected, report.enqueued, report.not_retryable) == (2, 1, 1)
+    assert 3500 < await redis.ttl(keys.image(sha(PHOTO))) <= 3600
