@@ -122,10 +122,35 @@ def test_bad_images_are_refused_alone(tiny: tuple[Path, Engine, Any]) -> None:
         EngineRequest("bad", greedy, messages=chat(1, "?"), images=[b"not an image"]),
         EngineRequest("mismatch", greedy, messages=chat(2, "?"), images=[png(56, 56, 1)]),
         EngineRequest("good", greedy, messages=chat(1, "?"), images=[png(56, 56, 1)]),
+        EngineRequest("thin", greedy, messages=chat(1, "?"), images=[png(3, 700, 2)]),  # the processor refuses it
     ])  # fmt: skip
     assert out[0].error is not None and "image 0: not a decodable image" in out[0].error.message
     assert out[1].error is not None and "2 image placeholders for 1 images" in out[1].error.message
     assert out[2].error is None
+    assert (
+        out[3].error is not None and "image 0: the model's image processor refuses it" in out[3].error.message
+    )
+
+
+def test_a_refused_duplicate_never_lends_its_images_to_the_request_it_repeats(
+    tiny: tuple[Path, Engine, Any],
+) -> None:
+    _, engine, hf = tiny
+    greedy = GenerationParams(max_new_tokens=6, temperature=0.0)
+    messages = chat(1, "Which one?")
+    engine.add_request(EngineRequest("dup", greedy, messages=messages, images=[png(56, 56, 30)]))
+    engine.add_request(EngineRequest("dup", greedy, messages=messages, images=[png(56, 56, 31)]))
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    first = next(r for r in out if r.error is None)
+    refused = next(r for r in out if r.error is not None)
+    assert "already running" in refused.error.message  # type: ignore[union-attr]
+    ids, pixels, grids = reference_inputs(engine, messages, [png(56, 56, 30)])
+    assert first.token_ids == hf_vl_generate(hf, ids, pixels, grids, 6)
+    assert not engine.images._prep and not engine.images._ready  # type: ignore[union-attr]  # nothing kept
+    engine.step()  # (an intake: what the last one refused is dropped)
+    assert not engine.images._ready  # type: ignore[union-attr]
 
 
 def test_a_text_model_refuses_images(tmp_path: Path) -> None:

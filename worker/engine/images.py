@@ -40,15 +40,18 @@ class Images:
     def __init__(self, tower: VisionTower) -> None:
         self.tower = tower
         self._pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="batchq-images")
-        self._prep: dict[str, Future[PreparedImages]] = {}
+        # each request's decoding, keyed by the request object itself (ids may repeat: a refused duplicate
+        # must not take another request's images); a request moves to _ready once decoded, for the intake
+        # that admits it, and what that intake refused is dropped at the next
+        self._prep: dict[int, tuple[EngineRequest, Future[PreparedImages]]] = {}
+        self._ready: dict[int, tuple[EngineRequest, Future[PreparedImages]]] = {}
         # seconds spent decoding and processing images (summed over the threads) and in the tower
         self.prepare_s = self.encode_s = 0.0
-        self.images = 0
 
     def start(self, req: EngineRequest) -> None:
         """Begin decoding the request's images (thread-safe: called where the request is added)."""
         if req.images:
-            self._prep[req.request_id] = self._pool.submit(self._prepare, req.images)
+            self._prep[id(req)] = (req, self._pool.submit(self._prepare, req.images))
 
     def _prepare(self, images: list[bytes]) -> PreparedImages:
         t0 = time.perf_counter()
@@ -57,28 +60,31 @@ class Images:
         finally:
             self.prepare_s += time.perf_counter() - t0  # (a float add: no lock needed for a statistic)
 
-    def ready(self, req: EngineRequest) -> bool:
-        fut = self._prep.get(req.request_id)
-        return fut is None or fut.done()
-
     def split(
         self, pending: list[tuple[EngineRequest, float]], cancelled: set[str]
     ) -> tuple[list[tuple[EngineRequest, float]], list[tuple[EngineRequest, float]]]:
         """The requests that may join the engine now (no images, images decoded, or cancelled: their
         decoding is dropped), and those whose images are still being decoded."""
+        self._ready.clear()  # the requests of the intake before that were not admitted
         ready: list[tuple[EngineRequest, float]] = []
         waiting: list[tuple[EngineRequest, float]] = []
         for item in pending:
-            rid = item[0].request_id
-            if rid in cancelled and rid in self._prep:
-                self._prep.pop(rid).cancel()
-            (ready if rid not in self._prep or self._prep[rid].done() else waiting).append(item)
+            entry = self._prep.get(id(item[0]))
+            if entry is not None and item[0].request_id in cancelled:
+                self._prep.pop(id(item[0]))[1].cancel()
+            elif entry is not None and not entry[1].done():
+                waiting.append(item)
+                continue
+            elif entry is not None:
+                self._ready[id(item[0])] = self._prep.pop(id(item[0]))
+            ready.append(item)
         return ready, waiting
 
     def expand(self, req: EngineRequest, ids: list[int]) -> tuple[list[int], PreparedImages]:
         """The prompt with its images' tokens in place of their placeholders; RequestError where an image
         cannot be taken or the placeholders do not pair with the images."""
-        fut = self._prep.pop(req.request_id)
+        owner, fut = self._ready.pop(id(req))
+        assert owner is req
         try:
             prepared = fut.result()
             return self.tower.expand(ids, prepared.tokens), prepared
@@ -110,7 +116,6 @@ class Images:
             t0 = time.perf_counter()
             vision.embeds = torch.cat(self.tower.encode(vision.prepared))
             self.encode_s += time.perf_counter() - t0
-            self.images += len(vision.prepared.tokens)
         return vision.embeds
 
 

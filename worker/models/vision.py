@@ -94,6 +94,16 @@ QWEN_TOWERS = {
 }
 
 
+def processed(processor: Any, i: int, data: bytes) -> Any:
+    """Image `i` through the model's image processor; ImageError where it refuses the image (Qwen2-VL's
+    refuses one too thin or of too extreme an aspect ratio): one request's image never fails the engine."""
+    image = decoded(i, data)
+    try:
+        return processor(images=[image], return_tensors="pt")
+    except Exception as e:  # the processors raise ValueError and others for images they cannot size
+        raise ImageError(f"image {i}: the model's image processor refuses it ({e})") from None
+
+
 class Qwen2VLTower(VisionTower):
     """hf_config: the image-text model's config (its vision_config, the image token's id)."""
 
@@ -135,7 +145,7 @@ class Qwen2VLTower(VisionTower):
         image cannot be taken."""
         pixels, grids, tokens, digests = [], [], [], []
         for i, data in enumerate(images):
-            out = self.processor(images=[decoded(i, data)], return_tensors="pt")
+            out = processed(self.processor, i, data)
             grid = tuple(int(x) for x in out["image_grid_thw"][0])
             pixels.append(out["pixel_values"])
             grids.append((grid[0], grid[1], grid[2]))
@@ -235,7 +245,7 @@ class LlavaTower(VisionTower):
     def prepare(self, images: list[bytes]) -> PreparedImages:
         pixels, digests = [], []
         for i, data in enumerate(images):
-            pixels.append(self.processor(images=[decoded(i, data)], return_tensors="pt")["pixel_values"])
+            pixels.append(processed(self.processor, i, data)["pixel_values"])
             digests.append(hashlib.sha256(data).hexdigest())
         n = len(images)
         return PreparedImages(torch.cat(pixels), [(1, 0, 0)] * n, [self.tokens] * n, digests)
