@@ -244,3 +244,27 @@ def test_samples_and_a_json_schema_over_an_image(tiny: tuple[Path, Engine, Any])
     want = hf_vl_generate(hf, ids, pixels, grids, 6)
     assert out[0].samples is not None and [s.token_ids for s in out[0].samples] == [want, want]
     assert json.loads(out[1].text)["label"] in ("cat", "dog")
+
+
+def test_the_fingerprint_follows_the_vision_side(tiny: tuple[Path, Engine, Any], tmp_path: Path) -> None:
+    """Two checkpoints with one decoder but another tower, or another image processor, answer image
+    requests differently: their engines' fingerprints (which key the result cache) differ."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, engine, _ = tiny
+    tower = shutil.copytree(path, tmp_path / "other-tower")
+    weights = load_file(str(tower / "model.safetensors"))
+    name = next(k for k in weights if k.startswith("visual.") and k.endswith("fc1.weight"))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, str(tower / "model.safetensors"), metadata={"format": "pt"})
+    processor = shutil.copytree(path, tmp_path / "other-processor")
+    settings = json.loads((processor / "preprocessor_config.json").read_text())
+    (processor / "preprocessor_config.json").write_text(json.dumps({**settings, "max_pixels": 28 * 28 * 8}))
+    prints = {engine.fingerprint}
+    for folder in (tower, processor):
+        prints.add(Engine.load(EngineConfig(model=str(folder), device="cpu", dtype="float32", kv_cache_gb=0.02,
+                                            block_size=4)).fingerprint)  # fmt: skip
+    assert len(prints) == 3

@@ -6,7 +6,9 @@ engine's outputs."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import orjson
 import torch
 
 from worker.engine.block_manager import BlockManager
@@ -161,7 +163,15 @@ def engine_fingerprint_of(
         # a model split over ranks sums its row-parallel outputs in another order (and hashes one share
         # of its weights); unsplit engines keep their fingerprints
         **({"tensor_parallel": tp} if tp > 1 else {}),
+        # an image-text model's vision side decides its image requests' answers; text models add no key
+        **({"vision": vision_digest(loaded.vision)} if loaded.vision is not None else {}),
     )
+
+
+def vision_digest(vision: Any) -> list[str]:
+    """The vision side's weights (sampled as the decoder's are) and its image processor's settings."""
+    settings = orjson.dumps(vision.settings, option=orjson.OPT_SORT_KEYS).decode()
+    return [*(weights_digest(m) for m in vision.modules()), settings]
 
 
 def log_windows(windows: tuple[int | None, ...], window: SlidingWindow | None, bm: BlockManager) -> None:

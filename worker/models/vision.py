@@ -50,6 +50,11 @@ class VisionTower:
 
     image_token_id: int
     mrope = False
+    settings: dict[str, Any]  # the image processor's (preprocessor_config.json, as taken)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Its modules with weights: what, with `settings`, decides an image's embeddings (the fingerprint)."""
+        return [m for m in (getattr(self, "tower", None), getattr(self, "projector", None)) if m is not None]
 
     def prepare(self, images: list[bytes]) -> PreparedImages:
         raise NotImplementedError
@@ -71,6 +76,13 @@ class VisionTower:
             out += ids[last:at] + [self.image_token_id] * n
             last = at + 1
         return out + ids[last:]
+
+
+def processor_settings(folder: Path) -> dict[str, Any]:
+    """The checkpoint's preprocessor_config.json as an image processor's settings (none: its defaults)."""
+    path = folder / "preprocessor_config.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    return {k: v for k, v in settings.items() if k not in ("image_processor_type", "processor_class")}
 
 
 def decoded(i: int, data: bytes) -> Any:
@@ -120,9 +132,7 @@ class Qwen2VLTower(VisionTower):
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(vision.spatial_merge_size)
         self.dtype, self.device = dtype, device
-        processor = folder / "preprocessor_config.json"
-        settings = json.loads(processor.read_text()) if processor.is_file() else {}
-        settings = {k: v for k, v in settings.items() if k not in ("image_processor_type", "processor_class")}
+        settings = self.settings = processor_settings(folder)
         settings.setdefault("patch_size", vision.patch_size)
         settings.setdefault("temporal_patch_size", vision.temporal_patch_size)
         settings.setdefault("merge_size", self.merge)
@@ -229,10 +239,8 @@ class LlavaTower(VisionTower):
         self.dtype, self.device = dtype, device
         side = int(vision.image_size) // int(vision.patch_size)
         self.tokens = side * side + (1 if self.strategy == "full" else 0)
-        processor = folder / "preprocessor_config.json"
-        settings = json.loads(processor.read_text()) if processor.is_file() else {}
-        settings = {k: v for k, v in settings.items() if k not in ("image_processor_type", "processor_class")}
-        self.processor = LlavaImageProcessorPil(**settings)
+        self.settings = processor_settings(folder)
+        self.processor = LlavaImageProcessorPil(**self.settings)
         tower = AutoModel.from_config(vision)  # type: ignore[no-untyped-call]
         projector = LlavaMultiModalProjector(hf_config)
         weights = _tower_weights(folder, ("vision_tower.", "model.vision_tower."))
