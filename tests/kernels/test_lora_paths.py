@@ -1,5 +1,5 @@
-"""A linear layer's LoRA slots (worker/models/lora.py LoraLayer) on each path the backends give it: each
-adapter's rows through the linear method (no grouped pass), lora.c's grouped pass (CPU, float32) and
+"""A linear layer's LoRA slots (worker/models/lora.py LoraLayer) on each path the backends give it: torch's
+ops (backends with neither kernel), lora.c's grouped pass (CPU, float32) and
 Triton's (under the interpreter without a GPU). Each equals a float64 reference of base + B(A x) per row,
 for adapters of different ranks beside base rows, with fused parts (a pair whose B fills some rows only);
 lora.c's rows are bitwise the same alone and among others; Triton's stacks keep one width whatever the
@@ -17,7 +17,7 @@ import torch
 
 from tests.kernels.conftest import ON_GPU
 from worker.kernels import native_lora
-from worker.kernels.backend import LoraGrouped, torch_backend
+from worker.kernels.backend import TORCH_LORA, LoraGrouped, torch_backend
 from worker.models.layers import Linear
 from worker.models.lora import LoraLayer, LoraState, LoraStep
 
@@ -37,7 +37,7 @@ def pairs(gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def layer(
-    backend_grouped: LoraGrouped | None, seed: int, zero_base: bool = False, device: str = "cpu"
+    backend_grouped: LoraGrouped, seed: int, zero_base: bool = False, device: str = "cpu"
 ) -> tuple[Linear, LoraState]:
     """A linear of random weights (zeros: its output is the adapters' delta alone) with the three adapters
     of pairs(seed + 1000) in its slots."""
@@ -66,8 +66,8 @@ def reference(base: Linear, x: torch.Tensor, slots: list[int], seed: int) -> tor
     return y
 
 
-def grouped_paths(lora: ModuleType | None) -> dict[str, LoraGrouped | None]:
-    paths: dict[str, LoraGrouped | None] = {"linear method": None}
+def grouped_paths(lora: ModuleType | None) -> dict[str, LoraGrouped]:
+    paths: dict[str, LoraGrouped] = {"torch": TORCH_LORA}
     if native_lora.library() is not None:
         paths["lora.c"] = LoraGrouped("c", native_lora.lora_grouped, True, False, native_lora.library)
     if lora is not None:
@@ -84,17 +84,17 @@ def lora_mod(kernels: ModuleType) -> ModuleType:
 
 
 def run(
-    grouped: LoraGrouped | None, x: torch.Tensor, slots: list[int], seed: int, zero_base: bool = False
+    grouped: LoraGrouped, x: torch.Tensor, slots: list[int], seed: int, zero_base: bool = False
 ) -> tuple[Linear, torch.Tensor]:
     """The layer's output for rows x of `slots` (on the GPU for Triton where there is one)."""
-    device = torch.device("cuda" if grouped is not None and grouped.name == "triton" and ON_GPU else "cpu")
+    device = torch.device("cuda" if grouped.name == "triton" and ON_GPU else "cpu")
     base, state = layer(grouped, seed, zero_base, device.type)
     state.step = LoraStep.of(slots, device)
     with torch.no_grad():
         return base, base(x.to(device)).cpu()
 
 
-@pytest.mark.parametrize("name", ["linear method", "lora.c", "triton"])
+@pytest.mark.parametrize("name", ["torch", "lora.c", "triton"])
 def test_every_path_adds_each_rows_adapter(name: str, lora_mod: ModuleType) -> None:
     grouped = grouped_paths(lora_mod).get(name, "missing")
     if grouped == "missing":

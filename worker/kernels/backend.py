@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from worker.kernels import native_attention, native_linear, native_lora, native_stack
+from worker.kernels import lora_ops, native_attention, native_linear, native_lora, native_stack
 from worker.kernels.experts import ExpertActivation, Experts
 from worker.kernels.linear_methods import (
     TORCH_LINEAR,
@@ -182,6 +182,11 @@ class LoraGrouped:
         return self.library is None or self.library() is not None
 
 
+# torch's ops: where a backend has neither lora.c nor Triton (their sums may follow the rows: such
+# backends hold no batch invariance anyway)
+TORCH_LORA = LoraGrouped("torch", lora_ops.lora_grouped_torch, False, False)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One engine's kernels (see the module docstring). Frozen: chosen once, at load."""
@@ -202,9 +207,8 @@ class Backend:
     # how linear.c streams the weights on this machine (platform.probes.kept_linear_tuning), in every C kernel call of
     # the linear and MoE methods and the decode stack; only the speed depends on it
     linear_tuning: LinearTuning = DEFAULT_TUNING
-    # LoRA adapters, every row's delta in one grouped pass (LoraGrouped); None: each adapter's rows through
-    # `linear` (models/lora.py)
-    lora_grouped: LoraGrouped | None = None
+    # LoRA adapters, every row's delta in one grouped pass (LoraGrouped)
+    lora_grouped: LoraGrouped = TORCH_LORA
 
     @property
     def name(self) -> str:

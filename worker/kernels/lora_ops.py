@@ -101,3 +101,9 @@ def lora_expand_torch(y: Tensor, s: Tensor, b_stack: Tensor, slots: Tensor) -> N
     for slot, rows in slot_groups(slots, b_stack.shape[0]):
         delta = torch.matmul(s[rows].float(), b_stack[slot].float().t())
         y.index_copy_(0, rows, (y[rows].float() + delta).to(y.dtype))
+
+
+def lora_grouped_torch(x: Tensor, y: Tensor, a_stack: Tensor, b_stack: Tensor, slots: Tensor) -> None:
+    """Backend.lora_grouped on torch's ops (backends with neither lora.c nor Triton): every row's B(A x)
+    added to y in place, each slot's rows through two matmuls."""
+    lora_expand_torch(y, lora_shrink_torch(x, a_stack, slots), b_stack, slots)

@@ -6,12 +6,11 @@ checked against the base model's shapes, and kept on the host as one pair per li
 parts' A matrices stacked, and B [out, ranks], each part's B times its scaling in its own rows and columns
 (zeros elsewhere, so one shrink and one expand serve every part).
 
-A linear that adapters may target holds a `LoraLayer`: up to `max_loras` slots, each an adapter's pair in
-the linear's own kernels (the backend's method, so that a row's delta is computed as its base product is,
-whatever else shares the step), or stacked [slots, ...] for the backend's grouped pass (Triton's BGMV
-kernels on a GPU: Backend.lora_grouped). The step's rows
-name their slot in the model's `LoraStep` (-1: the base model); a linear adds B(A x) to the rows of each
-slot present, after its base product, as PEFT does.
+A linear that adapters may target holds a `LoraLayer`: up to `max_loras` slots, their pairs stacked for
+the backend's grouped pass (Backend.lora_grouped: lora.c on a CPU, Triton's BGMV kernels on a GPU, each
+row's sums in an order fixed by the shapes, so a row's delta never follows what else shares the step).
+The step's rows name their slot in the model's `LoraStep` (-1: the base model); a linear adds B(A x) to
+the rows of each slot present, after its base product, as PEFT does.
 """
 
 from __future__ import annotations
@@ -27,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from worker.kernels.backend import TORCH_LORA, Backend, LoraGrouped
+
 if TYPE_CHECKING:
-    from worker.kernels.backend import Backend, LoraGrouped
     from worker.models.layers import Linear
 
 PREFIX = "base_model.model."  # PEFT's names: the wrapped model's, under this prefix
@@ -231,19 +231,16 @@ def read_adapter(
 
 @dataclass
 class LoraStep:
-    """The step's rows by adapter slot: `groups`, (slot, row indices) for each slot present; `slots` [T]
-    int32, each row's slot or -1 (the Triton kernels' form). None of it: a step of base rows only."""
+    """The step's rows' adapter slots: `slots` [T] int32, each row's slot or -1 (the base model). None of
+    it: a step of base rows only."""
 
     slots: Tensor
-    groups: list[tuple[int, Tensor]]
 
     @classmethod
     def of(cls, row_slots: list[int], device: torch.device) -> LoraStep | None:
         if not any(s >= 0 for s in row_slots):
             return None
-        slots = torch.tensor(row_slots, dtype=torch.int32)
-        groups = [(s, (slots == s).nonzero().flatten().to(device)) for s in sorted(set(row_slots)) if s >= 0]
-        return cls(slots.to(device), groups)
+        return cls(torch.tensor(row_slots, dtype=torch.int32, device=device))
 
 
 class LoraState:
@@ -254,45 +251,30 @@ class LoraState:
 
 
 class LoraLayer:
-    """A linear's adapter slots. On a CPU each slot is a pair of Linears in the base linear's kernels (the
-    backend's method); on CUDA, stacked A [slots, R, in] and B [slots, out, R] (R: the widest pair's
-    ranks, zero-padded) for the grouped Triton kernels."""
+    """A linear's adapter slots: each slot's (A, B), stacked A [slots, R, in] and B [slots, out, R] (R: the
+    widest pair's ranks, zero-padded; B [slots, R, out] where the pass takes it transposed) for the
+    backend's grouped pass (lora.c on a CPU, Triton on a GPU, else torch's ops)."""
 
     def __init__(self, base: Linear, state: LoraState, max_loras: int, max_width: int) -> None:
         """max_width: the most ranks an adapter's pair may have here (max_lora_rank per part it targets)."""
         self.base, self.state, self.max_width = base, state, max_width
-        self.pairs: list[tuple[Linear, Linear] | None] = [None] * max_loras  # without a grouped pass
-        self.raw: list[tuple[Tensor, Tensor] | None] = [None] * max_loras  # with one: (A, B) of each slot
+        self.raw: list[tuple[Tensor, Tensor] | None] = [None] * max_loras  # (A, B) of each slot
         self.a_stack: Tensor | None = None
         self.b_stack: Tensor | None = None
-        self.grouped: LoraGrouped | None = None  # the backend's grouped pass, where it has one (and it built)
+        self.grouped: LoraGrouped = TORCH_LORA
 
     def install(self, slot: int, pair: tuple[Tensor, Tensor] | None, backend: Backend) -> None:
-        """Put an adapter's pair for this linear in `slot` (None: the adapter leaves this linear alone), in
-        the backend's kernels: stacked for its grouped pass, or each a linear in the linear method."""
-        from worker.models.layers import Linear
-
-        grouped = backend.lora_grouped
-        self.grouped = grouped if grouped is not None and grouped.available() else None
+        """Put an adapter's pair for this linear in `slot` (None: the adapter leaves this linear alone), and
+        stack the slots for the backend's grouped pass (torch's where its kernel did not build)."""
+        self.grouped = backend.lora_grouped if backend.lora_grouped.available() else TORCH_LORA
         device = self.base.weight.device
-        if self.grouped is not None:
-            self.raw[slot] = None if pair is None else (pair[0].to(device), pair[1].to(device))
-            self._stack()
-        elif pair is None:
-            self.pairs[slot] = None
-        else:
-            a, b = pair
-            shrink, expand = Linear(a.shape[1], a.shape[0], False), Linear(b.shape[1], b.shape[0], False)
-            for lin, w in ((shrink, a), (expand, b)):
-                lin.weight = torch.nn.Parameter(w.to(device), requires_grad=False)
-                lin.use_method(backend.linear_method(lin.weight))
-            self.pairs[slot] = (shrink, expand)
+        self.raw[slot] = None if pair is None else (pair[0].to(device), pair[1].to(device))
+        self._stack()
 
     def _stack(self) -> None:
         """The slots' pairs stacked, zero-padded to one width: the widest resident pair's, or, where the
         grouped pass's sums follow that width (Triton's tiles over the ranks), the most any adapter may
         have, so that a row's numbers never follow which adapters are resident."""
-        assert self.grouped is not None
         present = [p for p in self.raw if p is not None]
         if not present:
             self.a_stack = self.b_stack = None
@@ -312,14 +294,8 @@ class LoraLayer:
         step = self.state.step
         if step is None:
             return y
-        if self.grouped is not None and self.a_stack is not None and self.b_stack is not None:
+        if self.a_stack is not None and self.b_stack is not None:
             self.grouped.run(x, y, self.a_stack, self.b_stack, step.slots)
-            return y
-        for slot, rows in step.groups:
-            pair = self.pairs[slot]
-            if pair is not None:
-                shrink, expand = pair
-                y.index_add_(0, rows, expand(shrink(x.index_select(0, rows))))
         return y
 
 
