@@ -180,6 +180,8 @@ def test_unsupported_settings_and_targets_are_refused_by_name(tmp_path: Path) ->
     assert "DoRA (use_dora) is not supported" in refusal(tmp_path / "a", {"use_dora": True})
     assert "embed_tokens is not supported" in refusal(tmp_path / "b", modules=["embed_tokens"])
     assert "peft_type 'IA3'" in refusal(tmp_path / "c", {"peft_type": "IA3"})
+    assert "KaSA (kasa_config) is not supported" in refusal(tmp_path / "d", {"kasa_config": {"any": 1}})
+    assert "MiCA (init_lora_weights 'mica')" in refusal(tmp_path / "e", {"init_lora_weights": "mica"})
 
 
 def test_a_rows_numbers_do_not_depend_on_its_neighbours(tmp_path: Path) -> None:

@@ -44,6 +44,11 @@ REFUSED_SETTINGS = {
     "layer_replication": "layer_replication is not supported",
     "target_parameters": "adapters on parameters (target_parameters, MoE experts) are not supported",
     "fan_in_fan_out": "fan_in_fan_out (Conv1D layers) is not supported",
+    # PEFT's other LoRA variants, each of which changes what its layers compute
+    "arrow_config": "Arrow routing (arrow_config) is not supported",
+    "kasa_config": "KaSA (kasa_config) is not supported",
+    "monteclora_config": "MonteCLoRA (monteclora_config) is not supported",
+    "velora_config": "VeLoRA (velora_config) is not supported",
 }
 
 
@@ -108,6 +113,8 @@ def _read_config(name: str, folder: Path) -> dict[str, Any]:
     for key, why in REFUSED_SETTINGS.items():
         if cfg.get(key):
             raise LoraError(f"adapter {name!r}: {why}")
+    if cfg.get("init_lora_weights") == "mica":  # a variant PEFT selects by its initialisation
+        raise LoraError(f"adapter {name!r}: MiCA (init_lora_weights 'mica') is not supported")
     if cfg.get("bias", "none") != "none":
         raise LoraError(f"adapter {name!r}: bias {cfg['bias']!r} (trained biases) is not supported")
     return cfg
