@@ -7,7 +7,7 @@ keys.image(sha256 of the bytes) and rewrites the part into a reference:
 
     {"type": "image_url", "image_url": {"url": "batchq-image://sha256:<64 lower-case hex digits>"}}
 
-("detail" is dropped: the model sees the image as given). An http(s) URL goes to the queue as written. A
+("detail", "auto" where given, is dropped: the model sees each image at its processor's resolution). An http(s) URL goes to the queue as written. A
 worker reads the referenced bytes back before its engine sees the request (worker/queue/images.py). The
 reference names the image by its content, so one photo asked four questions is stored once, and the result
 cache keys an image request by its images: the reference is part of the keyed messages. A request with an

@@ -316,9 +316,17 @@ class ImageUrl(StrictModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = (
-        None  # accepted and ignored: the model sees the image as given
-    )
+    # OpenAI's resolution hint: its default, "auto", is what batchq does (each image at its model's image
+    # processor's resolution); "low" and "high" would ask for another, which batchq cannot honour
+    detail: Literal["auto"] | None = None
+
+    @field_validator("detail", mode="before")
+    @classmethod
+    def _auto_only(cls, v: Any) -> Any:
+        if v is not None and v != "auto":
+            raise ValueError(f"detail {v!r} is unsupported: each image is seen at its model's image processor's "
+                             "resolution; leave detail out or give 'auto'")  # fmt: skip
+        return v
 
 
 class ImagePart(StrictModel):

@@ -65,7 +65,7 @@ async def test_one_photo_asked_four_questions_is_stored_once_and_the_requests_re
     (tmp_path / "other.jpg").write_bytes(OTHER)
     path = write(
         tmp_path / "in.jsonl",
-        chat("q1", text("What animal?"), image(data_url(PHOTO), detail="high")),
+        chat("q1", text("What animal?"), image(data_url(PHOTO), detail="auto")),
         chat("q2", image("file://photos/cat.png"), text("What colour?")),
         chat("q3", image("file://./photos/../photos/cat.png"), text("How many?")),
         openai_chat("q4", text("Compare"), image(data_url(PHOTO)), image(f"file://{tmp_path}/other.jpg")),
@@ -287,3 +287,15 @@ async def test_a_retry_keeps_the_images_again_and_skips_a_request_whose_image_ex
     report = await retry_batch(redis, "b1", frozenset({"error"}))
     assert (report.selected, report.enqueued, report.not_retryable) == (2, 1, 1)
     assert 3500 < await redis.ttl(keys.image(sha(PHOTO))) <= 3600
+
+
+async def test_a_detail_other_than_auto_is_refused_by_name(redis: Redis, tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "in.jsonl", openai_chat("hi", text("what?"), image(data_url(PHOTO), detail="high"))
+    )
+    with pytest.raises(InputError) as e:
+        await submit(redis, path)
+    (err,) = e.value.errors
+    assert err.line_no == 1 and err.field.endswith("image_url.detail"), err
+    assert "detail 'high' is unsupported" in err.reason and "'auto'" in err.reason
+    assert await redis.keys("*") == []
