@@ -145,3 +145,21 @@ async def test_an_outage_while_claiming_and_writing_loses_nothing(
         assert (st.completed, st.running, st.queued) == (12, 0, 0)
     finally:
         await redis.aclose()
+
+
+async def test_a_submits_requests_are_due_within_their_enqueue_millisecond(server: RedisServer) -> None:
+    """Requests are scored at their submit's enqueue millisecond plus a fraction that orders them: a claim
+    made in that very millisecond takes them all (a burst worker started at once must find the work)."""
+    from producer.wire.jobs import _CLAIM
+
+    await submit(server.url, 3)
+    redis = connect(config(server.url))
+    try:
+        scores = [s for _, s in await redis.zrange(QUEUE, 0, -1, withscores=True)]
+        ms = int(min(scores))
+        assert len(scores) == 3 and all(ms <= s < ms + 1 for s in scores) and max(scores) > ms
+        raw = await _CLAIM(redis, [QUEUE], [ms, 60_000, 10])
+        assert (len(raw) - 1) // 4 == 3
+        assert (await claim_jobs(redis, QUEUE, 10, lease_s=60))[0] == []  # leased: out of the due range
+    finally:
+        await redis.aclose()

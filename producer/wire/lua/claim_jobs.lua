@@ -14,8 +14,12 @@
 
 local now, lease, want = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local picked, starts, dropped, offset = {}, {}, 0, 0
+-- Due: scored before the end of this millisecond. A submit scores its requests at its enqueue millisecond
+-- plus a fraction that only orders them (validate.queue_order): due from that millisecond on, not from
+-- the next (a claim in the same millisecond found nothing, and a burst worker stopped with work queued).
+local due = '(' .. string.format('%.17g', now + 1)
 while #picked < want do
-  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', offset, want - #picked)
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', due, 'LIMIT', offset, want - #picked)
   if #ids == 0 then break end
   local gone, leased = {}, {}
   for _, jid in ipairs(ids) do
