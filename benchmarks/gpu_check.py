@@ -67,6 +67,7 @@ def stage_kernels(args: argparse.Namespace) -> dict[str, Any]:
         cpu_only = ("test_cpu_", "test_native_", "test_decode_stack")
         cmd += sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests/kernels").glob("test_*.py")
                       if not f.name.startswith(cpu_only))  # fmt: skip
+        cmd.append("tests/engine/test_cuda_graph_logic.py")  # graphs' replay, overlapped and serial
     else:
         cmd.append("tests/kernels")
     cmd += ["-rfE", "--durations=5"]
@@ -89,7 +90,8 @@ def stage_kernels(args: argparse.Namespace) -> dict[str, Any]:
 
 def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
     """Tiny random Llama through Engine.load (checkpoint in a temp dir) vs HF generate, greedy, EOS off:
-    fp32 must match token for token (graphs on and off); bf16 is reported (near-ties may flip)."""
+    fp32 must match token for token (graphs with async scheduling, graphs serially, no graphs); bf16 is
+    reported (near-ties may flip)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -116,9 +118,11 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 want.append(gen[0, len(p) :].tolist())
             del hf
-            for graphs in (True, False) if device.type == "cuda" else (False,):
+            # graphs with async scheduling (the default), graphs with serial steps, no graphs
+            runs = ((True, True), (True, False), (False, True)) if device.type == "cuda" else ((False, True),)
+            for graphs, overlap in runs:
                 cfg = EngineConfig(model=str(path), device=args.device, dtype=dtype, kv_cache_gb=0.05,
-                                   cuda_graphs=graphs)  # fmt: skip
+                                   max_num_seqs=16, cuda_graphs=graphs, async_scheduling=overlap)  # fmt: skip
                 engine = Engine.load(cfg)
                 params = GenerationParams(max_new_tokens=new, temperature=0, ignore_eos=True)
                 reqs = [EngineRequest(f"p{i}", params, prompt_token_ids=p) for i, p in enumerate(prompts)]
@@ -129,9 +133,11 @@ def stage_parity(args: argparse.Namespace) -> dict[str, Any]:
                     for g, w in zip(got, want, strict=True)
                 ]
                 key = f"{dtype}{'+graphs' if engine.model_runner.graphs is not None else ''}"
+                key += "" if overlap else "+serial"
                 out[key] = {
                     "identical": f"{same}/{len(prompts)}",
                     "mean_common_prefix": sum(prefix) / len(prefix),
+                    "overlapped_steps": engine.stats().overlapped_steps,
                 }
                 del engine
     out["ok"] = all(v["identical"].split("/")[0] == v["identical"].split("/")[1]

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/host_overhead.py                 # the tables (the overlap's at D = 5 ms)
     .venv/bin/python benchmarks/host_overhead.py --profile       # + cProfile's top 25 at N=256
     .venv/bin/python benchmarks/host_overhead.py --sample        # seeded sampling in place of greedy
+    .venv/bin/python benchmarks/host_overhead.py --graphs --prompt-len 512   # the CUDA-graph path's host work
 
 A random Llama of 1 layer, hidden size 32 (2 heads of 16, one kv head: the C decode kernels' shapes, so a
 decode step is one decode_stack.c call) with SmolLM2's byte-level BPE tokenizer and its vocabulary of
@@ -21,6 +22,11 @@ of the step (intake, scheduling, block tables, input packing, stop rules, detoke
 The table: ms per step at each N, in all and the host's part, and the line through N=64 and N=512: its
 slope, microseconds per sequence per step ((t512 - t64) / (448 * steps), counting a sequence the
 repetition rule ended early out of the steps after), and its intercept, the fixed ms per step.
+
+--graphs: the same through the CUDA-graph path (a GPU's default), its replays standing in for graphs as the
+eager forward over the graph runner's static buffers (CudaGraphRunner(capture=False)): the host's part is
+then what a GPU's host would do around each replay. Its staging grows with the block tables' width, so
+--prompt-len sets the context (16 tokens by default).
 
 The second table (--device-ms D, 5 by default; 0: none) is the overlap of the host's work with the device's (EngineConfig.async_scheduling). A stand-in
 device: the model's forward pass, LM head and sampler take D ms together, waiting without holding the
@@ -183,7 +189,8 @@ def run(
     the sequences decoded summed over the steps (n * steps, less what a sequence ending in a loop left)."""
     from worker.engine.request import EngineError
 
-    sched = start_decoding(engine, n, steps + warmup + 8, warmup, sample)
+    # (room for the tokens the first requests decode while the others' prompts run, chunk by chunk)
+    sched = start_decoding(engine, n, 2 * (steps + warmup) + 8, warmup, sample)
     timers.reset()
     timers.on = True
     seq_steps = 0
@@ -265,12 +272,15 @@ def print_profile(prof: cProfile.Profile, steps: int, n: int) -> None:
 
 
 def main() -> int:
+    global PROMPT_LEN  # --prompt-len: add_requests' too
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per run")
     p.add_argument("--warmup", type=int, default=30, help="decode steps before the timed ones")
     p.add_argument("--repeats", type=int, default=3, help="runs per size; the fastest (by host time) counts")
     p.add_argument("--sample", action="store_true", help="seeded sampling at temperature 1 (default: greedy)")
     p.add_argument("--profile", action="store_true", help="cProfile's top 25 by tottime at N=256")
+    p.add_argument("--graphs", action="store_true", help="through the CUDA-graph path, its replays eager")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="tokens of each request's prompt")
     p.add_argument("--checkpoint", type=Path, help="reuse (or build once in) this folder")
     p.add_argument(
         "--device-ms",
@@ -283,6 +293,7 @@ def main() -> int:
     from worker.engine.engine import Engine
     from worker.engine_config import EngineConfig
 
+    PROMPT_LEN = ns.prompt_len
     with tempfile.TemporaryDirectory() as tmp:
         path = ns.checkpoint or Path(tmp) / "tiny-llama-smollm2-vocab"
         if not (path / "config.json").exists():
@@ -292,18 +303,23 @@ def main() -> int:
             device="cpu",
             num_threads=1,
             max_num_seqs=max(SIZES),
-            max_num_batched_tokens=max(SIZES) * PROMPT_LEN,
-            max_model_len=512,
+            max_num_batched_tokens=min(max(SIZES) * PROMPT_LEN, 32768),
+            max_model_len=max(512, PROMPT_LEN + 2 * (ns.steps + ns.warmup) + 16),
             prefix_cache=False,
             # the host's work is measured serially (the overlap hides it behind the model's, the table after)
             async_scheduling=False,
         )
         engine = Engine.load(cfg)
+        if ns.graphs:
+            from tests.engine.eager_graphs import install_eager_graphs
+
+            install_eager_graphs(engine)
         timers = Timers(engine)
         print(where())
         print(
             f"tiny random Llama (1 layer, hidden 32, vocab {len(engine.tokenizer)}, SmolLM2's tokenizer), "
-            f"1 thread, {'seeded sampling' if ns.sample else 'greedy'}; {ns.steps} timed decode steps, "
+            f"1 thread, {'seeded sampling' if ns.sample else 'greedy'}, {PROMPT_LEN}-token prompts"
+            f"{', the CUDA-graph path (replays eager)' if ns.graphs else ''}; {ns.steps} timed decode steps, "
             f"best of {ns.repeats}"
         )
 

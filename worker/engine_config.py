@@ -153,7 +153,7 @@ class EngineConfig(BaseModel):
         "for them, and the step before's tokens go through the stop rules. Only where every running request "
         "is plain (no grammar, choices, logprobs, penalties, reasoning, embeddings) and none can be admitted; "
         "a stop rule then ends a request a step late, its extra token discarded. Outputs are the serial "
-        "engine's, token for token. Not beside CUDA graphs (yet): the load log says so where both are on",
+        "engine's, token for token. Beside CUDA graphs too: a graphed step takes its input ids on the device",
     )
     reasoning_parser: ReasoningParser = Field(
         default="auto",

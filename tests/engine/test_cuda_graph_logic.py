@@ -6,16 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
+from tests.engine.eager_graphs import CountedGraphs, eager_graphs, install_eager_graphs
 from tests.engine.fakes import make_seq
 from tests.tiny_models import build_tiny_checkpoint
-from worker.engine.cuda_graphs import CudaGraphRunner, bucket, capture_sizes, pad_decode
+from worker.engine.cuda_graphs import bucket, capture_sizes
 from worker.engine.engine import Engine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.params import GenerationParams
 from worker.engine.request import EngineRequest
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
+from worker.engine.step_io import DecodeDone, StepInputs, decode_to_device
 from worker.engine_config import EngineConfig
 from worker.kernels.backend import select_backend
 from worker.models.layers import AttentionMetadata
@@ -38,18 +41,6 @@ def test_a_batch_pads_up_to_the_next_captured_size() -> None:
     assert bucket(65, sizes) is None
 
 
-def test_padding_rows_touch_only_the_dummy_block() -> None:
-    dummy = 9
-    p = pad_decode([11, 12], [6, 10], [[0, 1], [2, 3, 4]], 4, BLOCK, dummy)
-    assert p.input_ids == [11, 12, 0, 0]
-    assert p.positions == [5, 9, 0, 0]
-    # token 5 of seq 0 lives in its 2nd block (id 1) at offset 1; token 9 of seq 1 in block 4 at offset 1
-    assert p.slot_mapping == [1 * BLOCK + 1, 4 * BLOCK + 1, dummy * BLOCK, dummy * BLOCK]
-    assert p.context_lens == [6, 10, 1, 1]
-    assert p.block_tables == [[0, 1, dummy], [2, 3, 4], [dummy] * 3, [dummy] * 3]
-    assert p.flat()[:4] == p.input_ids and len(p.flat()) == 4 * 4 + 4 * 3
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("graphs"), "llama")
@@ -67,73 +58,9 @@ def _prefilled(runner: ModelRunner) -> tuple[list[Sequence], list[list[int]]]:
     return seqs, tables
 
 
-def test_padded_decode_gives_the_real_rows_eager_logits_and_spares_their_kv(tiny_dir: Path) -> None:
-    # What a replayed graph computes, run eagerly on CPU: the padded inputs through the torch backend.
-    loaded = load_model(str(tiny_dir), torch.float32, torch.device("cpu"))
-    dummy = 8
-    runner = ModelRunner(
-        loaded.model,
-        select_backend(EngineConfig(), torch.device("cpu"), torch.float32),
-        dummy + 1,
-        BLOCK,
-        torch.device("cpu"),
-        torch.float32,
-        max_model_len=loaded.max_model_len,
-        max_num_seqs=4,
-        cuda_graphs=False,
-    )
-    seqs, tables = _prefilled(runner)
-    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    eager = runner.compute_logits(ScheduledBatch("decode", seqs, tables))  # [2, vocab]
-    eager_kv = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
-        k.copy_(k0)
-        v.copy_(v0)
-
-    p = pad_decode([s.last_token for s in seqs], [s.num_tokens for s in seqs], tables, 4, BLOCK, dummy)
-    meta = AttentionMetadata(
-        phase="decode",
-        slot_mapping=torch.tensor(p.slot_mapping),
-        block_tables=torch.tensor(p.block_tables, dtype=torch.int32),
-        context_lens=torch.tensor(p.context_lens, dtype=torch.int32),
-    )
-    with torch.inference_mode():
-        hidden = loaded.model(
-            torch.tensor(p.input_ids), torch.tensor(p.positions), meta, runner.kv_caches, runner.backend
-        )
-        padded = loaded.model.compute_logits(hidden)  # [4, vocab]
-    torch.testing.assert_close(padded[:2], eager, rtol=1e-5, atol=1e-5)
-    assert torch.isfinite(padded[2:]).all()
-    # Close, not equal: a 4-row GEMM may round differently from a 2-row one. A padding row landing in a
-    # real block would write a whole different K/V vector there.
-    # The torch backend's cache is [kv_heads, blocks, block_size, head_dim]: the real blocks are dim 1's
-    # first `dummy` (slicing dim 0 compared the dummy block too, which only zero-filled pools let pass).
-    # Slots no sequence owns hold the same uninitialised values on both sides (NaN included).
-    for (k, v), (ek, ev) in zip(runner.kv_caches, eager_kv, strict=True):
-        torch.testing.assert_close(k[:, :dummy], ek[:, :dummy], rtol=1e-5, atol=1e-5, equal_nan=True)
-        torch.testing.assert_close(v[:, :dummy], ev[:, :dummy], rtol=1e-5, atol=1e-5, equal_nan=True)
-
-
-class _EagerReplay:
-    """Stands in for a captured graph on CPU: replay() runs the same forward over the static buffers."""
-
-    def __init__(self, runner: CudaGraphRunner, size: int) -> None:
-        self.runner, self.size = runner, size
-
-    def replay(self) -> None:
-        self.runner.logits[self.size].copy_(self.runner._forward(self.size))
-
-
-class _EagerGraphRunner(CudaGraphRunner):
-    def _capture(self) -> None:
-        for size in self.sizes:
-            self.graphs[size] = _EagerReplay(self, size)  # type: ignore[assignment]
-            self.logits[size] = torch.empty(size, self.model.spec.vocab_size)
-
-
-def test_run_stages_a_batch_into_the_static_buffers_and_slices_the_real_rows(tiny_dir: Path) -> None:
-    # Everything of CudaGraphRunner.run but the graph itself, on CPU: padding, the one staged copy,
-    # the static-buffer views, the stale columns of a previous wider batch, the logits slice.
+def _graphed(tiny_dir: Path) -> tuple[ModelRunner, CountedGraphs, list[Sequence], list[list[int]]]:
+    """A CPU runner whose pool has blocks 0-7 and the dummy block 8, two sequences prefilled (_prefilled),
+    and an eager graph runner over its pool (not installed)."""
     loaded = load_model(str(tiny_dir), torch.float32, torch.device("cpu"))
     dummy, cpu = 8, torch.device("cpu")
     runner = ModelRunner(
@@ -141,21 +68,90 @@ def test_run_stages_a_batch_into_the_static_buffers_and_slices_the_real_rows(tin
         loaded.max_model_len, 8, cuda_graphs=False,
     )  # fmt: skip
     seqs, tables = _prefilled(runner)
-    graphs = _EagerGraphRunner(loaded.model, runner.backend, runner.kv_caches, BLOCK, dummy, 8, 64, cpu)
-    assert graphs.block_tables.shape == (8, 16) and graphs.can_run(2, tables)
-    assert not graphs.can_run(9, tables) and not graphs.can_run(1, [list(range(17))])
+    graphs = eager_graphs(runner, dummy, 64, 8, sizes=[4, 8])  # two rows pad to four
+    return runner, graphs, seqs, tables
+
+
+def _kv(runner: ModelRunner) -> list[Tensor]:
+    """Every layer's K and V blocks 0-7 (not the dummy block 8), copied."""
+    return [t.narrow(runner._block_axis, 0, 8).clone() for kv in runner.kv_caches for t in kv]
+
+
+def test_a_graphed_step_pads_to_its_size_and_its_padding_touches_only_the_dummy_block(tiny_dir: Path) -> None:
+    # Everything of CudaGraphRunner.run but the graph itself, on CPU: the step's tensors copied into the
+    # static buffers, two padding rows (context 1, the dummy block), the logits slice.
+    runner, graphs, seqs, tables = _graphed(tiny_dir)
+    batch = ScheduledBatch("decode", seqs, tables)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    eager = runner.compute_logits(batch).clone()  # [2, vocab]
+    eager_kv = _kv(runner)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    runner.graphs = graphs
+    graphed = runner.compute_logits(batch)  # two rows in the size-4 "graph"
+    assert graphs.replays == 1 and graphed.shape == eager.shape
+    # Close, not equal: a 4-row GEMM may round differently from a 2-row one.
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    assert graphs.context_lens[:4].tolist() == [6, 10, 1, 1]
+    assert graphs.positions[:4].tolist() == [5, 9, 0, 0] and graphs.input_ids[2:4].tolist() == [0, 0]
+    # token 5 of seq 0 lives in its 2nd block (id 1) at offset 1; token 9 of seq 1 in block 4 at offset 1
+    assert graphs.slot_mapping[:4].tolist() == [1 * BLOCK + 1, 4 * BLOCK + 1, 8 * BLOCK, 8 * BLOCK]
+    assert graphs.block_tables[1, :3].tolist() == [2, 3, 4] and graphs.block_tables[2:].eq(8).all()
+    # A padding row landing in a real block would write a whole different K/V vector there. Slots no
+    # sequence owns hold the same uninitialised values on both sides (NaN included).
+    for got, want in zip(_kv(runner), eager_kv, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_a_narrower_batch_resets_the_rows_a_wider_one_left(tiny_dir: Path) -> None:
+    runner, graphs, seqs, tables = _graphed(tiny_dir)
+    both = runner.decode_inputs(seqs, tables)
+    eager = runner.compute_logits(ScheduledBatch("decode", seqs, tables)).clone()
     with torch.inference_mode():
-        eager = runner.compute_logits(ScheduledBatch("decode", seqs, tables))
-        both = graphs.run([s.last_token for s in seqs], [s.num_tokens for s in seqs], tables)
-        torch.testing.assert_close(both, eager, rtol=1e-5, atol=1e-5)
-        assert graphs.context_lens[:2].tolist() == [6, 10] and graphs.block_tables[1, :3].tolist() == [
-            2,
-            3,
-            4,
-        ]
-        # A narrower batch next: seq 1 alone in row 0 over the wider table's stale columns.
-        one = graphs.run([seqs[1].last_token], [seqs[1].num_tokens], [tables[1]])
+        torch.testing.assert_close(graphs.run(both), eager, rtol=1e-5, atol=1e-5)
+        # seq 1 alone in row 0, over the wider table's stale columns; row 1 is padding again
+        one = graphs.run(runner.decode_inputs(seqs[1:], tables[1:]))
         torch.testing.assert_close(one, eager[1:], rtol=1e-5, atol=1e-5)
+        assert graphs.context_lens[:2].tolist() == [10, 1] and graphs.block_tables[1].eq(8).all()
+        # Input ids given apart (a step in flight's sampled ids, on the device) replace the step's own.
+        flipped = runner.decode_inputs(seqs, tables)
+        flipped.input_ids = flipped.input_ids.flip(0)
+        swapped = graphs.run(both, flipped.input_ids)
+        assert graphs.input_ids[:2].tolist() == flipped.input_ids.tolist()
+        hidden = runner.model(
+            flipped.input_ids, flipped.positions, flipped.meta, runner.kv_caches, runner.backend
+        )
+        torch.testing.assert_close(swapped, runner.model.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+    assert graphs.can_run(8, 16) and not graphs.can_run(9, 16) and not graphs.can_run(1, 17)
+
+
+def _config(tiny_dir: Path, overlap: bool) -> EngineConfig:
+    return EngineConfig(model=str(tiny_dir), dtype="float32", kv_cache_gb=0.002, block_size=BLOCK,
+                        max_num_seqs=8, async_scheduling=overlap)  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graphed_steps_give_the_eager_engine_tokens(tiny_dir: Path, overlap: bool) -> None:
+    """Serially and overlapped (async scheduling: a graphed step's input ids are the step in flight's)."""
+
+    def requests() -> list[EngineRequest]:
+        reqs = []
+        for i in range(11):  # 11 > 8 seats: admissions as others end, batches of every width
+            p = GenerationParams(max_new_tokens=4 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=i,
+                                 ignore_eos=i % 3 == 0, stop=("ab",) if i % 4 == 1 else ())  # fmt: skip
+            ids = [3 + (i * 13 + k) % 250 for k in range(3 + i)]
+            reqs.append(EngineRequest(f"r{i}", p, prompt_token_ids=ids))
+        return reqs
+
+    def outcomes(engine: Engine) -> list[tuple[list[int], str, str | None]]:
+        return [(r.token_ids, r.text, r.finish_reason) for r in engine.generate(requests())]
+
+    engine = Engine.load(_config(tiny_dir, overlap))
+    graphs = install_eager_graphs(engine, sizes=[4, 8])
+    assert outcomes(engine) == outcomes(Engine.load(_config(tiny_dir, False)))
+    assert graphs.replays > 20
+    assert (engine.stats().overlapped_steps > 10) == overlap
 
 
 @needs_cuda
@@ -179,15 +175,42 @@ def test_graph_replay_matches_eager_decode_logits(tiny_dir: Path) -> None:
 @needs_cuda
 @pytest.mark.parametrize("n", [3, 9])  # padded to 4 and to 16 rows
 def test_engine_greedy_tokens_are_the_same_with_and_without_graphs(tiny_dir: Path, n: int) -> None:
-    def run(graphs: bool) -> list[list[int]]:
-        cfg = EngineConfig(
-            model=str(tiny_dir), device="cuda", dtype="float32", kv_cache_gb=0.01, cuda_graphs=graphs
-        )
+    """Graphs off, graphs with serial steps, graphs with async scheduling (steps launched behind the one in
+    flight: inputs from pinned memory, sampled ids back behind an event, step_io.py)."""
+
+    def run(graphs: bool, overlap: bool) -> list[list[int]]:
+        cfg = EngineConfig(model=str(tiny_dir), device="cuda", dtype="float32", kv_cache_gb=0.01,
+                           cuda_graphs=graphs, async_scheduling=overlap)  # fmt: skip
         engine = Engine.load(cfg)
+        assert (engine.model_runner.graphs is not None) == graphs
         params = GenerationParams(max_new_tokens=12, temperature=0, ignore_eos=True)
         reqs = [
             EngineRequest(f"r{i}", params, prompt_token_ids=list(range(3 + i, 40 + 7 * i))) for i in range(n)
         ]
-        return [r.token_ids for r in engine.generate(reqs)]
+        tokens = [r.token_ids for r in engine.generate(reqs)]
+        assert (engine.stats().overlapped_steps > 5) == overlap
+        return tokens
 
-    assert run(True) == run(False)
+    eager = run(False, False)
+    assert run(True, False) == eager
+    assert run(True, True) == eager
+    assert run(False, True) == eager
+
+
+@needs_cuda
+def test_a_launched_steps_tokens_come_back_through_pinned_memory() -> None:
+    tokens = torch.arange(5, device="cuda") * 7
+    done = DecodeDone.of(tokens, 0.0)
+    assert done.host is not None and done.host.is_pinned() and done.ready is not None
+    assert done.token_list() == [0, 7, 14, 21, 28]
+    step = decode_to_device(StepInputs(torch.tensor([1, 2]), torch.tensor([3, 4]), AttentionMetadata(
+        phase="decode", slot_mapping=torch.tensor([5, 6]), block_tables=torch.tensor([[7], [8]], dtype=torch.int32),
+        context_lens=torch.tensor([4, 5], dtype=torch.int32)), torch.arange(2), [0, 1], every_row=True),
+        torch.device("cuda"))  # fmt: skip
+    assert step.input_ids.is_cuda and step.meta.block_tables.dtype == torch.int32
+    assert [step.input_ids.tolist(), step.positions.tolist(), step.meta.slot_mapping.tolist()] == [
+        [1, 2],
+        [3, 4],
+        [5, 6],
+    ]
+    assert step.meta.context_lens.tolist() == [4, 5] and step.meta.context_lens.dtype == torch.int32

@@ -7,6 +7,9 @@ Inputs live in static buffers allocated once; a batch is padded up to the next c
 padded rows (context 1, one token) read and write only a dummy KV block that the block manager never
 hands out, so they never touch a real sequence's cache. The block-table buffer has a fixed width
 (max_model_len / block_size), which fixes the Triton decode launcher's split-K choice per captured size.
+A step's inputs come as the eager path's device tensors (ModelRunner.decode_inputs) and are copied in on
+the device; under async scheduling the input ids are the step in flight's sampled ids, still on the
+device, so a graphed step can be launched behind the one running without a host sync.
 
 Only for CUDA with the Triton backend: its launchers size their grids from shapes alone (no .item(), no
 .tolist(), scratch buffers from the caching allocator), so they are capture-safe. The torch backend
@@ -18,15 +21,17 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from worker.engine.scheduler import Tables
 from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata
 from worker.models.llama import KVCache, LlamaFamilyModel
+
+if TYPE_CHECKING:
+    from worker.engine.step_io import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -43,54 +48,8 @@ def bucket(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-@dataclass
-class PaddedDecode:
-    """One decode step's inputs on the host, padded to a captured batch size."""
-
-    input_ids: list[int]  # [size]
-    positions: list[int]  # [size]
-    slot_mapping: list[int]  # [size]
-    context_lens: list[int]  # [size]
-    block_tables: list[list[int]]  # [size, width]; width = longest real table (>= 1)
-
-    def flat(self) -> list[int]:
-        """Every field in one list, so one host->device copy carries the whole step."""
-        return [
-            *self.input_ids,
-            *self.positions,
-            *self.slot_mapping,
-            *self.context_lens,
-            *(b for row in self.block_tables for b in row),
-        ]
-
-
-def pad_decode(
-    last_tokens: list[int],
-    context_lens: list[int],
-    tables: Tables,
-    size: int,
-    block_size: int,
-    dummy_block: int,
-) -> PaddedDecode:
-    """Real rows decode their last token at position context_len - 1; rows past len(tables) up to `size`
-    are padding: token 0 at position 0, context 1, writing and reading only the dummy block's first slot."""
-    n = len(tables)
-    assert n <= size and len(last_tokens) == n and len(context_lens) == n
-    width = max([1, *(len(t) for t in tables)])
-    positions = [c - 1 for c in context_lens]
-    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions, strict=True)]
-    pad = size - n
-    return PaddedDecode(
-        input_ids=last_tokens + [0] * pad,
-        positions=positions + [0] * pad,
-        slot_mapping=slots + [dummy_block * block_size] * pad,
-        context_lens=context_lens + [1] * pad,
-        block_tables=[t + [dummy_block] * (width - len(t)) for t in tables] + [[dummy_block] * width] * pad,
-    )
-
-
 class CudaGraphRunner:
-    """Captured decode graphs over static input buffers; `run` pads, copies in, replays, slices logits."""
+    """Captured decode graphs over static input buffers; `run` copies a step in, pads, replays, slices logits."""
 
     def __init__(
         self,
@@ -102,7 +61,9 @@ class CudaGraphRunner:
         max_num_seqs: int,
         max_model_len: int,
         device: torch.device,
+        capture: bool = True,
     ) -> None:
+        """capture=False: no graphs, each replay the same forward run eagerly (EagerReplay)."""
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size, self.dummy_block, self.device = block_size, dummy_block, device
         self.sizes = capture_sizes(max_num_seqs)
@@ -114,9 +75,13 @@ class CudaGraphRunner:
         self.slot_mapping = torch.full((rows,), dummy_block * block_size, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(rows, dtype=torch.int32, device=device)  # [rows]
         self.block_tables = torch.full((rows, self.width), dummy_block, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._real = 0  # rows 0.._real hold a step's inputs; the rest are padding rows
+        self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.logits: dict[int, Tensor] = {}  # size -> [size, vocab] float32, written by each replay
-        self._capture()
+        if capture:
+            self._capture()
+        else:
+            self.graphs = {size: EagerReplay(self, size) for size in self.sizes}
 
     def _forward(self, size: int) -> Tensor:
         # -> logits [size, vocab] float32 from the first `size` rows of the static buffers
@@ -151,23 +116,47 @@ class CudaGraphRunner:
             time.monotonic() - t0,
         )
 
-    def can_run(self, num_seqs: int, tables: Tables) -> bool:
-        return num_seqs <= self.sizes[-1] and all(len(t) <= self.width for t in tables)
+    def can_run(self, num_seqs: int, width: int) -> bool:
+        """Whether a decode step of `num_seqs` rows whose block tables are `width` wide has a graph."""
+        return num_seqs <= self.sizes[-1] and width <= self.width
 
-    def run(self, last_tokens: list[int], context_lens: list[int], tables: Tables) -> Tensor:
-        """-> logits [len(tables), vocab] float32, a view into the graph's output: read it before the next run."""
-        n = len(tables)
+    def run(self, step: StepInputs, input_ids: Tensor | None = None) -> Tensor:
+        """A decode step's inputs (ModelRunner.decode_inputs', on the device) copied into the static buffers
+        of the smallest captured size that holds them, and that graph replayed. input_ids: the step's input
+        tokens where they are not step.input_ids (async scheduling: the step in flight's sampled ids).
+        -> logits [rows, vocab] float32, a view into the graph's output: read it before the next run."""
+        meta = step.meta
+        n, width = meta.block_tables.shape
         size = bucket(n, self.sizes)
-        assert size is not None, "check can_run first"
-        padded = pad_decode(last_tokens, context_lens, tables, size, self.block_size, self.dummy_block)
-        width = len(padded.block_tables[0])
-        staged = torch.tensor(padded.flat(), dtype=torch.int64).to(self.device)  # one host->device copy
-        fields = staged[: 4 * size].view(4, size)
-        self.input_ids[:size].copy_(fields[0])
-        self.positions[:size].copy_(fields[1])
-        self.slot_mapping[:size].copy_(fields[2])
-        self.context_lens[:size].copy_(fields[3])
+        assert size is not None and width <= self.width, "check can_run first"
+        self.input_ids[:n].copy_(step.input_ids if input_ids is None else input_ids)
+        self.positions[:n].copy_(step.positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.context_lens[:n].copy_(meta.context_lens)
         # Columns past `width` keep stale block ids; the kernel masks every position >= context_len.
-        self.block_tables[:size, :width].copy_(staged[4 * size :].view(size, width))
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        if self._real > n:  # rows a larger batch left real: padding again, since a graph may read them
+            self._pad(n, self._real)
+        self._real = n
         self.graphs[size].replay()
         return self.logits[size][:n]
+
+    def _pad(self, lo: int, hi: int) -> None:
+        """Rows lo..hi as padding: token 0 at position 0, context 1, writing and reading only the dummy block."""
+        self.input_ids[lo:hi] = 0
+        self.positions[lo:hi] = 0
+        self.slot_mapping[lo:hi] = self.dummy_block * self.block_size
+        self.context_lens[lo:hi] = 1
+        self.block_tables[lo:hi] = self.dummy_block
+
+
+class EagerReplay:
+    """A graph's stand-in where none is captured (CudaGraphRunner(capture=False), as on a CPU): replay() runs
+    the forward a graph would hold over the same static buffers. The tests check the graph path's staging
+    and padding with it, and benchmarks/host_overhead.py --graphs times the host's part of that path."""
+
+    def __init__(self, runner: CudaGraphRunner, size: int) -> None:
+        self.runner, self.size = runner, size
+
+    def replay(self) -> None:
+        self.runner.logits[self.size] = self.runner._forward(self.size)

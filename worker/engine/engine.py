@@ -134,9 +134,6 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._next_deadline = math.inf  # the earliest Sequence.deadline of those held, or before it
         self._inflight = InFlight(model_runner)  # async scheduling's decode steps on the device thread
-        if cfg.async_scheduling and model_runner.graphs is not None:  # (set, and not applied: said at load)
-            log.info("async_scheduling: decode steps run serially here: CUDA graphs take their inputs as host "
-                     "lists, not the step in flight's tokens (cuda_graphs = false overlaps them)")  # fmt: skip
         self._finished = 0  # sequences finished since load
         self._groups: dict[str, SampleGroup] = {}  # n > 1: by request id, until every sample has ended
         self.embeddings = EmbeddingRequests(self.scheduler, self._seqs)  # their inputs are in _seqs too
@@ -279,9 +276,8 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be launched before the one in flight is taken (overlap.may_overlap),
-        where async_scheduling is on and no CUDA graphs run (their inputs are host lists)."""
-        graphs = self.model_runner.graphs
-        return self.cfg.async_scheduling and graphs is None and may_overlap(self.scheduler)
+        where async_scheduling is on."""
+        return self.cfg.async_scheduling and may_overlap(self.scheduler)
 
     def _launch(self, batch: ScheduledBatch) -> None:
         self.counters.overlapped_steps += self._inflight.launch(batch, self._finished)

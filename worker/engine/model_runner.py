@@ -31,6 +31,7 @@ from worker.engine.sampler import Sampler, SamplingBatch
 from worker.engine.scheduler import ScheduledBatch, Tables
 from worker.engine.sequence import RowLogprobs, Sequence
 from worker.engine.step_extras import batch_rows, step_extras
+from worker.engine.step_io import DecodeDone, StepInputs, decode_to_device, upload
 from worker.kernels.backend import Backend
 from worker.models.layers import AttentionMetadata, KVCache
 from worker.models.llama import LlamaFamilyModel
@@ -80,28 +81,6 @@ class StepOutput:
     fork_logprobs: list[RowLogprobs | None] = field(default_factory=list)
     embeddings: dict[int, list[float]] = field(default_factory=dict)  # batch index -> an embedding input's
     # unit vector, for the inputs whose last token this step computed
-
-
-@dataclass
-class DecodeDone:
-    """A launched decode step's result (launch_decode): its sampled token ids [B] on the device, and the
-    seconds its work took on the device thread."""
-
-    tokens: Tensor
-    seconds: float
-
-
-@dataclass
-class StepInputs:
-    """One forward pass's packed inputs, whatever the phase."""
-
-    input_ids: Tensor  # [T] int64
-    positions: Tensor  # [T] int64
-    meta: AttentionMetadata
-    logits_index: Tensor  # [S]: the row in T of the last token of each sequence sampled from
-    sampled: list[int]  # [S]: which of the batch's sequences those are (a prompt chunk that does not
-    # finish its prompt is not sampled from)
-    every_row: bool = False  # logits_index is every row of T in order (a decode step): no gather needed
 
 
 class ModelRunner:
@@ -258,10 +237,11 @@ class ModelRunner:
         tables: Tables,
         rows: list[int] | None = None,
         table_rows: TableRows | None = None,
+        on_host: bool = False,
     ) -> StepInputs:
         """Every sequence's last sampled token, at the position after its cached context. The block tables
         come from the block manager's buffer where the batch names its rows (the scheduler's batches do),
-        else from `tables`, padded."""
+        else from `tables`, padded. on_host: left on the CPU (step_io.decode_to_device moves them later)."""
         n, bs = len(seqs), self.block_size
         # (Sequence.num_tokens and last_token, inline: these two run over every decoding sequence each step.
         # A token in flight, Engine's overlap, counts; its id is not known here: launch_decode's step takes it
@@ -289,28 +269,24 @@ class ModelRunner:
             block_tables.gather(1, (positions // bs).unsqueeze_(1)).squeeze_(1), alpha=bs
         )
         context_lens = ints[n : 2 * n].to(torch.int32)
-        input_ids = ints[:n]
-        if self.device.type != "cpu":
-            dev = self.device
-            input_ids, positions, slots = input_ids.to(dev), positions.to(dev), slots.to(dev)
-            block_tables, context_lens = block_tables.to(dev), context_lens.to(dev)
         meta = AttentionMetadata(
             phase="decode", slot_mapping=slots, block_tables=block_tables, context_lens=context_lens
         )
-        index = torch.arange(n, device=self.device)
-        return StepInputs(input_ids, positions, meta, index, list(range(n)), every_row=True)
+        step = StepInputs(ints[:n], positions, meta, torch.arange(n), list(range(n)), every_row=True)
+        return step if on_host else decode_to_device(step, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[Tensor, list[int]]:
         """Run the forward pass, writing the batch's K/V into the pool. -> logits [S, vocab] float32 of
         the sequences sampled from, and which of the batch's sequences they are."""
-        g = self.graphs
-        if batch.phase == "decode" and g is not None and g.can_run(len(batch.seqs), batch.block_tables):
-            logits = g.run(
-                [s.last_token for s in batch.seqs], [s.num_tokens for s in batch.seqs], batch.block_tables
-            )
-            return logits, list(range(len(batch.seqs)))
         step = self.step_inputs(batch)
+        g = self.graphs
+        if (
+            batch.phase == "decode"
+            and g is not None
+            and g.can_run(len(batch.seqs), step.meta.block_tables.shape[1])
+        ):
+            return g.run(step), step.sampled
         positions = self._extras(batch.seqs, batch_rows(batch), step.positions)
         hidden = self.model(step.input_ids, positions, step.meta, self.kv_caches, self.backend)
         rows = hidden if step.every_row else hidden[step.logits_index]  # hidden: [T, hidden]
@@ -324,12 +300,15 @@ class ModelRunner:
         pass and samples. With `previous` (the step in flight, which every sequence of `batch` was in), each
         input token is that step's sampled token at the sequence's row there (Sequence.inflight_row), taken
         on the device thread once that step is done: no host sync between the two steps."""
-        seqs = batch.seqs
-        step = self.decode_inputs(seqs, batch.block_tables, batch.rows, batch.table_rows)
+        seqs, dev = batch.seqs, self.device
+        # Its inputs reach the device on the device thread, from pinned memory without a wait (step_io).
+        step = self.decode_inputs(seqs, batch.block_tables, batch.rows, batch.table_rows, on_host=True)
+        g = self.graphs
+        graphs = g if g is not None and g.can_run(len(seqs), step.meta.block_tables.shape[1]) else None
         sampling = self._sampling_batch(seqs)
         source = None
         if previous is not None:
-            source = torch.frombuffer(array("q", map(_INFLIGHT_ROW, seqs)), dtype=torch.int64).to(self.device)
+            source = torch.frombuffer(array("q", map(_INFLIGHT_ROW, seqs)), dtype=torch.int64)
         threads = torch.get_num_threads()
         extras = None
         if self.loras is not None or self.images is not None:
@@ -338,18 +317,24 @@ class ModelRunner:
         @torch.inference_mode()
         def work() -> DecodeDone:
             t0 = time.monotonic()
-            positions = step.positions
+            on_dev = decode_to_device(step, dev)
+            positions = on_dev.positions
             if extras is not None:  # set here: the step before it ran on this thread with its own
                 extras.apply(self.model)
                 positions = extras.positions(positions)
             if torch.get_num_threads() != threads:  # (OpenMP's thread count is each thread's own)
                 torch.set_num_threads(threads)
-            ids = step.input_ids
+            ids = None
             if previous is not None and source is not None:
-                ids = previous.result().tokens.index_select(0, source)
-            hidden = self.model(ids, positions, step.meta, self.kv_caches, self.backend)
-            tokens = self.sampler(self.model.compute_logits(hidden), sampling)
-            return DecodeDone(tokens, time.monotonic() - t0)
+                ids = previous.result().tokens.index_select(0, upload(source, dev))
+            if graphs is not None:
+                logits = graphs.run(on_dev, ids)
+            else:
+                ids = on_dev.input_ids if ids is None else ids
+                logits = self.model.compute_logits(
+                    self.model(ids, positions, on_dev.meta, self.kv_caches, self.backend)
+                )
+            return DecodeDone.of(self.sampler(logits, sampling), time.monotonic() - t0)
 
         return work
 

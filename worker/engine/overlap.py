@@ -8,8 +8,9 @@ import operator
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from worker.engine.model_runner import DecodeDone, ModelRunner
+from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import ScheduledBatch, Scheduler
+from worker.engine.step_io import DecodeDone
 
 _FAST = operator.attrgetter("fast")
 _PREFILLED = operator.attrgetter("prefilled")
@@ -61,7 +62,7 @@ class InFlight:
         finally:
             for seq in batch.seqs:
                 seq.inflight -= 1
-        return batch, done.tokens.tolist(), done.seconds, finished
+        return batch, done.token_list(), done.seconds, finished
 
     def drain(self) -> None:
         """Wait for the launched steps and forget them, their tokens unseen (the engine is failing them)."""
