@@ -156,9 +156,10 @@ class ModelRunner:
     def _tensor(self, data: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _block_table_tensor(self, tables: Tables) -> Tensor:
+    def _block_table_tensor(self, tables: Tables, device: torch.device | None = None) -> Tensor:
         width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)  # [B, width]
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.int32, device=device or self.device)  # [B, width]
 
     def _slots(self, block_tables: Tensor, seq_index: Tensor, positions: Tensor) -> Tensor:
         # block_tables: [B, W]; seq_index, positions: [T] -> slot of each token: [T] int64
@@ -262,7 +263,7 @@ class ModelRunner:
                 )
             block_tables = self._rows_view[:, : -(-max(context) // bs)].index_select(0, ints[2 * n :])
         else:
-            block_tables = self._block_table_tensor(tables).cpu()
+            block_tables = self._block_table_tensor(tables, torch.device("cpu"))
         # (few torch calls: each costs microseconds whatever the batch, most of a small step's fixed cost)
         positions = ints[n : 2 * n] - 1
         slots = (positions % bs).add_(
