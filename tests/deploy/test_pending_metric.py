@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer.wire import keys
 from tests.producer.test_server import ApiServer
-from tests.worker.conftest import ROOT, results_count, submit, wait_until, write_jsonl
-from tests.worker.test_faults import long_requests, running_on
+from tests.worker.conftest import ROOT, hold_mid_batch, results_count, submit, wait_until, write_jsonl
+from tests.worker.test_faults import long_requests
 
 pytestmark = pytest.mark.slow
 
@@ -55,15 +55,16 @@ def test_pending_equals_producer_status_before_during_and_after_a_batch(
         api.wait_ready()
         # Before: an empty Redis, no worker: the series exist, at zero.
         assert scrape(api.port)["batchq_queue_pending"] == {"default": 0, "idle": 0}
+        # A worker ready and frozen before the batch comes: it claims nothing until it is let run.
+        w = workers(server.url, str(tiny_model_dir), *WORKER, name="pending").wait_ready()
+        w.signal(signal.SIGSTOP)
         bid = submit(server.url, write_jsonl(tmp_path / "in.jsonl", long_requests(10, max_new=120)))
         s, m = status(server.url, bid), scrape(api.port)
         assert m["batchq_queue_pending"]["default"] == s["queued"] + s["running"] == 10
         assert m["batchq_queue_running"]["default"] == 0 and m["batchq_queue_batches"]["default"] == 1
-        # During: a worker holds some requests; frozen, so the two readings see the same moment.
-        w = workers(server.url, str(tiny_model_dir), *WORKER, name="pending").wait_ready()
-        wait_until(lambda: running_on(server.url, bid) >= 2, 60, "requests in flight")
-        w.signal(signal.SIGSTOP)
+        # During: the worker let run until it holds requests, then frozen, so that both readings see one moment.
         try:
+            hold_mid_batch(w, server.url, bid)
             s, m = status(server.url, bid), scrape(api.port)
             r = redis.Redis.from_url(server.url)
             in_queue = int(r.zcard(keys.DEFAULT_QUEUE))

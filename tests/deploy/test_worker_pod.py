@@ -21,8 +21,16 @@ import redis
 from producer.wire import keys
 from tests.deploy.conftest import container, find, render
 from tests.deploy.test_manifests import worker_settings
-from tests.worker.conftest import Worker, assert_consistent, results_count, submit, wait_until, write_jsonl
-from tests.worker.test_faults import long_requests, running_on
+from tests.worker.conftest import (
+    Worker,
+    assert_consistent,
+    hold_mid_batch,
+    results_count,
+    submit,
+    wait_until,
+    write_jsonl,
+)
+from tests.worker.test_faults import long_requests
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +84,12 @@ def test_a_scaled_in_worker_drains_within_its_pods_grace_and_every_request_is_an
     assert "--shutdown-grace-s" in container(find(objs, "Deployment", "batchq-worker"))["args"]
     args = [*WORKER, "--shutdown-grace-s", str(grace)]
     a = workers(server.url, str(tiny_model_dir), *args, name="a").wait_ready()
+    a.signal(signal.SIGSTOP)  # until it holds requests of the batch, then the scale-in
     bid = submit(server.url, write_jsonl(tmp_path / "in.jsonl", long_requests(8, max_new=100)))
-    wait_until(lambda: running_on(server.url, bid) >= 2, 60, "requests in flight")
+    hold_mid_batch(a, server.url, bid, at_least=2)
     t0 = time.monotonic()
-    a.signal(signal.SIGTERM)  # the scale-in
+    a.signal(signal.SIGTERM)  # the scale-in, delivered as the worker goes on
+    a.signal(signal.SIGCONT)
     try:
         code = a.wait(kill_after)
     except subprocess.TimeoutExpired:

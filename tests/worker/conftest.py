@@ -118,6 +118,24 @@ def wait_until(pred: Any, timeout: float, what: str, interval: float = 0.1) -> N
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def hold_mid_batch(w: Worker, url: str, batch_id: str, at_least: int = 1, slice_s: float = 0.02) -> None:
+    """Let a worker stopped with SIGSTOP run `slice_s` at a time, stopping it after each slice, until it
+    holds `at_least` of the batch's requests; it is left stopped. A fast machine answers a test's whole
+    batch in well under a second: waiting for requests in flight while the worker runs freely can miss them."""
+    r = redis.Redis.from_url(url)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            w.signal(signal.SIGCONT)
+            time.sleep(slice_s)
+            w.signal(signal.SIGSTOP)
+            if r.scard(keys.batch_running(batch_id)) >= at_least:
+                return
+    finally:
+        r.close()
+    raise AssertionError(f"the worker took fewer than {at_least} of the batch's requests in 60 s of slices")
+
+
 def results_count(url: str, batch_id: str) -> int:
     r = redis.Redis.from_url(url)
     try:
