@@ -55,15 +55,16 @@ class Sampler:
         logits = _apply_logit_bias(logits, batch)
         logits = self._apply_repetition_penalty(logits, batch)
         logits = _apply_openai_penalties(logits, batch)
-        greedy = logits.argmax(dim=-1)
-        if batch.temperatures.count(0.0) == len(batch.temperatures):
-            return greedy
-        greedy_rows = [t == 0.0 for t in batch.temperatures]
+        num_greedy = batch.temperatures.count(0.0)
+        if num_greedy == len(batch.temperatures):
+            return logits.argmax(dim=-1)
         dev = logits.device
         temps = torch.tensor([t if t > 0.0 else 1.0 for t in batch.temperatures], device=dev)
-        scaled = logits / temps.unsqueeze(1)
-        sampled = self._sample(scaled, batch)
-        return torch.where(torch.tensor(greedy_rows, device=dev), greedy, sampled)
+        sampled = self._sample(logits / temps.unsqueeze(1), batch)
+        if num_greedy == 0:  # (an argmax is a pass over the vocabulary per row: none where none is greedy)
+            return sampled
+        greedy_rows = torch.tensor([t == 0.0 for t in batch.temperatures], device=dev)
+        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
 
     @staticmethod
     def _apply_repetition_penalty(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -100,25 +101,30 @@ class Sampler:
         out = torch.zeros(logits.shape[0], dtype=torch.long, device=dev)
         u_all = [splitmix64_uniform(s, n) for s, n in zip(batch.seeds, batch.steps, strict=True)]
         sort_rows = [i for i in range(len(u_all)) if batch.top_ks[i] > 0 or batch.top_ps[i] < 1.0]
-        plain_rows = [i for i in range(len(u_all)) if i not in set(sort_rows)]
+        sorted_set = set(sort_rows)
+        plain_rows = [i for i in range(len(u_all)) if i not in sorted_set]
         for rows, sort in ((sort_rows, True), (plain_rows, False)):
             if not rows:
                 continue
             idx = torch.tensor(rows, device=dev)
-            sub = logits[idx]  # [R, vocab]
+            sub = logits if len(rows) == logits.shape[0] else logits[idx]  # [R, vocab]
             order: Tensor | None = None
             if sort:
                 sub, order = sub.sort(dim=-1, descending=True)
             probs = torch.softmax(_mask_top_k(sub, [batch.top_ks[i] for i in rows], sort), dim=-1)
-            keep_first = probs.argmax(dim=-1, keepdim=True)  # the top token always survives
-            drop = torch.zeros_like(probs, dtype=torch.bool)
-            if sort:  # nucleus: keep the smallest prefix whose mass reaches top_p
-                top_p = torch.tensor([batch.top_ps[i] for i in rows], device=dev, dtype=probs.dtype)
-                drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
-            min_p = torch.tensor([batch.min_ps[i] for i in rows], device=dev, dtype=probs.dtype).unsqueeze(1)
-            drop |= probs < min_p * probs.max(dim=-1, keepdim=True).values
-            drop.scatter_(1, keep_first, False)
-            cdf = probs.masked_fill(drop, 0.0).cumsum(dim=-1)  # [R, vocab]
+            min_ps = [batch.min_ps[i] for i in rows]
+            if sort or min_ps.count(0.0) != len(rows):
+                keep_first = probs.argmax(dim=-1, keepdim=True)  # the top token always survives
+                drop = torch.zeros_like(probs, dtype=torch.bool)
+                if sort:  # nucleus: keep the smallest prefix whose mass reaches top_p
+                    top_p = torch.tensor([batch.top_ps[i] for i in rows], device=dev, dtype=probs.dtype)
+                    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+                min_p = torch.tensor(min_ps, device=dev, dtype=probs.dtype).unsqueeze(1)
+                drop |= probs < min_p * probs.max(dim=-1, keepdim=True).values
+                drop.scatter_(1, keep_first, False)
+                probs = probs.masked_fill(drop, 0.0)
+            # (rows of temperature alone drop nothing: no probability is below 0 x the largest)
+            cdf = probs.cumsum(dim=-1)  # [R, vocab]
             u = torch.tensor([u_all[i] for i in rows], device=dev, dtype=cdf.dtype).unsqueeze(1)
             pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)
             tokens = pick if order is None else order.gather(1, pick)
