@@ -190,14 +190,11 @@ class ModelRunner:
         )
         return positions, meta, cu
 
-    def prefill_inputs(
-        self, seqs: list[Sequence], tables: Tables, chunks: list[int] | None = None
-    ) -> StepInputs:
-        """Each sequence's next prompt chunk (default: all of what is left), packed without padding. The
-        prompt is prefill_ids: after a preemption, the output so far too."""
+    def prefill_inputs(self, seqs: list[Sequence], tables: Tables, lens: list[int]) -> StepInputs:
+        """Each sequence's next prompt chunk, of `lens` tokens (ScheduledBatch.chunk_lens), packed without
+        padding. The prompt is prefill_ids: after a preemption, the output so far too."""
         ids = [s.prefill_ids for s in seqs]
         starts = [s.num_computed for s in seqs]
-        lens = chunks or [len(x) - a for x, a in zip(ids, starts, strict=True)]
         input_ids = self._tensor([t for x, a, n in zip(ids, starts, lens, strict=True) for t in x[a : a + n]])
         ends = [a + n for a, n in zip(starts, lens, strict=True)]
         positions, meta, cu = self._packed(tables, lens, starts, ends)
@@ -210,7 +207,7 @@ class ModelRunner:
         rows, table_rows = batch.rows, batch.table_rows
         if batch.phase == "decode":
             return self.decode_inputs(batch.seqs, batch.block_tables, rows, table_rows)
-        pre = self.prefill_inputs(batch.seqs[nd:], batch.block_tables[nd:], batch.chunks)
+        pre = self.prefill_inputs(batch.seqs[nd:], batch.block_tables[nd:], batch.chunk_lens())
         if nd == 0:
             return pre
         dec = self.decode_inputs(

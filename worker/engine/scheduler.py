@@ -117,6 +117,12 @@ class ScheduledBatch:
     rows: list[int] | None = None
     table_rows: TableRows | None = None
 
+    def chunk_lens(self) -> list[int]:
+        """The prompt tokens each sequence after the decoding ones computes this step: `chunks`, or, in a
+        batch built by hand without them, all that each has left."""
+        nd = self.num_decode if self.phase != "prefill" else 0
+        return self.chunks or [len(s.prefill_ids) - s.num_computed for s in self.seqs[nd:]]
+
 
 class AdapterSlots(Protocol):
     """The LoRA adapters' slots (engine/lora.py): a running sequence of an adapter holds its slot."""

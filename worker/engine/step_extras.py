@@ -59,9 +59,8 @@ def batch_rows(batch: ScheduledBatch) -> list[int] | None:
     sequence, then each prompt chunk's tokens. None: one each (a decode step)."""
     if batch.phase == "decode":
         return None
-    nd = batch.num_decode if batch.phase != "prefill" else 0
-    chunks = batch.chunks or [len(s.prefill_ids) - s.num_computed for s in batch.seqs[nd:]]
-    return [1] * nd + chunks
+    chunks = batch.chunk_lens()
+    return [1] * (len(batch.seqs) - len(chunks)) + chunks
 
 
 def serve_extras(runner: Any, scheduler: Any, loras: LoraManager | None, images: Images | None) -> bool:
